@@ -1,0 +1,7 @@
+// The single pybind11 module elixir._C. Each feature registers itself from its own file.
+#include "registry.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "elixir native hot paths (raw buffers, runtime CPU dispatch)";
+  elixir::register_cpu_features(m);
+}

@@ -1,0 +1,5 @@
+import sys
+
+from elixir.cli import main
+
+sys.exit(main())

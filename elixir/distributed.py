@@ -1,0 +1,161 @@
+"""Process groups and collectives.
+
+Every collective elixir issues goes through this module, so:
+- the names that changed across torch versions (``all_gather_single`` vs ``all_gather_into_tensor``,
+  ``reduce_scatter_single`` vs ``reduce_scatter_tensor``) are resolved once;
+- a single-process run (no process group initialised) works with the same calls, as world size 1;
+- tests can count collectives with :func:`count_collectives`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from elixir.device import default_device
+
+ProcessGroup = Optional["dist.ProcessGroup"]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: its rank, the world, the backend and its compute device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: Optional[str]
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def default_backend() -> str:
+    """nccl when CUDA is available, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> DistInfo:
+    """Initialise from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
+    run as a single process when those are absent. Safe to call twice."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(
+            backend=backend or default_backend(), timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    if dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), default_device())
+    return DistInfo(0, 1, 0, None, default_device())
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: ProcessGroup = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group: ProcessGroup = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def barrier(group: ProcessGroup = None) -> None:
+    if get_world_size(group) > 1:
+        dist.barrier(group)
+
+
+# ---------------------------------------------------------------------------------------------
+# collective counter (for tests: "no collective inside no_sync")
+
+_counters: list[Counter] = []
+
+
+def _count(name: str) -> None:
+    for c in _counters:
+        c[name] += 1
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[Counter]:
+    """Count the collectives elixir issues inside the block, by name (world size 1 counts too)."""
+    counter: Counter = Counter()
+    _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _counters.remove(counter)
+
+
+# ---------------------------------------------------------------------------------------------
+# collectives
+
+_all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup = None, async_op=False):
+    """Gather equal ``shard``s from every rank into the flat ``output`` (rank order)."""
+    _count("all_gather")
+    if get_world_size(group) == 1:
+        if output.data_ptr() != shard.data_ptr():
+            output.copy_(shard)
+        return None
+    return _all_gather_base(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(
+    shard_out: torch.Tensor, full: torch.Tensor, group: ProcessGroup = None, op=None, async_op=False
+):
+    """Sum (or ``op``) the flat ``full`` tensors across ranks and keep this rank's slice in ``shard_out``."""
+    _count("reduce_scatter")
+    if get_world_size(group) == 1:
+        if shard_out.data_ptr() != full.data_ptr():
+            shard_out.copy_(full)
+        return None
+    return _reduce_scatter_base(shard_out, full, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, op=None, async_op=False):
+    _count("all_reduce")
+    if get_world_size(group) == 1:
+        return None
+    return dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, async_op=False):
+    _count("broadcast")
+    if get_world_size(group) == 1:
+        return None
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    return dist.broadcast(tensor, src=global_src, group=group, async_op=async_op)
+
+
+def all_gather_object(obj, group: ProcessGroup = None) -> list:
+    _count("all_gather_object")
+    if get_world_size(group) == 1:
+        return [obj]
+    out = [None] * get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj, src: int = 0, group: ProcessGroup = None):
+    _count("broadcast_object")
+    if get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast_object_list(box, src=global_src, group=group)
+    return box[0]

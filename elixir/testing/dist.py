@@ -1,0 +1,154 @@
+"""Run a function on N gloo ranks in subprocesses, as torchrun would.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` fresh processes, sets the same
+environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port),
+initialises a gloo process group, calls ``fn(*args, **kwargs)`` on every rank and returns the list
+of per-rank return values.
+
+- A rank that raises fails the call with :class:`DistributedFailure`, carrying that rank's
+  traceback; the other ranks are killed.
+- A rank still running at ``timeout`` seconds is killed and reported with
+  :class:`DistributedHang`, including the stack every unfinished rank was in.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+
+class DistributedFailure(RuntimeError):
+    """A rank raised. The message holds that rank's traceback."""
+
+
+class DistributedHang(TimeoutError):
+    """Some ranks did not finish in time. The message holds their stacks."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads):
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    stack_file = open(os.path.join(outdir, f"stack_{rank}.txt"), "w")
+    # Shortly before the parent gives up, dump where this rank is stuck.
+    faulthandler.dump_traceback_later(max(timeout - 3.0, 1.0), exit=False, file=stack_file)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        from elixir.distributed import init_distributed
+
+        init_distributed(backend="gloo", timeout_s=timeout)
+        result = fn(*args, **kwargs)
+        with open(os.path.join(outdir, f"result_{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(outdir, f"error_{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        sys.exit(1)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    threads_per_rank: int | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    ``fn`` and its arguments must be picklable (define ``fn`` at module level).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    outdir = tempfile.mkdtemp(prefix="elixir_dist_")
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads),
+            name=f"elixir-rank{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while True:
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                _kill(procs)
+                raise DistributedFailure(_failure_message(failed, procs, outdir))
+            if all(p.exitcode == 0 for p in procs):
+                break
+            if time.monotonic() > deadline:
+                pending = [r for r, p in enumerate(procs) if p.exitcode is None]
+                time.sleep(0.5)  # let faulthandler finish writing
+                _kill(procs)
+                stacks = "\n".join(
+                    f"--- rank {r} ---\n{_read(os.path.join(outdir, f'stack_{r}.txt')) or '(no stack)'}"
+                    for r in pending
+                )
+                raise DistributedHang(f"ranks {pending} still running after {timeout:.0f}s (hang)\n{stacks}")
+            time.sleep(0.05)
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(outdir, f"result_{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+    finally:
+        _kill(procs)
+        shutil.rmtree(outdir, ignore_errors=True)
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _failure_message(failed: list[int], procs, outdir: str) -> str:
+    parts = []
+    for r in failed:
+        tb = _read(os.path.join(outdir, f"error_{r}.txt"))
+        parts.append(f"--- rank {r} (exit code {procs[r].exitcode}) ---\n{tb or '(died without a traceback)'}")
+    return f"rank(s) {failed} failed:\n" + "\n".join(parts)

@@ -1,0 +1,73 @@
+"""The plain-torch reference: one process, the full global batch, a fixed seed.
+
+Wrapped runs are compared against this. With ``world_size`` ranks each rank takes an equal slice
+of the same global batch (:func:`shard_batch`), so a batch-independent loss gives the same
+gradient as the reference up to reduction order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from elixir.testing.zoo import ZooCase, build_model, get_case
+
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+def default_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def shard_batch(batch: dict, rank: int, world_size: int) -> dict:
+    """This rank's equal slice (dim 0) of every batched tensor; 0-d tensors are shared."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if v.shape[0] % world_size:
+                raise ValueError(f"batch dim {v.shape[0]} of {k!r} does not split evenly over {world_size} ranks")
+            n = v.shape[0] // world_size
+            out[k] = v[rank * n : (rank + 1) * n]
+        else:
+            out[k] = v
+    return out
+
+
+@dataclass
+class ReferenceRun:
+    losses: list[float]
+    state_dict: dict[str, torch.Tensor]
+    first_grads: dict[str, Optional[torch.Tensor]]
+
+
+def train_reference(
+    case: ZooCase | str,
+    steps: int = 3,
+    batch_size: int = 4,
+    optimizer_fn: OptimizerFactory = default_optimizer,
+    seed: int = 0,
+    model: Optional[nn.Module] = None,
+    **build_overrides,
+) -> ReferenceRun:
+    """Train ``steps`` steps single-process on the full batch; return losses, final state and the
+    gradients after the first backward."""
+    case = get_case(case) if isinstance(case, str) else case
+    model = model if model is not None else build_model(case.name, seed=seed, **build_overrides)
+    model.train()
+    opt = optimizer_fn([p for p in model.parameters() if p.requires_grad])
+    torch.manual_seed(seed + 1)  # dropout RNG stream, same as wrapped runs use
+    losses, first_grads = [], {}
+    for step in range(steps):
+        batch = case.make_batch(batch_size, step)
+        opt.zero_grad(set_to_none=True)
+        loss = case.loss(model, batch)
+        loss.backward()
+        if step == 0:
+            first_grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return ReferenceRun(losses, state, first_grads)

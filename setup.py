@@ -1,0 +1,66 @@
+"""Build and install elixir.
+
+The native extension ``elixir._C`` is built from ``csrc/*.cpp`` with pybind11 against raw buffers
+only: no torch headers and no CUDA toolkit, so it compiles in seconds with any C++17 compiler.
+SIMD variants (AVX-512, AVX2) are compiled into the same object through per-function target
+attributes and chosen at run time, so no ``-march`` flag is needed. The extension is optional:
+if it fails to build, installation still succeeds and elixir falls back to pure torch.
+"""
+
+import glob
+import os
+import re
+
+from setuptools import find_packages, setup
+
+try:
+    from pybind11.setup_helpers import Pybind11Extension, build_ext
+except ImportError:  # pybind11 missing at build time: install without the extension
+    Pybind11Extension = None
+    build_ext = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def read_version() -> str:
+    with open(os.path.join(HERE, "elixir", "__init__.py")) as f:
+        return re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+
+
+def native_extensions():
+    if Pybind11Extension is None or os.environ.get("ELIXIR_NO_NATIVE") == "1":
+        return [], {}
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    ext = Pybind11Extension(
+        "elixir._C",
+        sources,
+        include_dirs=["csrc"],
+        extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
+        extra_link_args=["-fopenmp"],
+        cxx_std=17,
+        optional=True,  # a broken build must not break installation
+    )
+    return [ext], {"build_ext": build_ext}
+
+
+ext_modules, cmdclass = native_extensions()
+
+setup(
+    name="elixir",
+    version=read_version(),
+    description="Train PyTorch models larger than accelerator memory: chunked ZeRO-3 with searched plans.",
+    packages=find_packages(include=["elixir", "elixir.*"]),
+    package_data={"elixir": ["data/*.json", "data/**/*.json"]},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.1", "numpy", "scipy", "networkx", "pybind11", "rich"],
+    extras_require={
+        "hf": ["transformers", "safetensors"],
+        "plot": ["matplotlib"],
+        "bench": ["transformers", "safetensors", "psutil"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "transformers", "safetensors", "psutil"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    entry_points={"console_scripts": ["elixir=elixir.cli:main"]},
+    zip_safe=False,
+)
