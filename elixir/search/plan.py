@@ -1,0 +1,247 @@
+"""The plan: plain, typed data that a search produces and the runtime executes.
+
+A plan never holds tensors and is never tied to a device. It is saved and loaded as JSON, so a plan
+made on a laptop for a cluster can be inspected, edited and shipped.
+
+Vocabulary:
+- a **chunk** is a flat buffer holding several trainable parameters, packed in order; every chunk of
+  a plan has the same capacity ``chunk_size`` (elements), a multiple of the world size;
+- a **sharded** chunk is split evenly across the ranks, each keeping ``chunk_size // world_size``
+  elements; a **replicated** chunk (tied, shared or tiny parameters) is kept whole on every rank;
+- the **rCache** is a pool of ``cache_blocks`` full-size blocks into which sharded chunks are gathered
+  for compute, and released after;
+- a chunk's **shard placement** says where its compute-dtype shard lives between uses, and its
+  **optimizer placement** where its fp32 master shard and optimizer state live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+PLAN_FORMAT_VERSION = 1
+
+
+class Placement(str, enum.Enum):
+    """Where a piece of chunk state lives between uses."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (the spelling plans use)."""
+    for name, dt in _DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"unsupported chunk dtype {dtype}; use one of {sorted(_DTYPES)}")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r} in plan; expected one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One chunk: which parameters it packs, in order, and where its state lives.
+
+    Attributes:
+        params: parameter names (``module.named_parameters()`` paths) in packing order.
+        shapes: the shape of each parameter, for validation against the model.
+        chunk_size: capacity in elements (padding included); a multiple of the world size when sharded.
+        dtype: compute dtype of the chunk (``"float32"``, ``"bfloat16"``, ``"float16"``).
+        sharded: split across ranks (True) or replicated whole on every rank (False).
+        shard_placement: where this rank's compute-dtype shard lives between uses.
+        optim_placement: where the fp32 master shard and optimizer state live.
+    """
+
+    params: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    chunk_size: int
+    dtype: str = "float32"
+    sharded: bool = True
+    shard_placement: Placement = Placement.DEVICE
+    optim_placement: Placement = Placement.DEVICE
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        out = []
+        for s in self.shapes:
+            n = 1
+            for d in s:
+                n *= d
+            out.append(n)
+        return tuple(out)
+
+    @property
+    def used(self) -> int:
+        """Elements holding parameters (the rest is padding)."""
+        return sum(self.numels)
+
+    def shard_size(self, world_size: int) -> int:
+        return self.chunk_size // world_size if self.sharded else self.chunk_size
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shard_placement"] = self.shard_placement.value
+        d["optim_placement"] = self.optim_placement.value
+        d["params"] = list(self.params)
+        d["shapes"] = [list(s) for s in self.shapes]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ChunkPlan":
+        return cls(
+            params=tuple(d["params"]),
+            shapes=tuple(tuple(int(x) for x in s) for s in d["shapes"]),
+            chunk_size=int(d["chunk_size"]),
+            dtype=d.get("dtype", "float32"),
+            sharded=bool(d.get("sharded", True)),
+            shard_placement=Placement(d.get("shard_placement", "device")),
+            optim_placement=Placement(d.get("optim_placement", "device")),
+        )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a search predicts for its plan (bytes per rank; seconds per training step)."""
+
+    peak_device_bytes: int = 0
+    peak_host_bytes: int = 0
+    peak_disk_bytes: int = 0
+    step_time_s: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """A complete plan for one model at one world size.
+
+    Attributes:
+        chunks: the ordered chunks (trainable parameters only).
+        world_size: the data-parallel world size the plan is for.
+        cache_blocks: number of full-size blocks in the rCache (the redundancy).
+        prefetch_depth: how many chunks ahead the runtime may gather (0: on demand).
+        frozen_params: parameters with ``requires_grad=False``; kept out of chunks, left as they are.
+        param_order: traced per-step parameter-name sets (tracer's ``params_per_step``), or None.
+        search: which search produced the plan.
+        prediction: the search's predictions, if it made any.
+        info: free-form extra data (waste statistics, search time, the traced setting, ...).
+    """
+
+    chunks: tuple[ChunkPlan, ...]
+    world_size: int
+    cache_blocks: int
+    prefetch_depth: int = 0
+    frozen_params: tuple[str, ...] = ()
+    param_order: Optional[tuple[tuple[str, ...], ...]] = None
+    search: str = "manual"
+    prediction: Optional[Prediction] = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    # ---- derived views (pure functions of the data) ----
+
+    @property
+    def chunk_size(self) -> int:
+        """Capacity of the sharded chunks (0 when every chunk is replicated)."""
+        sizes = {c.chunk_size for c in self.chunks if c.sharded}
+        return max(sizes) if sizes else 0
+
+    @property
+    def param_names(self) -> list[str]:
+        return [n for c in self.chunks for n in c.params]
+
+    def waste(self) -> float:
+        """Padding as a fraction of all chunk capacity (sharded and replicated)."""
+        cap = sum(c.chunk_size for c in self.chunks)
+        return 0.0 if cap == 0 else 1.0 - sum(c.used for c in self.chunks) / cap
+
+    def shard_bytes_per_rank(self, element_size: int) -> int:
+        """Bytes of this rank's compute-dtype shards (replicated chunks count whole)."""
+        return sum(c.shard_size(self.world_size) for c in self.chunks) * element_size
+
+    def cache_bytes(self, element_size: int) -> int:
+        """Bytes of the rCache: ``cache_blocks`` full sharded-chunk blocks."""
+        return self.cache_blocks * self.chunk_size * element_size
+
+    # ---- JSON ----
+
+    def to_json(self) -> dict:
+        return {
+            "format_version": PLAN_FORMAT_VERSION,
+            "world_size": self.world_size,
+            "cache_blocks": self.cache_blocks,
+            "prefetch_depth": self.prefetch_depth,
+            "search": self.search,
+            "chunks": [c.to_json() for c in self.chunks],
+            "frozen_params": list(self.frozen_params),
+            "param_order": None if self.param_order is None else [sorted(s) for s in self.param_order],
+            "prediction": None if self.prediction is None else dataclasses.asdict(self.prediction),
+            "info": self.info,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SearchResult":
+        version = d.get("format_version")
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(
+                f"plan format version {version} is not supported (this elixir reads version "
+                f"{PLAN_FORMAT_VERSION}); re-run the search with this version"
+            )
+        pred = d.get("prediction")
+        order = d.get("param_order")
+        return cls(
+            chunks=tuple(ChunkPlan.from_json(c) for c in d["chunks"]),
+            world_size=int(d["world_size"]),
+            cache_blocks=int(d["cache_blocks"]),
+            prefetch_depth=int(d.get("prefetch_depth", 0)),
+            frozen_params=tuple(d.get("frozen_params", ())),
+            param_order=None if order is None else tuple(tuple(s) for s in order),
+            search=d.get("search", "manual"),
+            prediction=None if pred is None else Prediction(**pred),
+            info=dict(d.get("info", {})),
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as JSON, atomically (a crash leaves any previous file intact)."""
+        path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=folder)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_json(), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "SearchResult":
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not a valid plan JSON file: {e}") from None
+        return cls.from_json(data)
