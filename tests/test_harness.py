@@ -1,0 +1,70 @@
+"""The multi-rank harness: results come back, failures carry the rank's traceback, hangs are caught."""
+
+import time
+
+import pytest
+import torch
+
+from elixir import distributed as edist
+from elixir.testing import DistributedFailure, DistributedHang, run_distributed
+
+pytestmark = pytest.mark.dist
+
+
+def _collectives_agree():
+    rank, world = edist.get_rank(), edist.get_world_size()
+    x = torch.full((4,), float(rank + 1))
+    with edist.count_collectives() as counts:
+        edist.all_reduce(x)
+        full = torch.empty(4 * world)
+        edist.all_gather_into(full, torch.full((4,), float(rank)))
+        shard = torch.empty(2)
+        edist.reduce_scatter_into(shard, torch.arange(2.0 * world))
+    return rank, world, x.tolist(), full.tolist(), shard.tolist(), dict(counts)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_results_and_collectives(world):
+    results = run_distributed(_collectives_agree, world, timeout=120)
+    total = sum(range(1, world + 1))
+    for rank, (r, w, reduced, gathered, shard, counts) in enumerate(results):
+        assert (r, w) == (rank, world)
+        assert reduced == [float(total)] * 4
+        assert gathered == [float(i) for i in range(world) for _ in range(4)]
+        assert shard == [float(world * (2 * rank)), float(world * (2 * rank + 1))]
+        assert counts == {"all_reduce": 1, "all_gather": 1, "reduce_scatter": 1}
+
+
+def _fail_on_rank_one():
+    if edist.get_rank() == 1:
+        raise ValueError("boom from rank one")
+    edist.barrier()  # rank 0 waits for a peer that died: the harness must not hang on it
+    return "ok"
+
+
+def test_failing_rank_fails_with_its_traceback():
+    with pytest.raises(DistributedFailure) as err:
+        run_distributed(_fail_on_rank_one, 2, timeout=60)
+    msg = str(err.value)
+    assert "rank 1" in msg and "boom from rank one" in msg and "_fail_on_rank_one" in msg
+
+
+def _hang_on_rank_zero():
+    if edist.get_rank() == 0:
+        time.sleep(3600)
+    return "done"
+
+
+def test_hanging_rank_is_caught():
+    start = time.monotonic()
+    with pytest.raises(DistributedHang) as err:
+        run_distributed(_hang_on_rank_zero, 2, timeout=15)
+    assert time.monotonic() - start < 40
+    msg = str(err.value)
+    assert "hang" in msg and "[0]" in msg
+    assert "_hang_on_rank_zero" in msg  # the stuck rank's stack is shown
+
+
+def test_init_distributed_single_process():
+    info = edist.init_distributed()
+    assert (info.rank, info.world_size) == (0, 1) and info.is_main
