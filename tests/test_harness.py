@@ -58,8 +58,8 @@ def _hang_on_rank_zero():
 def test_hanging_rank_is_caught():
     start = time.monotonic()
     with pytest.raises(DistributedHang) as err:
-        run_distributed(_hang_on_rank_zero, 2, timeout=15)
-    assert time.monotonic() - start < 40
+        run_distributed(_hang_on_rank_zero, 2, timeout=30)
+    assert time.monotonic() - start < 60
     msg = str(err.value)
     assert "hang" in msg and "[0]" in msg
     assert "_hang_on_rank_zero" in msg  # the stuck rank's stack is shown

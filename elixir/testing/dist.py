@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -50,8 +51,8 @@ def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads):
         MASTER_PORT=str(port),
     )
     stack_file = open(os.path.join(outdir, f"stack_{rank}.txt"), "w")
-    # Shortly before the parent gives up, dump where this rank is stuck.
-    faulthandler.dump_traceback_later(max(timeout - 3.0, 1.0), exit=False, file=stack_file)
+    # When the parent gives up on this rank it sends SIGUSR1 first: dump where we are stuck.
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
         import torch
         import torch.distributed as dist
@@ -70,7 +71,7 @@ def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads):
             f.write(traceback.format_exc())
         sys.exit(1)
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        faulthandler.unregister(signal.SIGUSR1)
 
 
 def run_distributed(
@@ -112,7 +113,10 @@ def run_distributed(
                 break
             if time.monotonic() > deadline:
                 pending = [r for r, p in enumerate(procs) if p.exitcode is None]
-                time.sleep(0.5)  # let faulthandler finish writing
+                for r in pending:
+                    if procs[r].pid is not None:
+                        os.kill(procs[r].pid, signal.SIGUSR1)
+                time.sleep(1.0)  # let faulthandler write the stacks
                 _kill(procs)
                 stacks = "\n".join(
                     f"--- rank {r} ---\n{_read(os.path.join(outdir, f'stack_{r}.txt')) or '(no stack)'}"
