@@ -4,4 +4,5 @@
 PYBIND11_MODULE(_C, m) {
   m.doc() = "elixir native hot paths (raw buffers, runtime CPU dispatch)";
   elixir::register_cpu_features(m);
+  elixir::register_cache_sim(m);
 }

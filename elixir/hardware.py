@@ -1,0 +1,592 @@
+"""Hardware profiles: what a machine (or a cluster node) can do, as versioned JSON.
+
+A :class:`HardwareProfile` holds every constant the cost model uses: transfer bandwidth curves
+(host<->device, pinned and pageable; device copies), collective bus-bandwidth curves against message
+size, optimizer throughput per placement, matmul throughput per dtype, disk bandwidth and
+capacities. Nothing in the search is fitted by hand: a profile is either **measured** on the machine
+by :func:`measure` (``elixir hwprofile``) or a shipped **reference** profile whose ``source`` field
+says, per quantity, where each number came from.
+
+Collective curves are stored as *bus bandwidth* (NCCL-tests convention): a ring all-gather or
+reduce-scatter of ``S`` bytes over ``W`` ranks takes ``S * (W - 1) / W / busbw(S)``. This lets a
+profile measured at one world size predict another (within one node's interconnect).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+HARDWARE_SCHEMA_VERSION = 1
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# schema
+
+
+@dataclass(frozen=True)
+class BandwidthCurve:
+    """Measured bandwidth (bytes/s) at message sizes (bytes), in increasing size order.
+
+    Between points the bandwidth is interpolated linearly in log(size). Above the largest point it
+    stays at the last value; below the smallest, the *time* stays at the smallest point's time
+    (a latency floor), so tiny messages are never predicted faster than anything measured.
+    """
+
+    sizes: tuple[int, ...]
+    bytes_per_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.bytes_per_s) or not self.sizes:
+            raise ValueError("a bandwidth curve needs as many sizes as bandwidths, at least one")
+        if any(b <= 0 for b in self.bytes_per_s) or any(s <= 0 for s in self.sizes):
+            raise ValueError("bandwidth curve sizes and bandwidths must be positive")
+        if list(self.sizes) != sorted(self.sizes):
+            raise ValueError("bandwidth curve sizes must be increasing")
+
+    @classmethod
+    def flat(cls, bytes_per_s: float) -> "BandwidthCurve":
+        """A size-independent bandwidth (for reference figures quoted as one number)."""
+        return cls((1,), (float(bytes_per_s),))
+
+    def bandwidth(self, nbytes: float) -> float:
+        s, b = self.sizes, self.bytes_per_s
+        if nbytes >= s[-1]:
+            return b[-1]
+        if nbytes <= s[0]:
+            return b[0] * nbytes / s[0]  # time floor at the smallest measured message
+        lx = math.log(nbytes)
+        for i in range(1, len(s)):
+            if nbytes <= s[i]:
+                x0, x1 = math.log(s[i - 1]), math.log(s[i])
+                t = (lx - x0) / (x1 - x0) if x1 > x0 else 1.0
+                return b[i - 1] + t * (b[i] - b[i - 1])
+        return b[-1]  # pragma: no cover
+
+    def time(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` (0 for 0 bytes)."""
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / self.bandwidth(nbytes)
+
+    def to_json(self) -> dict:
+        return {"sizes": list(self.sizes), "bytes_per_s": list(self.bytes_per_s)}
+
+    @classmethod
+    def from_json(cls, d: Any) -> "BandwidthCurve":
+        if isinstance(d, (int, float)):
+            return cls.flat(float(d))
+        return cls(tuple(int(x) for x in d["sizes"]), tuple(float(x) for x in d["bytes_per_s"]))
+
+
+_CURVES = ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable", "device_copy", "all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Everything the cost model needs to know about one kind of node.
+
+    Attributes:
+        name: short id (``"8xA100-40GB"``, ``"this-cpu-box"``).
+        measured: True when :func:`measure` produced it on the machine named in ``host``.
+        source: per-quantity provenance (field name -> text), plus ``"*"`` for the whole profile.
+        device_type: ``"cuda"`` or ``"cpu"`` (on ``"cpu"`` "device" and "host" are the same RAM).
+        device_name: the accelerator (or CPU) model.
+        devices_per_node: ranks that share one node's host memory and intra-node links.
+        device_memory_bytes: memory of one device.
+        host_memory_bytes: host RAM of one node.
+        disk_bytes: free space in the offload directory of one node.
+        h2d_pinned, h2d_pageable, d2h_pinned, d2h_pageable: host<->device copy bandwidth curves
+            (memcpy on a CPU-only machine).
+        device_copy: device-to-device copy within one device.
+        all_gather, reduce_scatter: bus-bandwidth curves (see module doc) or None when unmeasured.
+        collective_world: world size the collective curves were measured at (0 if none).
+        collective_backend: ``"nccl"``, ``"gloo"``, ...
+        optimizer_params_per_s: fp32 Adam update throughput, keyed by where it runs
+            (``"device"``, ``"host"``), in parameters per second for one rank.
+        optimizer_impl: which implementation was timed, per key.
+        matmul_flops: dense matmul throughput per dtype name (``"float32"``, ``"bfloat16"``, ...).
+        disk_read_bytes_per_s, disk_write_bytes_per_s: sequential bandwidth of the offload dir.
+        overlap: whether transfers and collectives run concurrently with compute (separate copy
+            engines / NIC); False on a CPU-only machine, where they share the cores.
+        host: the machine the profile was measured on (or "reference").
+        created: ISO date.
+        notes: free text.
+    """
+
+    name: str
+    device_type: str
+    device_name: str
+    devices_per_node: int
+    device_memory_bytes: int
+    host_memory_bytes: int
+    disk_bytes: int
+    h2d_pinned: BandwidthCurve
+    h2d_pageable: BandwidthCurve
+    d2h_pinned: BandwidthCurve
+    d2h_pageable: BandwidthCurve
+    device_copy: BandwidthCurve
+    all_gather: Optional[BandwidthCurve]
+    reduce_scatter: Optional[BandwidthCurve]
+    collective_world: int
+    collective_backend: str
+    optimizer_params_per_s: dict[str, float]
+    optimizer_impl: dict[str, str]
+    matmul_flops: dict[str, float]
+    disk_read_bytes_per_s: float
+    disk_write_bytes_per_s: float
+    overlap: bool
+    measured: bool = False
+    source: dict[str, str] = field(default_factory=dict)
+    host: str = "reference"
+    created: str = ""
+    notes: str = ""
+    schema_version: int = HARDWARE_SCHEMA_VERSION
+
+    # ---- derived costs (seconds) ----
+
+    def _collective_time(self, curve: Optional[BandwidthCurve], nbytes: float, world: int, what: str) -> float:
+        if world <= 1:
+            return self.device_copy.time(nbytes)
+        if curve is None:
+            raise ValueError(
+                f"hardware profile {self.name!r} has no {what} measurement; run `elixir hwprofile "
+                f"--world-size 2` (or more) on the target, or use a reference profile"
+            )
+        return curve.time(nbytes * (world - 1) / world) if nbytes > 0 else 0.0
+
+    def all_gather_time(self, full_bytes: float, world: int) -> float:
+        """Seconds to all-gather a chunk of ``full_bytes`` (all shards together) over ``world`` ranks."""
+        return self._collective_time(self.all_gather, full_bytes, world, "all-gather")
+
+    def reduce_scatter_time(self, full_bytes: float, world: int) -> float:
+        """Seconds to reduce-scatter ``full_bytes`` of gradients over ``world`` ranks."""
+        return self._collective_time(self.reduce_scatter, full_bytes, world, "reduce-scatter")
+
+    def h2d_time(self, nbytes: float, pinned: bool = True) -> float:
+        return (self.h2d_pinned if pinned else self.h2d_pageable).time(nbytes)
+
+    def d2h_time(self, nbytes: float, pinned: bool = True) -> float:
+        return (self.d2h_pinned if pinned else self.d2h_pageable).time(nbytes)
+
+    def optimizer_time(self, params: float, where: str) -> float:
+        """Seconds for one fp32 Adam update of ``params`` elements on ``where`` ("device"/"host")."""
+        if params <= 0:
+            return 0.0
+        rate = self.optimizer_params_per_s.get(where)
+        if not rate:
+            raise ValueError(f"hardware profile {self.name!r} has no optimizer throughput for {where!r}")
+        return params / rate
+
+    def matmul_time(self, flops: float, dtype: str) -> float:
+        rate = self.matmul_flops.get(dtype) or self.matmul_flops.get("float32")
+        if not rate:
+            raise ValueError(f"hardware profile {self.name!r} has no matmul throughput for {dtype}")
+        return flops / rate
+
+    def disk_time(self, read_bytes: float, write_bytes: float) -> float:
+        return read_bytes / self.disk_read_bytes_per_s + write_bytes / self.disk_write_bytes_per_s
+
+    # ---- JSON ----
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        for k in _CURVES:
+            v = getattr(self, k)
+            d[k] = None if v is None else v.to_json()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "HardwareProfile":
+        version = d.get("schema_version")
+        if version != HARDWARE_SCHEMA_VERSION:
+            raise ValueError(
+                f"hardware profile schema version {version} is not supported (this elixir reads "
+                f"version {HARDWARE_SCHEMA_VERSION}); re-run `elixir hwprofile`"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"hardware profile has unknown fields {unknown}")
+        kw = dict(d)
+        for k in _CURVES:
+            if kw.get(k) is not None:
+                kw[k] = BandwidthCurve.from_json(kw[k])
+        return cls(**kw)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write as JSON, atomically."""
+        path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".hw-", suffix=".json", dir=folder)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_json(), f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "HardwareProfile":
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not a valid hardware profile JSON file: {e}") from None
+        return cls.from_json(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# shipped reference profiles
+
+_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hardware")
+
+
+def reference_profiles() -> list[str]:
+    """Names of the shipped reference profiles (``elixir/data/hardware/*.json``)."""
+    if not os.path.isdir(_DATA_DIR):
+        return []
+    return sorted(f[:-5] for f in os.listdir(_DATA_DIR) if f.endswith(".json"))
+
+
+def load_profile(name_or_path: str | os.PathLike) -> HardwareProfile:
+    """A profile from a JSON path, or a shipped reference profile by name."""
+    p = os.fspath(name_or_path)
+    if os.path.exists(p):
+        return HardwareProfile.load(p)
+    ref = os.path.join(_DATA_DIR, p if p.endswith(".json") else p + ".json")
+    if os.path.exists(ref):
+        return HardwareProfile.load(ref)
+    raise FileNotFoundError(
+        f"no hardware profile {p!r}: give a JSON path (from `elixir hwprofile --out`) or one of "
+        f"{reference_profiles()}"
+    )
+
+
+def default_profile() -> HardwareProfile:
+    """The shipped profile of this project's CPU box (measured there); used when none is given."""
+    return load_profile("cpu-box")
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement
+
+
+@dataclass(frozen=True)
+class MeasureOptions:
+    """What :func:`measure` times and how long it may take.
+
+    Attributes:
+        sizes: message sizes (bytes) for copy and collective curves.
+        repeats: timed repetitions per point (the median is kept).
+        optimizer_params: parameters in the timed optimizer update.
+        disk_bytes: file size for the disk test (0 skips it).
+        matmul_n: side of the square matmul timed per dtype.
+        offload_dir: where the disk test writes (a temporary file, removed after).
+    """
+
+    sizes: tuple[int, ...] = (1 * MiB, 8 * MiB, 64 * MiB, 256 * MiB)
+    repeats: int = 3
+    optimizer_params: int = 32 * 1024 * 1024
+    disk_bytes: int = 512 * MiB
+    matmul_n: int = 2048
+    offload_dir: str = tempfile.gettempdir()
+
+    @classmethod
+    def quick(cls, offload_dir: Optional[str] = None) -> "MeasureOptions":
+        return cls(
+            sizes=(1 * MiB, 16 * MiB, 64 * MiB), repeats=2, optimizer_params=8 * 1024 * 1024,
+            disk_bytes=128 * MiB, matmul_n=1024, offload_dir=offload_dir or tempfile.gettempdir(),
+        )
+
+    @classmethod
+    def tiny(cls, offload_dir: Optional[str] = None) -> "MeasureOptions":
+        """For tests: seconds, not minutes."""
+        return cls(
+            sizes=(64 * 1024, 1 * MiB), repeats=1, optimizer_params=64 * 1024, disk_bytes=4 * MiB,
+            matmul_n=128, offload_dir=offload_dir or tempfile.gettempdir(),
+        )
+
+
+def _median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    fn()  # warm-up
+    sync()
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return max(times[(len(times) - 1) // 2], 1e-9)  # lower median
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    from elixir import device as dev
+
+    return lambda: dev.synchronize(device)
+
+
+def measure_copy_curve(
+    sizes: tuple[int, ...], src: str, dst: str, pinned: bool, device: torch.device, repeats: int
+) -> BandwidthCurve:
+    """Copy bandwidth from ``src`` to ``dst`` ("host" or "device"); on CPU-only both are RAM (memcpy)."""
+    from elixir import device as dev
+
+    def alloc(where: str, n: int) -> torch.Tensor:
+        if where == "host" or device.type == "cpu":
+            return dev.empty_host((n // 4,), torch.float32, pin=pinned)
+        return torch.empty(n // 4, dtype=torch.float32, device=device)
+
+    bws = []
+    for n in sizes:
+        a, b = alloc(src, n), alloc(dst, n)
+        a.fill_(1)
+        nb = dev.non_blocking_ok(a, b.device)
+        t = _median_time(lambda: b.copy_(a, non_blocking=nb), repeats, _sync(device))
+        bws.append(a.numel() * 4 / t)
+        del a, b
+    return BandwidthCurve(tuple(sizes), tuple(bws))
+
+
+def measure_collectives(sizes: tuple[int, ...], repeats: int, group=None) -> dict:
+    """All-gather and reduce-scatter bus bandwidth at each full-message size, across the current
+    world (call on every rank; needs an initialised process group of 2+ ranks)."""
+    from elixir import device as dev
+    from elixir import distributed as edist
+
+    world = edist.get_world_size(group)
+    if world < 2:
+        raise ValueError("collective bandwidth needs 2+ ranks (run under torchrun or run_distributed)")
+    d = dev.default_device()
+    ag, rs = [], []
+    for n in sizes:
+        n = max(world * 4, n // (world * 4) * world * 4)  # whole fp32 elements, divisible by world
+        full = torch.ones(n // 4, dtype=torch.float32, device=d)
+        shard = torch.ones(n // 4 // world, dtype=torch.float32, device=d)
+
+        def barrier_sync() -> None:
+            dev.synchronize(d)
+            edist.barrier(group)
+
+        t_ag = _median_time(lambda: edist.all_gather_into(full, shard, group), repeats, barrier_sync)
+        t_rs = _median_time(lambda: edist.reduce_scatter_into(shard, full, group), repeats, barrier_sync)
+        # The slowest rank sets the pace.
+        t_ag = max(edist.all_gather_object(t_ag, group))
+        t_rs = max(edist.all_gather_object(t_rs, group))
+        busbytes = n * (world - 1) / world
+        ag.append(busbytes / t_ag)
+        rs.append(busbytes / t_rs)
+    return {
+        "sizes": tuple(sizes),
+        "all_gather": tuple(ag),
+        "reduce_scatter": tuple(rs),
+        "world": world,
+        "backend": torch.distributed.get_backend(group),
+    }
+
+
+def _collectives_worker(sizes: tuple[int, ...], repeats: int) -> dict:
+    return measure_collectives(sizes, repeats)
+
+
+def measure_optimizer(n_params: int, device: torch.device, repeats: int) -> tuple[float, str]:
+    """fp32 Adam update throughput (params/s) on ``device``: elixir's native CPU Adam on CPU when
+    present, otherwise torch's fused AdamW (or foreach where fused is unavailable)."""
+    p = torch.zeros(n_params, dtype=torch.float32, device=device, requires_grad=True)
+    p.grad = torch.full_like(p, 1e-3)
+    opt = None
+    impl = ""
+    if device.type == "cpu":
+        try:  # the native kernel, when the optimizer package provides it
+            from elixir.optim import CPUAdam  # type: ignore[attr-defined]
+
+            opt = CPUAdam([p], lr=1e-3)
+            impl = "elixir.optim.CPUAdam"
+        except Exception:
+            opt = None
+    if opt is None:
+        try:
+            opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+            impl = "torch.optim.AdamW(fused=True)"
+        except (RuntimeError, TypeError):
+            opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+            impl = "torch.optim.AdamW(foreach=True)"
+    t = _median_time(opt.step, repeats, _sync(device))
+    return n_params / t, impl
+
+
+def measure_matmul(n: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    t = _median_time(lambda: torch.mm(a, b), repeats, _sync(device))
+    return 2.0 * n**3 / t
+
+
+def measure_disk(path: str, nbytes: int, block: int = 8 * MiB) -> tuple[float, float]:
+    """Sequential write (with fsync) and read bandwidth of a file in ``path``.
+
+    Uses O_DIRECT where the file system allows it, so the page cache does not flatter the read;
+    otherwise drops the file's cached pages with posix_fadvise before reading.
+    """
+    import mmap
+
+    os.makedirs(path, exist_ok=True)
+    fname = os.path.join(path, f".elixir-hwprofile-{os.getpid()}.bin")
+    nbytes = max(block, nbytes // block * block)
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(4096) * (block // 4096))
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        try:
+            fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o600)
+        except OSError:
+            direct = 0
+            fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        t0 = time.perf_counter()
+        try:
+            for _ in range(nbytes // block):
+                os.write(fd, buf)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        t_write = time.perf_counter() - t0
+        flags = os.O_RDONLY | direct
+        fd = os.open(fname, flags)
+        if not direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        try:
+            while os.readv(fd, [buf]) > 0:
+                pass
+        finally:
+            os.close(fd)
+        t_read = time.perf_counter() - t0
+    finally:
+        buf.close()
+        if os.path.exists(fname):
+            os.unlink(fname)
+    return nbytes / max(t_read, 1e-9), nbytes / max(t_write, 1e-9)
+
+
+def measure(
+    options: Optional[MeasureOptions] = None,
+    *,
+    collective_world: int = 1,
+    name: Optional[str] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> HardwareProfile:
+    """Measure this machine into a :class:`HardwareProfile`.
+
+    Collectives are measured across the current process group when one of 2+ ranks is initialised;
+    otherwise, when ``collective_world >= 2``, over ``collective_world`` local gloo/nccl ranks spawned
+    for the purpose; otherwise they are left unmeasured (a world-1 plan needs none).
+    """
+    from elixir import device as dev
+    from elixir import distributed as edist
+
+    o = options or MeasureOptions()
+    say = progress or (lambda s: None)
+    d = dev.default_device()
+    cpu_only = d.type == "cpu"
+    label = "memcpy in host RAM (no accelerator: host and device are the same memory)" if cpu_only else "measured"
+    host = platform.node() or "unknown"
+    src: dict[str, str] = {"*": f"measured by `elixir hwprofile` on {host} ({dev.describe(d)})"}
+
+    say("host<->device copies")
+    curves = {}
+    for key, s, t, pinned in (
+        ("h2d_pinned", "host", "device", True),
+        ("h2d_pageable", "host", "device", False),
+        ("d2h_pinned", "device", "host", True),
+        ("d2h_pageable", "device", "host", False),
+        ("device_copy", "device", "device", False),
+    ):
+        if cpu_only and key in ("h2d_pageable", "d2h_pinned", "d2h_pageable"):
+            curves[key] = curves["h2d_pinned"]  # one memcpy curve stands for all directions
+        else:
+            curves[key] = measure_copy_curve(o.sizes, s, t, pinned, d, o.repeats)
+        src[key] = label if key != "device_copy" else ("memcpy in RAM" if cpu_only else "measured")
+
+    say("collectives")
+    ag = rs = None
+    world, backend = 0, ""
+    col = None
+    if edist.get_world_size() >= 2:
+        col = measure_collectives(o.sizes, o.repeats)
+    elif collective_world >= 2:
+        from elixir.testing.dist import run_distributed
+
+        col = run_distributed(_collectives_worker, collective_world, o.sizes, o.repeats, timeout=600)[0]
+    if col is not None:
+        ag = BandwidthCurve(col["sizes"], col["all_gather"])
+        rs = BandwidthCurve(col["sizes"], col["reduce_scatter"])
+        world, backend = col["world"], col["backend"]
+        src["all_gather"] = src["reduce_scatter"] = f"measured: {backend}, {world} ranks on {host}, bus bandwidth"
+
+    say("optimizer")
+    opt_rate, opt_impl = {}, {}
+    opt_rate["host"], opt_impl["host"] = measure_optimizer(o.optimizer_params, torch.device("cpu"), o.repeats)
+    if cpu_only:
+        opt_rate["device"], opt_impl["device"] = opt_rate["host"], opt_impl["host"]
+    else:
+        opt_rate["device"], opt_impl["device"] = measure_optimizer(o.optimizer_params, d, o.repeats)
+    src["optimizer_params_per_s"] = f"measured: fp32 Adam over {o.optimizer_params} params ({opt_impl})"
+
+    say("matmul")
+    flops = {}
+    for dt in (torch.float32, torch.bfloat16) + (() if cpu_only else (torch.float16,)):
+        flops[str(dt).split(".")[-1]] = measure_matmul(o.matmul_n, dt, d, o.repeats)
+    src["matmul_flops"] = f"measured: {o.matmul_n}x{o.matmul_n} torch.mm"
+
+    say("disk")
+    if o.disk_bytes > 0:
+        rd, wr = measure_disk(o.offload_dir, o.disk_bytes)
+        src["disk_read_bytes_per_s"] = src["disk_write_bytes_per_s"] = (
+            f"measured: {o.disk_bytes >> 20} MiB sequential in {o.offload_dir} (fsync; O_DIRECT where allowed)"
+        )
+    else:
+        rd = wr = 1.0
+        src["disk_read_bytes_per_s"] = src["disk_write_bytes_per_s"] = "not measured (placeholder 1 B/s)"
+    free_disk = shutil.disk_usage(o.offload_dir).free if os.path.isdir(o.offload_dir) else 0
+
+    return HardwareProfile(
+        name=name or ("cpu-" + host if cpu_only else host),
+        device_type=d.type,
+        device_name=dev.describe(d),
+        devices_per_node=max(1, torch.cuda.device_count()) if not cpu_only else 1,
+        device_memory_bytes=dev.device_capacity(d),
+        host_memory_bytes=dev.host_capacity(),
+        disk_bytes=free_disk,
+        all_gather=ag,
+        reduce_scatter=rs,
+        collective_world=world,
+        collective_backend=backend,
+        optimizer_params_per_s=opt_rate,
+        optimizer_impl=opt_impl,
+        matmul_flops=flops,
+        disk_read_bytes_per_s=rd,
+        disk_write_bytes_per_s=wr,
+        overlap=not cpu_only,
+        measured=True,
+        source=src,
+        host=host,
+        created=time.strftime("%Y-%m-%d"),
+        notes="",
+        **curves,
+    )

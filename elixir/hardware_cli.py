@@ -1,0 +1,78 @@
+"""``elixir hwprofile``: measure this machine into a hardware-profile JSON the search reads."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="hw.json", help="where to write the profile (default hw.json)")
+    parser.add_argument("--dir", default=None, help="offload directory to time the disk in (default: the temp dir)")
+    parser.add_argument("--quick", action="store_true", help="fewer, smaller measurements (~10 s)")
+    parser.add_argument(
+        "--world-size", type=int, default=2,
+        help="local ranks to spawn for the collective measurement when not under torchrun (1 skips it)",
+    )
+    parser.add_argument("--name", default=None, help="profile name (default from the host name)")
+    parser.add_argument("--show", metavar="PROFILE", default=None,
+                        help="print an existing profile (path or reference name) instead of measuring")
+
+
+def render(profile, console=None) -> None:
+    """Print a profile as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from elixir.hardware import GiB
+
+    console = console or Console()
+    t = Table(title=f"hardware profile {profile.name} ({'measured' if profile.measured else 'reference'})")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    t.add_column("source")
+
+    def gbs(x: float) -> str:
+        return f"{x / 1e9:.2f} GB/s"
+
+    src = profile.source
+    t.add_row("device", profile.device_name, src.get("*", ""))
+    t.add_row("device memory", f"{profile.device_memory_bytes / GiB:.1f} GiB", src.get("device_memory_bytes", ""))
+    t.add_row("host memory / node", f"{profile.host_memory_bytes / GiB:.1f} GiB", src.get("host_memory_bytes", ""))
+    for key in ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable", "device_copy", "all_gather", "reduce_scatter"):
+        c = getattr(profile, key)
+        if c is None:
+            t.add_row(key, "not measured", "")
+            continue
+        t.add_row(key, " ".join(gbs(b) for b in c.bytes_per_s), src.get(key, ""))
+    for k, v in profile.optimizer_params_per_s.items():
+        t.add_row(f"Adam on {k}", f"{v / 1e6:.0f} Mparam/s", profile.optimizer_impl.get(k, ""))
+    for k, v in profile.matmul_flops.items():
+        t.add_row(f"matmul {k}", f"{v / 1e12:.3f} TFLOP/s", src.get("matmul_flops", ""))
+    t.add_row("disk read / write", f"{gbs(profile.disk_read_bytes_per_s)} / {gbs(profile.disk_write_bytes_per_s)}",
+              src.get("disk_read_bytes_per_s", ""))
+    console.print(t)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from elixir import hardware
+
+    console = Console()
+    if args.show:
+        render(hardware.load_profile(args.show), console)
+        return 0
+    opts = hardware.MeasureOptions.quick(args.dir) if args.quick else hardware.MeasureOptions(
+        offload_dir=args.dir or hardware.MeasureOptions().offload_dir
+    )
+    t0 = time.perf_counter()
+    with console.status("measuring") as status:
+        prof = hardware.measure(
+            opts, collective_world=args.world_size, name=args.name,
+            progress=lambda s: status.update(f"measuring {s}"),
+        )
+    prof.save(args.out)
+    render(prof, console)
+    console.print(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")
+    return 0
