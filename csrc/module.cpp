@@ -4,5 +4,6 @@
 PYBIND11_MODULE(_C, m) {
   m.doc() = "elixir native hot paths (raw buffers, runtime CPU dispatch)";
   elixir::register_cpu_features(m);
+  elixir::register_cpu_adam(m);
   elixir::register_cache_sim(m);
 }

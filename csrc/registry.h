@@ -5,5 +5,6 @@
 
 namespace elixir {
 void register_cpu_features(pybind11::module_& m);
+void register_cpu_adam(pybind11::module_& m);
 void register_cache_sim(pybind11::module_& m);
 }  // namespace elixir
