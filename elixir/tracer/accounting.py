@@ -1,0 +1,183 @@
+"""Alias-aware live-bytes accounting of every aten op, on meta or real tensors.
+
+:class:`StorageAccountant` is a ``TorchDispatchMode``. Memory is counted per *untyped storage*
+(the unit an allocator hands out), never per tensor, so views and in-place ops add nothing. Each
+storage an op returns is registered once, with a weak reference whose callback subtracts its
+bytes when the last tensor holding it dies. Storages that exist before the step (parameters,
+buffers, inputs) are registered as *static* and never counted as step memory. Storages that become
+a parameter's ``.grad`` are moved from the activation bucket to the gradient bucket at the moment
+AccumulateGrad produces them (``register_post_accumulate_grad_hook``).
+
+After each op the accountant appends one timeline sample ``(phase, op name, activation bytes,
+gradient bytes)``, and one more (op name ``autograd::AccumulateGrad``) each time a ``.grad`` is produced. Frees only lower the live total, so the maximum over these post-op samples is
+the exact peak.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .hooks import StepKind, current_phase, tensors_in
+from .opcache import MetaOpCache
+
+__all__ = ["Bucket", "StorageAccountant", "Temporary", "TracerError"]
+
+
+class TracerError(RuntimeError):
+    """A step the tracer cannot profile faithfully; the message names the cause and the fix."""
+
+
+ACCUMULATE_GRAD = "autograd::AccumulateGrad"  # pseudo-op: a timeline sample after a .grad is produced
+
+
+class Bucket(enum.IntEnum):
+    STATIC = 0  # parameters, buffers, inputs: owned by the caller, never step memory
+    ACTIVATION = 1  # anything an op allocates during the step (saved tensors, temporaries, ...)
+    GRAD = 2  # a parameter's .grad
+
+
+@dataclass(frozen=True)
+class Temporary:
+    """A storage allocated and freed within one phase."""
+
+    nbytes: int
+    op_index: int
+    op_name: str
+    phase: str
+
+
+class _Entry:
+    __slots__ = ("nbytes", "bucket", "ref", "op_index", "phase")
+
+    def __init__(self, nbytes: int, bucket: Bucket, ref: Any, op_index: int, phase: StepKind):
+        self.nbytes = nbytes
+        self.bucket = bucket
+        self.ref = ref
+        self.op_index = op_index
+        self.phase = phase
+
+
+def _no_meta_kernel_message(func: Any, err: BaseException) -> str:
+    return (
+        f"op {func} has no meta kernel, so its memory cannot be traced without weights "
+        f"({type(err).__name__}: {str(err).splitlines()[0]}). Register one with "
+        f"elixir.tracer.meta_kernels.register_meta_kernel({str(func.overloadpacket)!r}, fn) "
+        f"(or torch.library.register_fake), or replace the op in the model."
+    )
+
+
+class StorageAccountant(TorchDispatchMode):
+    """Counts live bytes per bucket, op by op (see the module docstring)."""
+
+    def __init__(self, cache: Optional[MetaOpCache] = None) -> None:
+        super().__init__()
+        self.cache = cache
+        self._entries: dict[int, _Entry] = {}
+        self.live = [0, 0, 0]  # indexed by Bucket
+        self.op_count = 0
+        # timeline (parallel lists keep 10^5 samples cheap)
+        self.t_phase: list[str] = []
+        self.t_name: list[Any] = []  # OpOverload objects; str() them when reporting
+        self.t_act: list[int] = []
+        self.t_grad: list[int] = []
+        self.largest_temporary: Optional[Temporary] = None
+
+    # -- registration -------------------------------------------------------------------------
+
+    def _key_and_storage(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        return id(st), st
+
+    def add_static(self, t: torch.Tensor) -> None:
+        """Register a pre-existing tensor's storage (parameter, buffer, input)."""
+        key, st = self._key_and_storage(t)
+        if key not in self._entries:
+            # keep a strong ref: static storages must not be recycled (and their ids reused)
+            self._entries[key] = _Entry(st.nbytes(), Bucket.STATIC, st, -1, StepKind.FORWARD)
+
+    def _free(self, key: int) -> None:
+        e = self._entries.pop(key, None)
+        if e is None:
+            return
+        self.live[e.bucket] -= e.nbytes
+        if e.bucket == Bucket.ACTIVATION and e.phase == current_phase():
+            lt = self.largest_temporary
+            if lt is None or e.nbytes > lt.nbytes:
+                name = str(self.t_name[e.op_index]) if 0 <= e.op_index < len(self.t_name) else "?"
+                self.largest_temporary = Temporary(e.nbytes, e.op_index, name, e.phase.value)
+
+    def _track(self, t: torch.Tensor, phase: StepKind) -> None:
+        key, st = self._key_and_storage(t)
+        e = self._entries.get(key)
+        nbytes = st.nbytes()
+        if e is None:
+            ref = weakref.ref(st, lambda _r, k=key: self._free(k))
+            self._entries[key] = _Entry(nbytes, Bucket.ACTIVATION, ref, self.op_count, phase)
+            self.live[Bucket.ACTIVATION] += nbytes
+        elif e.nbytes != nbytes and e.bucket != Bucket.STATIC:  # resize_ / set_
+            self.live[e.bucket] += nbytes - e.nbytes
+            e.nbytes = nbytes
+
+    def mark_grad(self, grad: torch.Tensor) -> None:
+        """Move ``grad``'s storage into the gradient bucket (called when AccumulateGrad ran)."""
+        key, st = self._key_and_storage(grad)
+        e = self._entries.get(key)
+        if e is None:
+            self._track(grad, current_phase())
+            e = self._entries[key]
+        if e.bucket == Bucket.ACTIVATION:
+            self.live[Bucket.ACTIVATION] -= e.nbytes
+            self.live[Bucket.GRAD] += e.nbytes
+            e.bucket = Bucket.GRAD
+        self._sample(current_phase(), ACCUMULATE_GRAD)
+
+    # -- dispatch ------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        cache, key = self.cache, None
+        if cache is not None:
+            key = cache.key(func, args, kwargs)
+            out = cache.lookup(key) if key is not None else cache.MISS
+            if out is not cache.MISS:
+                return self._after(func, out)
+        try:
+            out = func(*args, **kwargs)
+        except NotImplementedError as err:
+            if "Meta" in str(err):
+                raise TracerError(_no_meta_kernel_message(func, err)) from err
+            raise
+        except RuntimeError as err:
+            msg = str(err)
+            if "cannot be called on meta tensors" in msg:
+                raise TracerError(
+                    f"op {func} needs tensor data (data-dependent Python control flow such as "
+                    f".item(), bool(tensor) or int(tensor)), which meta tensors do not have. Keep "
+                    f"such values as 0-dim input tensors (they stay real) or plain Python numbers, "
+                    f"or move the call out of step_fn."
+                ) from err
+            raise
+        if key is not None:
+            cache.store(key, args, kwargs, out)
+        return self._after(func, out)
+
+    def _after(self, func: Any, out: Any) -> Any:
+        phase = current_phase()
+        for t in tensors_in(out):
+            if t.layout == torch.strided:
+                self._track(t, phase)
+        self._sample(phase, func)
+        return out
+
+    def _sample(self, phase: StepKind, name: Any) -> None:
+        self.t_phase.append(phase.value)
+        self.t_name.append(name)
+        self.t_act.append(self.live[Bucket.ACTIVATION])
+        self.t_grad.append(self.live[Bucket.GRAD])
+        self.op_count += 1

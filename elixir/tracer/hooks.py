@@ -1,0 +1,141 @@
+"""Parameter-use hooks at the one granularity shared by the tracer and the runtime.
+
+**Granularity (the definition of a "step").** A *param-owning module* is a module with at least
+one direct parameter (``module.parameters(recurse=False)`` is not empty). A step is one of:
+
+- ``FORWARD``: a call of a param-owning module's ``forward``, fired by a forward pre-hook before
+  the forward body runs. It touches the module's direct parameters. A call that happens while the
+  autograd engine runs a backward pass (gradient-checkpoint recomputation, reentrant or not) is
+  reported as ``RECOMPUTE``.
+- ``BACKWARD``: the start of the backward of one such call, fired (once per call) by a
+  ``register_multi_grad_hook(mode="any")`` on that call's outputs that require grad, i.e. when the
+  first gradient with respect to any of those outputs has been computed and before the module's
+  own backward nodes run. A call whose outputs do not require grad has no backward step.
+
+A parameter is named by its canonical name: the first name ``model.named_parameters()`` gives it,
+so a tied parameter has one name wherever it is used.
+
+The runtime fires its gather/prefetch logic through :func:`install_step_hooks`, so a traced order
+(``elixir.tracer.param_tracer.generate_tf_order``) indexes exactly the steps the runtime sees.
+Parameters used outside their owner's ``forward`` are not covered by this granularity; the tracer
+reports them as ``external_params``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "StepKind",
+    "current_phase",
+    "param_owning_modules",
+    "canonical_param_names",
+    "tensors_in",
+    "install_step_hooks",
+    "StepHooks",
+]
+
+
+class StepKind(str, enum.Enum):
+    """Which hook produced a step (also the phase an op runs in)."""
+
+    FORWARD = "forward"
+    RECOMPUTE = "recompute"
+    BACKWARD = "backward"
+
+
+def current_phase() -> StepKind:
+    """The phase the calling code runs in.
+
+    Inside the autograd engine with grad mode enabled means recomputation (both reentrant and
+    non-reentrant checkpointing recompute under ``enable_grad``); inside the engine otherwise means
+    backward; outside it, forward. (A ``create_graph=True`` backward would read as recompute.)
+    """
+    if torch._C._current_graph_task_id() == -1:
+        return StepKind.FORWARD
+    return StepKind.RECOMPUTE if torch.is_grad_enabled() else StepKind.BACKWARD
+
+
+def canonical_param_names(model: nn.Module) -> dict[int, str]:
+    """``id(param) -> canonical name`` (first name in ``named_parameters()``)."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def param_owning_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, ...]]]:
+    """``(module_name, module, canonical names of its direct params)`` for each param-owning module.
+
+    A module object reachable under several names is listed once (first name).
+    """
+    names = canonical_param_names(model)
+    out = []
+    for mname, mod in model.named_modules():
+        direct = tuple(names[id(p)] for p in mod.parameters(recurse=False))
+        if direct:
+            out.append((mname, mod, direct))
+    return out
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested tuples, lists and dicts (including ``ModelOutput``)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors_in(x)
+
+
+StepCallback = Callable[[StepKind, str, nn.Module], None]
+
+
+@dataclass
+class StepHooks:
+    """Handles of the hooks installed by :func:`install_step_hooks`; call :meth:`remove`."""
+
+    handles: List[Any]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def install_step_hooks(
+    model: nn.Module,
+    on_forward: Optional[StepCallback] = None,
+    on_backward: Optional[StepCallback] = None,
+) -> StepHooks:
+    """Install the step hooks on every param-owning module of ``model``.
+
+    ``on_forward(kind, module_name, module)`` runs before each forward call, with ``kind``
+    ``FORWARD`` or ``RECOMPUTE``; ``on_backward(StepKind.BACKWARD, module_name, module)`` runs at the
+    start of each call's backward (see the module docstring). Returns the handles to remove them.
+    """
+    handles: list = []
+    for mname, mod, _ in param_owning_modules(model):
+        if on_forward is not None:
+            def pre(m, args, _name=mname):
+                on_forward(current_phase(), _name, m)
+
+            handles.append(mod.register_forward_pre_hook(pre))
+        if on_backward is not None:
+            def post(m, args, output, _name=mname):
+                outs = [t for t in tensors_in(output) if t.requires_grad]
+                if not outs:
+                    return None
+
+                def fire(_grad, _m=m):
+                    on_backward(StepKind.BACKWARD, _name, _m)
+
+                torch.autograd.graph.register_multi_grad_hook(outs, fire, mode="any")
+                return None
+
+            handles.append(mod.register_forward_hook(post))
+    return StepHooks(handles)
