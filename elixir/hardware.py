@@ -58,7 +58,7 @@ class BandwidthCurve:
             raise ValueError("bandwidth curve sizes must be increasing")
 
     @classmethod
-    def flat(cls, bytes_per_s: float) -> "BandwidthCurve":
+    def flat(cls, bytes_per_s: float) -> BandwidthCurve:
         """A size-independent bandwidth (for reference figures quoted as one number)."""
         return cls((1,), (float(bytes_per_s),))
 
@@ -86,7 +86,7 @@ class BandwidthCurve:
         return {"sizes": list(self.sizes), "bytes_per_s": list(self.bytes_per_s)}
 
     @classmethod
-    def from_json(cls, d: Any) -> "BandwidthCurve":
+    def from_json(cls, d: Any) -> BandwidthCurve:
         if isinstance(d, (int, float)):
             return cls.flat(float(d))
         return cls(tuple(int(x) for x in d["sizes"]), tuple(float(x) for x in d["bytes_per_s"]))
@@ -210,7 +210,7 @@ class HardwareProfile:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "HardwareProfile":
+    def from_json(cls, d: dict) -> HardwareProfile:
         version = d.get("schema_version")
         if version != HARDWARE_SCHEMA_VERSION:
             raise ValueError(
@@ -242,7 +242,7 @@ class HardwareProfile:
             raise
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "HardwareProfile":
+    def load(cls, path: str | os.PathLike) -> HardwareProfile:
         with open(path) as f:
             try:
                 data = json.load(f)
@@ -308,14 +308,14 @@ class MeasureOptions:
     offload_dir: str = tempfile.gettempdir()
 
     @classmethod
-    def quick(cls, offload_dir: Optional[str] = None) -> "MeasureOptions":
+    def quick(cls, offload_dir: Optional[str] = None) -> MeasureOptions:
         return cls(
             sizes=(1 * MiB, 16 * MiB, 64 * MiB), repeats=2, optimizer_params=8 * 1024 * 1024,
             disk_bytes=128 * MiB, matmul_n=1024, offload_dir=offload_dir or tempfile.gettempdir(),
         )
 
     @classmethod
-    def tiny(cls, offload_dir: Optional[str] = None) -> "MeasureOptions":
+    def tiny(cls, offload_dir: Optional[str] = None) -> MeasureOptions:
         """For tests: seconds, not minutes."""
         return cls(
             sizes=(64 * 1024, 1 * MiB), repeats=1, optimizer_params=64 * 1024, disk_bytes=4 * MiB,
@@ -358,7 +358,7 @@ def measure_copy_curve(
         a, b = alloc(src, n), alloc(dst, n)
         a.fill_(1)
         nb = dev.non_blocking_ok(a, b.device)
-        t = _median_time(lambda: b.copy_(a, non_blocking=nb), repeats, _sync(device))
+        t = _median_time(lambda a=a, b=b, nb=nb: b.copy_(a, non_blocking=nb), repeats, _sync(device))
         bws.append(a.numel() * 4 / t)
         del a, b
     return BandwidthCurve(tuple(sizes), tuple(bws))
@@ -384,8 +384,8 @@ def measure_collectives(sizes: tuple[int, ...], repeats: int, group=None) -> dic
             dev.synchronize(d)
             edist.barrier(group)
 
-        t_ag = _median_time(lambda: edist.all_gather_into(full, shard, group), repeats, barrier_sync)
-        t_rs = _median_time(lambda: edist.reduce_scatter_into(shard, full, group), repeats, barrier_sync)
+        t_ag = _median_time(lambda f=full, s=shard: edist.all_gather_into(f, s, group), repeats, barrier_sync)
+        t_rs = _median_time(lambda f=full, s=shard: edist.reduce_scatter_into(s, f, group), repeats, barrier_sync)
         # The slowest rank sets the pace.
         t_ag = max(edist.all_gather_object(t_ag, group))
         t_rs = max(edist.all_gather_object(t_rs, group))
