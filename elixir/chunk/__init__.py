@@ -1,1 +1,15 @@
-"""chunk."""
+"""The runtime's parts: chunks, states, the rCache, the traced schedule and byte accounting.
+
+Nothing here knows about models; :mod:`elixir.wrapper` maps modules and parameters onto chunks.
+"""
+
+from elixir.chunk.accounting import ElixirMemoryError, MemoryLedger
+from elixir.chunk.cache import BlockCache
+from elixir.chunk.chunk import Chunk, ChunkSpec
+from elixir.chunk.schedule import Schedule, collapse
+from elixir.chunk.state import ChunkState, GradState, IllegalTransition
+
+__all__ = [
+    "BlockCache", "Chunk", "ChunkSpec", "ChunkState", "ElixirMemoryError", "GradState",
+    "IllegalTransition", "MemoryLedger", "Schedule", "collapse",
+]

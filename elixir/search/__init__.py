@@ -1,5 +1,6 @@
 """Plans and the searches that produce them. Nothing here touches a device."""
 
+from elixir.search.minimum_waste import minimum_waste_search, print_plan
 from elixir.search.plan import ChunkPlan, Placement, Prediction, SearchResult
 
-__all__ = ["ChunkPlan", "Placement", "Prediction", "SearchResult"]
+__all__ = ["ChunkPlan", "Placement", "Prediction", "SearchResult", "minimum_waste_search", "print_plan"]

@@ -1,1 +1,8 @@
-"""wrapper."""
+"""ElixirModule (executes a plan) and ElixirOptimizer (steps on the shards)."""
+
+from elixir.wrapper.module import ElixirModule
+from elixir.wrapper.optimizer import ElixirOptimizer, Fragment
+from elixir.wrapper.plan_check import PlanMismatch, validate_plan
+from elixir.wrapper.state_dict import StateDictMismatch
+
+__all__ = ["ElixirModule", "ElixirOptimizer", "Fragment", "PlanMismatch", "StateDictMismatch", "validate_plan"]

@@ -1,0 +1,263 @@
+"""One chunk: a flat buffer of packed parameters, its shard, its fp32 master and its gradients.
+
+A chunk knows nothing about models. It owns:
+
+- ``payload``: the full flat compute-dtype tensor that parameter views point into. For a sharded
+  chunk its storage is resized to 0 when released and back when gathered, so any view of it (also
+  the views autograd saved for backward) sees the re-gathered values;
+- ``shard``: this rank's compute-dtype slice (the whole chunk when replicated), on the device or in
+  host memory;
+- ``master``: the fp32 slice the optimizer updates (the same tensor as ``shard`` when the compute
+  dtype is fp32 and both live in the same place);
+- ``grad_buffer``: the full-size gradient buffer filled during backward, freed once reduced;
+- ``shard_grad``: this rank's reduced gradient (persistent; ``grad_valid`` says if it holds data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from elixir import device as dev
+from elixir import distributed as edist
+from elixir.chunk.accounting import MemoryLedger
+from elixir.chunk.state import ChunkState, GradState, check_chunk_move, check_grad_move
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """Static description of one chunk on one rank.
+
+    Attributes:
+        index: position of the chunk in the plan.
+        capacity: elements, padding included (a multiple of ``world_size`` when sharded).
+        sharded: split across ranks, or replicated whole on every rank.
+        world_size, rank: the data-parallel group layout.
+        dtype: compute dtype of payload and shard.
+        reduce_dtype: dtype gradients are reduced in.
+        device: the compute device.
+        shard_on_host: keep the compute shard in host memory between uses.
+        master_on_host: keep the fp32 master shard in host memory.
+        pin_memory: page-lock host tensors (only matters with an accelerator).
+    """
+
+    index: int
+    capacity: int
+    sharded: bool
+    world_size: int
+    rank: int
+    dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+    shard_on_host: bool = False
+    master_on_host: bool = False
+    pin_memory: bool = True
+
+    @property
+    def shard_numel(self) -> int:
+        return self.capacity // self.world_size if self.sharded else self.capacity
+
+    @property
+    def shard_offset(self) -> int:
+        """Offset of this rank's shard in the flat chunk."""
+        return self.rank * self.shard_numel if self.sharded else 0
+
+
+def _loc(on_host: bool) -> str:
+    return "host" if on_host else "device"
+
+
+def _nbytes(numel: int, dtype: torch.dtype) -> int:
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+class Chunk:
+    """Runtime state of one chunk on this rank (see the module docstring)."""
+
+    def __init__(self, spec: ChunkSpec, ledger: MemoryLedger, group=None) -> None:
+        if spec.sharded and spec.capacity % spec.world_size:
+            raise ValueError(f"chunk {spec.index}: capacity {spec.capacity} is not a multiple of world size {spec.world_size}")
+        self.spec = spec
+        self.index = spec.index
+        self.ledger = ledger
+        self.group = group
+        self.payload_bytes = _nbytes(spec.capacity, spec.dtype)
+        self.payload = torch.empty(0, dtype=spec.dtype, device=spec.device)
+        self.state = ChunkState.RELEASED
+        self.pins = 0
+        self.grad_state = GradState.EMPTY
+        self.grad_buffer: Optional[torch.Tensor] = None
+        self.shard_grad: Optional[torch.Tensor] = None
+        self.grad_valid = False
+        self._work = None
+        self.shard: Optional[torch.Tensor] = None
+        self.master: Optional[torch.Tensor] = None
+
+    # ---- initialisation -------------------------------------------------------------------
+
+    def init_from(self, flat: torch.Tensor) -> torch.Tensor:
+        """Build payload, shard and master from the full flat values ``flat`` (any float dtype,
+        ``capacity`` elements, identical on every rank). Returns the payload (gathered, HOLD) so
+        the caller can point parameter views into it, then call :meth:`release` for sharded chunks."""
+        spec = self.spec
+        if flat.numel() != spec.capacity:
+            raise ValueError(f"chunk {self.index}: expected {spec.capacity} elements, got {flat.numel()}")
+        lo, n = spec.shard_offset, spec.shard_numel
+        self.ledger.alloc("gathered" if spec.sharded else "shard", "device", self.payload_bytes, f"chunk {self.index}")
+        self.payload = flat.to(device=spec.device, dtype=spec.dtype, copy=True)
+        self.state = ChunkState.HOLD
+        src = flat[lo : lo + n]
+        if spec.sharded:
+            if spec.shard_on_host:
+                self.shard = dev.empty_host(n, spec.dtype, pin=spec.pin_memory)
+                self.shard.copy_(src)
+            else:
+                self.shard = src.to(device=spec.device, dtype=spec.dtype, copy=True)
+            self.ledger.alloc("shard", _loc(spec.shard_on_host), _nbytes(n, spec.dtype))
+        else:
+            self.shard = self.payload  # replicated: the payload is the shard, always resident
+        same_place = spec.master_on_host == (spec.shard_on_host and spec.sharded)
+        if spec.dtype == torch.float32 and same_place:
+            self.master = self.shard
+        else:
+            if spec.master_on_host:
+                self.master = dev.empty_host(n, torch.float32, pin=spec.pin_memory)
+                self.master.copy_(src)
+            else:
+                self.master = src.to(device=spec.device, dtype=torch.float32, copy=True)
+            self.ledger.alloc("master", _loc(spec.master_on_host), _nbytes(n, torch.float32))
+        return self.payload
+
+    # ---- payload ---------------------------------------------------------------------------
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.state in (ChunkState.HOLD, ChunkState.COMPUTE)
+
+    def _move(self, new: ChunkState) -> None:
+        check_chunk_move(self.index, self.state, new)
+        self.state = new
+
+    def gather(self, async_op: bool = False) -> None:
+        """All-gather the shards into the payload (RELEASED -> HOLD, or -> GATHERING if async)."""
+        if not self.spec.sharded:
+            return
+        check_chunk_move(self.index, self.state, ChunkState.GATHERING if async_op else ChunkState.HOLD)
+        self.ledger.alloc("gathered", "device", self.payload_bytes, f"gathering chunk {self.index}")
+        self.payload.untyped_storage().resize_(self.payload_bytes)
+        src = self.shard
+        if self.spec.shard_on_host:
+            # Host shard: bring it in first (a real copy on an accelerator; on CPU the same memory,
+            # but the path is kept so it is exercised).
+            src = src.to(self.spec.device, non_blocking=dev.non_blocking_ok(src, self.spec.device), copy=True)
+        work = edist.all_gather_into(self.payload, src, self.group, async_op=async_op)
+        if async_op and work is not None:
+            self._work = work
+            self.state = ChunkState.GATHERING
+        else:
+            self.state = ChunkState.HOLD
+
+    def wait(self) -> None:
+        """Finish an asynchronous gather (GATHERING -> HOLD); no-op otherwise."""
+        if self.state is ChunkState.GATHERING:
+            self._work.wait()
+            self._work = None
+            self._move(ChunkState.HOLD)
+
+    def pin(self) -> None:
+        """Mark the payload in use (HOLD -> COMPUTE); pins nest."""
+        self.wait()
+        if self.state is ChunkState.HOLD:
+            self._move(ChunkState.COMPUTE)
+        elif self.state is not ChunkState.COMPUTE:
+            raise RuntimeError(f"chunk {self.index}: pin while {self.state.name}")
+        self.pins += 1
+
+    def unpin(self, all_pins: bool = False) -> None:
+        if self.pins <= 0:
+            return
+        self.pins = 0 if all_pins else self.pins - 1
+        if self.pins == 0:
+            self._move(ChunkState.HOLD)
+
+    def release(self) -> None:
+        """Free the payload storage of a sharded chunk (HOLD -> RELEASED)."""
+        if not self.spec.sharded or self.state is ChunkState.RELEASED:
+            return
+        self.wait()
+        self._move(ChunkState.RELEASED)
+        self.payload.untyped_storage().resize_(0)
+        self.ledger.free("gathered", "device", self.payload_bytes)
+
+    def refresh_from_master(self) -> None:
+        """After an optimizer step: copy the fp32 master into the compute shard when they differ."""
+        if self.master is not self.shard:
+            with torch.no_grad():
+                self.shard.copy_(self.master, non_blocking=dev.non_blocking_ok(self.master, self.shard.device))
+
+    # ---- gradients -------------------------------------------------------------------------
+
+    def _grad_move(self, new: GradState) -> None:
+        check_grad_move(self.index, self.grad_state, new)
+        self.grad_state = new
+
+    def open_grad(self) -> torch.Tensor:
+        """Make sure a zeroed gradient buffer is ready (EMPTY/REDUCED -> ACCUMULATING); return it."""
+        if self.grad_state is not GradState.ACCUMULATING:
+            self.ledger.alloc("grad_buffer", "device", _nbytes(self.spec.capacity, self.spec.reduce_dtype))
+            self.grad_buffer = torch.zeros(self.spec.capacity, dtype=self.spec.reduce_dtype, device=self.spec.device)
+            self._grad_move(GradState.ACCUMULATING)
+        return self.grad_buffer
+
+    def add_grad(self, offset: int, grad: torch.Tensor) -> None:
+        """Add a gradient (any shape, ``grad.numel()`` elements) into the buffer at ``offset``."""
+        buf = self.open_grad()
+        buf[offset : offset + grad.numel()].add_(grad.reshape(-1))
+
+    def reduce(self) -> None:
+        """Reduce the gradient buffer (mean over ranks) into this rank's shard gradient."""
+        if self.grad_state is not GradState.ACCUMULATING:
+            return
+        spec = self.spec
+        world = edist.get_world_size(self.group)
+        buf = self.grad_buffer
+        if spec.sharded:
+            out = buf[spec.shard_offset : spec.shard_offset + spec.shard_numel] if world == 1 else torch.empty(
+                spec.shard_numel, dtype=buf.dtype, device=buf.device
+            )
+            edist.reduce_scatter_into(out, buf, self.group)
+        else:
+            edist.all_reduce(buf, self.group)
+            out = buf
+        if world > 1:
+            out.div_(world)
+        self._accumulate_shard_grad(out)
+        self.grad_buffer = None
+        self.ledger.free("grad_buffer", "device", _nbytes(spec.capacity, spec.reduce_dtype))
+        self._grad_move(GradState.REDUCED)
+
+    def _accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
+        if self.shard_grad is None:
+            self.shard_grad = torch.zeros(self.spec.shard_numel, dtype=torch.float32, device=self.master.device)
+            self.ledger.alloc("shard_grad", _loc(self.spec.master_on_host), _nbytes(self.spec.shard_numel, torch.float32))
+        if self.grad_valid:
+            self.shard_grad.add_(reduced.to(self.shard_grad.device, torch.float32))
+        else:
+            self.shard_grad.copy_(reduced)
+            self.grad_valid = True
+
+    def end_backward(self) -> None:
+        """Reset the per-backward gradient state (after finalisation)."""
+        if self.grad_state is GradState.ACCUMULATING:
+            raise RuntimeError(f"chunk {self.index}: backward ended with unreduced gradients")
+        if self.grad_state is GradState.REDUCED:
+            self._grad_move(GradState.EMPTY)
+
+    def zero_grad(self) -> None:
+        self.grad_valid = False
+
+    def __repr__(self) -> str:
+        kind = "sharded" if self.spec.sharded else "replicated"
+        return f"Chunk({self.index}, {kind}, {self.spec.capacity} el, {self.state.name}, pins={self.pins})"

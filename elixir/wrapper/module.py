@@ -1,0 +1,525 @@
+"""ElixirModule: executes a plan on a model (chunked ZeRO-3).
+
+The trainable parameters become views into their chunk's payload. A "step" is one call of a module
+that directly owns trainable parameters: in forward its pre-hook gathers and pins that module's
+sharded chunks (also during recomputation under checkpointing) and its post-hook unpins them; in
+backward a hook on the call's outputs gathers and pins them again before the module's own backward
+runs. Pinned chunks are never evicted; unpinned ones stay in the rCache until a block is needed.
+
+Gradients: a post-accumulate-grad hook per parameter adds ``p.grad`` into the chunk's gradient
+buffer and frees ``p.grad``. When every parameter of a chunk expected to get a gradient has one, the
+chunk is reduced (reduce-scatter for sharded chunks, all-reduce for replicated ones, mean over
+ranks). A callback queued on the autograd engine finalises the rest at the end of backward, after
+agreeing across ranks (one small all-reduce) on which parameters got a gradient on any rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from elixir import device as dev
+from elixir import distributed as edist
+from elixir.chunk import BlockCache, Chunk, ChunkSpec, GradState, MemoryLedger, Schedule
+from elixir.search.plan import Placement, SearchResult
+from elixir.wrapper.plan_check import validate_plan
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one trainable parameter lives: its chunk, offset and size, and its index."""
+
+    index: int
+    name: str
+    chunk: int
+    offset: int
+    numel: int
+    shape: tuple
+
+
+@dataclass(frozen=True)
+class _ModInfo:
+    """Precomputed per hooked module: its sharded chunks and its direct trainable params."""
+
+    chunks: tuple  # sharded Chunk objects, plan order
+    chunk_set: frozenset
+    params: tuple  # parameter indices
+    ancestors: frozenset  # ids of the hooked modules that contain this one
+    key: int  # id of the module
+
+
+def _grad_tensors(obj: Any, out: list) -> list:
+    """Tensors requiring grad inside nested outputs (tensors, tuples, lists, dicts, ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            _grad_tensors(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _grad_tensors(x, out)
+    return out
+
+
+def _map_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """Cast floating tensors in nested inputs/outputs to ``dtype`` (other values unchanged)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_floats(x, dtype) for x in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_floats(x, dtype) for x in obj)
+    if isinstance(obj, dict):
+        for k in list(obj.keys()):
+            obj[k] = _map_floats(obj[k], dtype)
+        return obj
+    return obj
+
+
+class ElixirModule(nn.Module):
+    """Wrap ``module`` so it runs sharded across ``process_group`` following ``search_result``.
+
+    Args:
+        module: the model (on CPU or the compute device; identical on every rank, or synced from
+            rank 0 with ``sync_module_states``).
+        search_result: the plan (from ``minimum_waste_search`` or ``optimal_search``).
+        process_group: the data-parallel group (default: the world).
+        prefetch: follow the plan's traced order (``param_order``) to gather ahead and evict with
+            Belady's rule; without an order this only enables LRU caching.
+        dtype: compute dtype of the chunks (fp32 masters are kept for bf16/fp16).
+        reduce_always_fp32: reduce gradients in fp32 even when computing in low precision.
+        output_fp32: cast floating outputs to fp32.
+        use_fused_kernels: reserved for fused kernels (accepted, currently unused).
+        memory_limit: optional device-memory budget in bytes for the runtime's own tensors; an
+            allocation beyond it raises :class:`~elixir.chunk.ElixirMemoryError`.
+        strict_cache: raise instead of temporarily exceeding the rCache when every block is pinned.
+        sync_module_states: broadcast rank 0's initial values of parameters and buffers.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        search_result: SearchResult,
+        process_group=None,
+        prefetch: bool = False,
+        dtype: torch.dtype = torch.float,
+        reduce_always_fp32: bool = False,
+        output_fp32: bool = False,
+        use_fused_kernels: bool = False,
+        memory_limit: Optional[int] = None,
+        strict_cache: bool = False,
+        sync_module_states: bool = True,
+    ) -> None:
+        super().__init__()
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        self.module = module
+        self.plan = search_result
+        self.group = process_group
+        self.rank = edist.get_rank(process_group)
+        self.world_size = edist.get_world_size(process_group)
+        validate_plan(module, search_result, self.world_size)
+        self.dtype = dtype
+        self.reduce_dtype = torch.float32 if reduce_always_fp32 else dtype
+        self.output_fp32 = output_fp32
+        self.use_fused_kernels = use_fused_kernels
+        self.prefetch = prefetch
+        self.device = dev.default_device()
+        self.ledger = MemoryLedger(memory_limit)
+        self.cache = BlockCache(search_result.cache_blocks, strict=strict_cache)
+
+        named = dict(module.named_parameters())
+        if sync_module_states and self.world_size > 1:
+            self._broadcast_non_chunked(named)
+        self.chunks: list[Chunk] = []
+        self.slots: list[ParamSlot] = []
+        self.params: list[nn.Parameter] = []
+        self._slot_of: dict[nn.Parameter, ParamSlot] = {}
+        self._build_chunks(named, sync_module_states)
+        self._chunk_params: list[list[int]] = [[] for _ in self.chunks]
+        for s in self.slots:
+            self._chunk_params[s.chunk].append(s.index)
+        self.ledger.reset_peaks()
+
+        # per-backward bookkeeping
+        self._expected = [False] * len(self.slots)
+        self._arrived = [False] * len(self.slots)
+        self._n_expected = [0] * len(self.chunks)
+        self._n_arrived = [0] * len(self.chunks)
+        self._bwd_stack: list[_ModInfo] = []  # hooked calls whose backward may still be running
+        self.has_grad = [False] * len(self.slots)  # per param, agreed across ranks, until zero_grad
+        self._local_arrived = [False] * len(self.slots)  # got a grad under no_sync, not yet reduced
+        self._in_backward = False
+        self._fwd_stack: list[tuple] = []
+        self._no_sync = False
+        self._pre_step_hooks: list = []
+        self._drift_warned = False
+        self.observed_order: list[frozenset] = []  # sharded chunk sets of the last iteration
+        self.schedule = self._build_schedule() if prefetch else None
+        self._hook_handles: list = []
+        self._mod_info: dict[nn.Module, _ModInfo] = {}
+        self._register_hooks()
+
+    # ------------------------------------------------------------------------------------------
+    # construction
+
+    def _broadcast_non_chunked(self, named: dict) -> None:
+        chunked = {n for c in self.plan.chunks for n in c.params}
+        with torch.no_grad():
+            for n, p in named.items():
+                if n not in chunked:
+                    edist.broadcast(p.data, 0, self.group)
+            for b in self.module.buffers():
+                edist.broadcast(b.data, 0, self.group)
+
+    def _build_chunks(self, named: dict, sync: bool) -> None:
+        plan = self.plan
+        for ci, cp in enumerate(plan.chunks):
+            spec = ChunkSpec(
+                index=ci,
+                capacity=cp.chunk_size,
+                sharded=cp.sharded,
+                world_size=self.world_size,
+                rank=self.rank,
+                dtype=self.dtype,
+                reduce_dtype=self.reduce_dtype,
+                device=self.device,
+                shard_on_host=cp.sharded and cp.shard_placement is Placement.HOST,
+                master_on_host=cp.optim_placement is not Placement.DEVICE,
+                pin_memory=bool(plan.info.get("pin_memory", True)),
+            )
+            chunk = Chunk(spec, self.ledger, self.group)
+            flat = torch.zeros(cp.chunk_size, dtype=torch.float32, device=self.device)
+            offset = 0
+            members = []
+            for name, shape in zip(cp.params, cp.shapes):
+                p = named[name]
+                n = p.numel()
+                flat[offset : offset + n].copy_(p.detach().reshape(-1))
+                slot = ParamSlot(len(self.slots), name, ci, offset, n, tuple(shape))
+                self.slots.append(slot)
+                self.params.append(p)
+                self._slot_of[p] = slot
+                members.append((p, slot))
+                offset += n
+            if sync and self.world_size > 1:
+                edist.broadcast(flat, 0, self.group)
+            payload = chunk.init_from(flat)
+            del flat
+            for p, slot in members:
+                p.data = payload[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if cp.sharded:
+                chunk.release()
+            self.chunks.append(chunk)
+        if self.dtype != torch.float32:
+            with torch.no_grad():
+                for p in self.module.parameters():
+                    if p not in self._slot_of and p.is_floating_point():
+                        p.data = p.data.to(self.dtype)
+
+    def _build_schedule(self) -> Optional[Schedule]:
+        order = self.plan.param_order
+        if not order:
+            return None
+        chunk_of = {s.name: s.chunk for s in self.slots}
+        steps = []
+        for names in order:
+            steps.append(frozenset(chunk_of[n] for n in names if n in chunk_of and self.chunks[chunk_of[n]].spec.sharded))
+        return Schedule(steps, lookahead=max(1, self.plan.prefetch_depth))
+
+    def _register_hooks(self) -> None:
+        owners = {
+            m for m in self.module.modules()
+            if any(p is not None and p in self._slot_of for p in m._parameters.values())
+        }
+        ancestors: dict[int, set] = {}
+
+        def walk(m: nn.Module, above: frozenset) -> None:
+            ancestors.setdefault(id(m), set()).update(above)
+            for child in m.children():
+                walk(child, above | {id(m)} if m in owners else above)
+
+        walk(self.module, frozenset())
+        for m in self.module.modules():
+            if m in self._mod_info or m not in owners:
+                continue
+            direct = [p for p in m._parameters.values() if p is not None and p in self._slot_of]
+            idx = tuple(dict.fromkeys(self._slot_of[p].index for p in direct))
+            chunk_ids = list(dict.fromkeys(self.slots[i].chunk for i in idx))
+            sharded = tuple(self.chunks[c] for c in sorted(chunk_ids) if self.chunks[c].spec.sharded)
+            info = _ModInfo(sharded, frozenset(c.index for c in sharded), idx, frozenset(ancestors[id(m)]), id(m))
+            self._mod_info[m] = info
+            self._hook_handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, info)))
+            self._hook_handles.append(m.register_forward_hook(functools.partial(self._post_forward, info)))
+        for p in self.params:
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ------------------------------------------------------------------------------------------
+    # hooks
+
+    def _use(self, info: _ModInfo) -> None:
+        """Gather (or find in the rCache) and pin ``info``'s chunks; prefetch what follows."""
+        sched = self.schedule
+        self.observed_order.append(info.chunk_set)
+        next_use = None
+        if sched is not None and sched.active:
+            if sched.observe(info.chunk_set):
+                next_use = self._next_use
+            elif not self._drift_warned:
+                self._drift_warned = True
+                warnings.warn(
+                    "elixir: the execution order drifted from the plan's traced order (different "
+                    "control flow?); gathering on demand with LRU eviction for the rest of this "
+                    "iteration",
+                    stacklevel=4,
+                )
+        for c in info.chunks:
+            self.cache.acquire(c, next_use, info.chunk_set)
+            c.pin()
+        if next_use is not None:
+            upcoming = sched.upcoming()
+            protect = set(info.chunk_set) | set(upcoming)
+            for ci in upcoming:
+                if not self.cache.prefetch(self.chunks[ci], next_use, protect):
+                    break
+
+    def _next_use(self, chunk: Chunk) -> float:
+        return self.schedule.next_use(chunk.index)
+
+    def _pre_forward(self, info: _ModInfo, module: nn.Module, args) -> None:
+        if info.chunks:
+            self._use(info)
+        self._fwd_stack.append(info.chunks)
+        if torch.is_grad_enabled():
+            exp, nexp = self._expected, self._n_expected
+            for i in info.params:
+                if not exp[i]:
+                    exp[i] = True
+                    nexp[self.slots[i].chunk] += 1
+
+    def _post_forward(self, info: _ModInfo, module: nn.Module, args, output) -> None:
+        chunks = self._fwd_stack.pop() if self._fwd_stack else ()
+        for c in chunks:
+            c.unpin()
+        if info.chunks and torch.is_grad_enabled():
+            tensors = _grad_tensors(output, [])
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, functools.partial(self._pre_backward, info), mode="any"
+                )
+
+    def _pre_backward(self, info: _ModInfo, grad) -> None:
+        self._enter_backward()
+        self._unwind_forward()
+        # Backward runs in reverse creation order, so a call whose backward is still running when
+        # this one starts encloses it; the others are done: unpin them.
+        stack = self._bwd_stack
+        while stack and stack[-1].key not in info.ancestors:
+            for c in stack.pop().chunks:
+                c.unpin()
+        self._use(info)
+        stack.append(info)
+
+    def _unwind_forward(self) -> None:
+        """Drop pins of forwards that never finished (recomputation stopped early)."""
+        while self._fwd_stack:
+            for c in self._fwd_stack.pop():
+                c.unpin()
+
+    def _root_pre_backward(self, grad) -> None:
+        self._enter_backward()
+
+    def _enter_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        g = p.grad
+        if g is None:
+            return
+        self._enter_backward()
+        slot = self._slot_of[p]
+        chunk = self.chunks[slot.chunk]
+        i, ci = slot.index, slot.chunk
+        chunk.add_grad(slot.offset, g)
+        p.grad = None
+        if not self._expected[i]:
+            self._expected[i] = True
+            self._n_expected[ci] += 1
+        if not self._arrived[i]:
+            self._arrived[i] = True
+            self._n_arrived[ci] += 1
+        if not self._no_sync and self._n_arrived[ci] == self._n_expected[ci]:
+            self._reduce_chunk(chunk)
+
+    def _reduce_chunk(self, chunk: Chunk) -> None:
+        chunk.reduce()
+
+    def _finalize_backward(self) -> None:
+        """End of backward: agree on which params got gradients, reduce the rest, reset state."""
+        try:
+            n, k = len(self.slots), len(self.chunks)
+            local = [a or b for a, b in zip(self._arrived, self._local_arrived)]
+            if self._no_sync:
+                self._local_arrived = local  # remembered for the next synchronising backward
+            else:
+                self._local_arrived = [False] * n
+                mask = torch.zeros(n + k, dtype=torch.int32)
+                if n:
+                    mask[:n] = torch.tensor(local, dtype=torch.int32)
+                for c in self.chunks:
+                    if c.grad_state is GradState.ACCUMULATING:
+                        mask[n + c.index] = 1
+                if self.world_size > 1:
+                    edist.all_reduce(mask, self.group, op=torch.distributed.ReduceOp.MAX)
+                got = mask.tolist()
+                for c in self.chunks:
+                    if got[n + c.index]:
+                        c.open_grad()
+                        self._reduce_chunk(c)
+                    c.end_backward()
+                self.has_grad = [a or bool(b) for a, b in zip(self.has_grad, got[:n])]
+            self._expected = [False] * n
+            self._arrived = [False] * n
+            self._n_expected = [0] * k
+            self._n_arrived = [0] * k
+            while self._bwd_stack:
+                for c in self._bwd_stack.pop().chunks:
+                    c.unpin()
+            self._unwind_forward()
+            self.cache.release_all()
+        finally:
+            self._in_backward = False
+
+    # ------------------------------------------------------------------------------------------
+    # forward
+
+    def forward(self, *args, **kwargs):
+        if not self._in_backward:
+            self._unwind_forward()
+            self.observed_order = []
+            if self.schedule is not None:
+                self.schedule.restart()
+        if self.dtype != torch.float32:
+            args = _map_floats(args, self.dtype)
+            kwargs = _map_floats(kwargs, self.dtype)
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            tensors = _grad_tensors(out, [])
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
+        elif not self._in_backward:
+            self.cache.release_all()
+        if self.output_fp32:
+            out = _map_floats(out, torch.float32)
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    # gradients and the optimizer's view
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no collective) until a backward outside the block."""
+        old = self._no_sync
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = old
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the reduced gradients (the shard gradients), as ``optimizer.zero_grad()`` does."""
+        for c in self.chunks:
+            c.zero_grad()
+        self.has_grad = [False] * len(self.slots)
+        for p in self.module.parameters():
+            p.grad = None
+
+    def register_pre_step_hook(self, fn) -> None:
+        """``fn(module)`` runs in :meth:`ElixirOptimizer.step` before the inner optimizer steps."""
+        self._pre_step_hooks.append(fn)
+
+    def after_optimizer_step(self) -> None:
+        """The masters changed: refresh compute shards and drop every gathered (now stale) payload."""
+        for c in self.chunks:
+            c.refresh_from_master()
+        self.cache.release_all()
+
+    def iter_shards(self) -> Iterator[tuple[Chunk, torch.Tensor, Optional[torch.Tensor]]]:
+        """(chunk, fp32 master shard, fp32 shard gradient or None) for this rank, plan order."""
+        for c in self.chunks:
+            yield c, c.master, (c.shard_grad if c.grad_valid else None)
+
+    def full_grads(self) -> dict[str, Optional[torch.Tensor]]:
+        """Every trainable parameter's full fp32 gradient (None when it got none). Collective."""
+        out: dict[str, Optional[torch.Tensor]] = {}
+        for c in self.chunks:
+            full = torch.zeros(c.spec.capacity, dtype=torch.float32, device=self.device)
+            if c.grad_valid:
+                if c.spec.sharded:
+                    edist.all_gather_into(full, c.shard_grad.to(self.device), self.group)
+                else:
+                    full.copy_(c.shard_grad)
+            elif c.spec.sharded:
+                edist.all_gather_into(full, torch.zeros(c.spec.shard_numel, device=self.device), self.group)
+            for i in self._chunk_params[c.index]:
+                s = self.slots[i]
+                out[s.name] = full[s.offset : s.offset + s.numel].view(s.shape).clone() if self.has_grad[i] else None
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    # accounting
+
+    def memory_report(self) -> dict[str, int]:
+        """The runtime's own bytes on this rank (shards, masters, cache, peaks)."""
+        L = self.ledger
+        block = max((c.payload_bytes for c in self.chunks if c.spec.sharded), default=0)
+        return {
+            "shard_bytes": L.bytes("shard"),
+            "shard_device_bytes": L.bytes("shard", "device"),
+            "shard_host_bytes": L.bytes("shard", "host"),
+            "master_bytes": L.bytes("master"),
+            "cache_bytes": self.cache.capacity * block,
+            "gathered_bytes": L.bytes("gathered"),
+            "peak_gathered_bytes": L.bytes("gathered", peak=True),
+            "peak_grad_buffer_bytes": L.bytes("grad_buffer", peak=True),
+            "shard_grad_bytes": L.bytes("shard_grad"),
+            "device_peak_bytes": L.device_peak,
+        }
+
+    def reset_peak_memory(self) -> None:
+        self.ledger.reset_peaks()
+
+    # ------------------------------------------------------------------------------------------
+    # state dict (full, unsharded, keys of the wrapped model)
+
+    def state_dict(self, *args, rank0_only: bool = False, **kwargs) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The full state dict of the wrapped model with its own keys (tied weights under every
+        name, as ``model.state_dict()`` gives them), on CPU. Collective: call on every rank.
+        With ``rank0_only`` the other ranks get an empty dict."""
+        from elixir.wrapper.state_dict import full_state_dict
+
+        return full_state_dict(self, rank0_only=rank0_only)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
+        """Load a full state dict (keys of the wrapped model). Every rank needs the full dict."""
+        from elixir.wrapper.state_dict import load_full_state_dict
+
+        return load_full_state_dict(self, state_dict, strict=strict)
+
+    def extra_repr(self) -> str:
+        sharded = sum(c.spec.sharded for c in self.chunks)
+        return (
+            f"chunks={len(self.chunks)} ({sharded} sharded), cache_blocks={self.cache.capacity}, "
+            f"world_size={self.world_size}, dtype={self.dtype}"
+        )

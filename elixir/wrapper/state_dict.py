@@ -1,0 +1,88 @@
+"""Full (unsharded) state dicts for ElixirModule, with the wrapped model's own keys.
+
+Saving gathers one chunk at a time (a collective) and copies its parameters to CPU. Tied
+parameters appear under every name the wrapped model's ``state_dict()`` gives them, exactly as
+``transformers`` models produce them, so the result loads into the plain model. Loading writes
+each rank's own slice into its shards and masters; no collective is needed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from elixir import distributed as edist
+
+if TYPE_CHECKING:
+    from elixir.wrapper.module import ElixirModule
+
+
+class StateDictMismatch(RuntimeError):
+    """A state dict's keys or shapes do not match the wrapped model."""
+
+
+def _chunk_values(em: "ElixirModule", chunk) -> torch.Tensor:
+    """The full fp32 values of ``chunk`` (gathered from the masters), on CPU."""
+    full = torch.empty(chunk.spec.capacity, dtype=torch.float32, device=em.device)
+    if chunk.spec.sharded:
+        edist.all_gather_into(full, chunk.master.to(em.device, torch.float32), em.group)
+    else:
+        full.copy_(chunk.master)
+    return full.cpu()
+
+
+def full_state_dict(em: "ElixirModule", rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    keep = not rank0_only or em.rank == 0
+    values: dict[int, torch.Tensor] = {}  # id(param) -> full value
+    for chunk in em.chunks:
+        full = _chunk_values(em, chunk)
+        if keep:
+            for i in em._chunk_params[chunk.index]:
+                s = em.slots[i]
+                values[id(em.params[i])] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
+    if not keep:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for key, t in em.module.state_dict(keep_vars=True).items():
+        v = values.get(id(t))
+        out[key] = v if v is not None else t.detach().to("cpu", copy=True)
+    return out
+
+
+def load_full_state_dict(em: "ElixirModule", state_dict: dict, strict: bool = True):
+    expected = em.module.state_dict(keep_vars=True)
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    if strict and (missing or unexpected):
+        raise StateDictMismatch(
+            f"state dict does not match the wrapped model: missing keys {missing}, unexpected keys "
+            f"{unexpected} (pass strict=False to load the common keys)"
+        )
+    by_param: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, t in expected.items():
+            if key not in state_dict:
+                continue
+            v = state_dict[key]
+            if tuple(v.shape) != tuple(t.shape):
+                raise StateDictMismatch(f"{key}: shape {tuple(v.shape)} in the state dict, {tuple(t.shape)} in the model")
+            if isinstance(t, torch.nn.Parameter) and t in em._slot_of:
+                by_param.setdefault(id(t), v)
+            else:
+                t.data.copy_(v)
+        em.cache.release_all()
+        for chunk in em.chunks:
+            spec = chunk.spec
+            lo, hi = spec.shard_offset, spec.shard_offset + spec.shard_numel
+            for i in em._chunk_params[chunk.index]:
+                s = em.slots[i]
+                v = by_param.get(id(em.params[i]))
+                a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if v is None or a >= b:
+                    continue
+                src = v.reshape(-1)[a - s.offset : b - s.offset]
+                chunk.master[a - lo : b - lo].copy_(src)
+                if chunk.shard is not chunk.master:
+                    chunk.shard[a - lo : b - lo].copy_(src)
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
