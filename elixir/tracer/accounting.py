@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -78,6 +78,7 @@ class StorageAccountant(TorchDispatchMode):
     def __init__(self, cache: Optional[MetaOpCache] = None) -> None:
         super().__init__()
         self.cache = cache
+        self.observer: Optional[Callable[[tuple, dict], None]] = None  # sees every op's arguments
         self._entries: dict[int, _Entry] = {}
         self.live = [0, 0, 0]  # indexed by Bucket
         self.op_count = 0
@@ -141,6 +142,8 @@ class StorageAccountant(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.observer is not None:
+            self.observer(args, kwargs)
         cache, key = self.cache, None
         if cache is not None:
             key = cache.key(func, args, kwargs)
@@ -169,9 +172,15 @@ class StorageAccountant(TorchDispatchMode):
 
     def _after(self, func: Any, out: Any) -> Any:
         phase = current_phase()
+        before = len(self._entries)
         for t in tensors_in(out):
             if t.layout == torch.strided:
                 self._track(t, phase)
+        if (phase is StepKind.BACKWARD and self.t_phase and self.t_phase[-1] == "recompute"
+                and len(self._entries) == before):
+            # checkpointing's own no-grad bookkeeping (detach of recomputed tensors) inside a
+            # recomputation allocates nothing; keep it in the recompute run
+            phase = StepKind.RECOMPUTE
         self._sample(phase, func)
         return out
 

@@ -111,12 +111,15 @@ def install_step_hooks(
     model: nn.Module,
     on_forward: Optional[StepCallback] = None,
     on_backward: Optional[StepCallback] = None,
+    on_forward_end: Optional[StepCallback] = None,
 ) -> StepHooks:
     """Install the step hooks on every param-owning module of ``model``.
 
     ``on_forward(kind, module_name, module)`` runs before each forward call, with ``kind``
     ``FORWARD`` or ``RECOMPUTE``; ``on_backward(StepKind.BACKWARD, module_name, module)`` runs at the
-    start of each call's backward (see the module docstring). Returns the handles to remove them.
+    start of each call's backward (see the module docstring). ``on_forward_end(kind, name, module)``
+    (optional, not a step) runs when that forward call returns, e.g. to release its parameters.
+    Hooks run in module registration order; returns the handles to remove them.
     """
     handles: list = []
     for mname, mod, _ in param_owning_modules(model):
@@ -125,8 +128,12 @@ def install_step_hooks(
                 on_forward(current_phase(), _name, m)
 
             handles.append(mod.register_forward_pre_hook(pre))
-        if on_backward is not None:
+        if on_backward is not None or on_forward_end is not None:
             def post(m, args, output, _name=mname):
+                if on_forward_end is not None:
+                    on_forward_end(current_phase(), _name, m)
+                if on_backward is None:
+                    return None
                 outs = [t for t in tensors_in(output) if t.requires_grad]
                 if not outs:
                     return None

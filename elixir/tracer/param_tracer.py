@@ -26,11 +26,16 @@ class ParamOrder:
         checkpoint_info: the outermost checkpointed forward regions as half-open ``(start, end)``
             step-index pairs: steps ``start .. end-1`` ran inside the region.
         recompute_info: the same, for each contiguous run of recompute steps.
+        external_params: canonical names of parameters some op used in forward or recomputation
+            while none of their owning modules was inside ``forward`` (functional use from
+            another module). The step granularity does not cover them: a runtime must keep them
+            available for the whole step.
     """
 
     steps: tuple
     checkpoint_info: tuple
     recompute_info: tuple
+    external_params: tuple = ()
 
     @property
     def params_per_step(self) -> list:
@@ -42,6 +47,7 @@ class ParamOrder:
             "params_per_step": [list(p) for p in self.params_per_step],
             "checkpoint_info": [list(r) for r in self.checkpoint_info],
             "recompute_info": [list(r) for r in self.recompute_info],
+            "external_params": list(self.external_params),
             "steps": [{"kind": s.kind.value, "module": s.module, "op_index": s.op_index} for s in self.steps],
         }
 
@@ -65,6 +71,7 @@ def order_from_trace(tr: StepTrace) -> ParamOrder:
         steps=tuple(steps),
         checkpoint_info=tuple(tr.checkpoint_steps),
         recompute_info=_step_runs(steps, "recompute"),
+        external_params=tuple(tr.external_params),
     )
 
 
@@ -72,12 +79,13 @@ def generate_tf_order(model: nn.Module, inp: dict, step_fn: StepFn, dtype: torch
     """Trace ``step_fn(model, inp)`` on meta and return the parameter order.
 
     Returns ``{"params_per_step": [tuple of names per step], "checkpoint_info": [(start, end), ...],
-    "recompute_info": [...], "order": ParamOrder}``. Neither ``model`` nor ``inp`` is modified.
+    "recompute_info": [...], "external_params": [...], "order": ParamOrder}``. Neither ``model`` nor ``inp`` is modified.
     """
     order = order_from_trace(trace_step(model, inp, step_fn, dtype, "meta"))
     return {
         "params_per_step": order.params_per_step,
         "checkpoint_info": list(order.checkpoint_info),
         "recompute_info": list(order.recompute_info),
+        "external_params": list(order.external_params),
         "order": order,
     }

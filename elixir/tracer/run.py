@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -12,7 +13,7 @@ import torch.nn as nn
 from .accounting import StorageAccountant, TracerError
 from .checkpoint import watch_checkpoints
 from .convert import Target, check_dtype, check_inputs, copy_inputs, copy_model, model_device
-from .hooks import StepKind, current_phase, install_step_hooks, param_owning_modules
+from .hooks import StepKind, current_phase, install_step_hooks, param_owning_modules, tensors_in
 from .meta_kernels import ensure_meta_kernels, hf_meta_shims, sdpa_as_cpu
 from .opcache import MetaOpCache
 
@@ -48,6 +49,8 @@ class StepTrace:
     # outermost checkpointed forward regions: (start, end) half-open, in ops and in steps
     checkpoint_ops: list[tuple[int, int]] = field(default_factory=list)
     checkpoint_steps: list[tuple[int, int]] = field(default_factory=list)
+    # canonical names of params an op used outside their owners' forward -> first such op index
+    external_params: dict[str, int] = field(default_factory=dict)
 
 
 def _unique_storage_bytes(tensors, seen: set) -> int:
@@ -92,6 +95,25 @@ def trace_step(model: nn.Module, inp: dict, step_fn: StepFn, dtype: torch.dtype 
     def on_step(kind: StepKind, mname: str, _m: nn.Module) -> None:
         tr.steps.append(TracedStep(kind, mname, owned[mname], acc.op_count))
 
+    # parameters used by an op in forward/recompute while no owner of theirs is inside forward
+    param_of_storage = {id(p.untyped_storage()): n for n, p in work.named_parameters()}
+    active: Counter = Counter()
+
+    def on_forward(kind: StepKind, mname: str, m: nn.Module) -> None:
+        on_step(kind, mname, m)
+        active.update(owned[mname])
+
+    def on_forward_end(_kind: StepKind, mname: str, _m: nn.Module) -> None:
+        active.subtract(owned[mname])
+
+    def observe(args: tuple, kwargs: dict) -> None:
+        if current_phase() is StepKind.BACKWARD:
+            return
+        for t in (*tensors_in(args), *tensors_in(kwargs)):
+            name = param_of_storage.get(id(t.untyped_storage()))
+            if name is not None and active[name] <= 0 and name not in tr.external_params:
+                tr.external_params[name] = acc.op_count
+
     def on_grad(p: torch.Tensor) -> None:
         tr.grad_events += 1
         if p.grad is not None:
@@ -109,7 +131,8 @@ def trace_step(model: nn.Module, inp: dict, step_fn: StepFn, dtype: torch.dtype 
             tr.checkpoint_ops.append((op0, acc.op_count))
             tr.checkpoint_steps.append((st0, len(tr.steps)))
 
-    hooks = install_step_hooks(work, on_forward=on_step, on_backward=on_step)
+    acc.observer = observe
+    hooks = install_step_hooks(work, on_forward=on_forward, on_backward=on_step, on_forward_end=on_forward_end)
     grad_handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
     route = sdpa_as_cpu() if target == "meta" else contextlib.nullcontext()
     shims = hf_meta_shims() if target == "meta" else contextlib.nullcontext()

@@ -1,0 +1,56 @@
+"""``elixir profile MODEL``: trace one training step of a registry model or a config.json on meta."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a registry name (e.g. opt-175b, gpt2, llama-7b, bert-base) or a config.json path")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="training dtype (default fp32)")
+    p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every layer")
+    p.add_argument("--reentrant", action="store_true", help="use reentrant checkpointing (default non-reentrant)")
+    p.add_argument("--json", metavar="PATH", help="write the profile summary as JSON")
+    p.add_argument("--timeline", action="store_true", help="include the per-op timeline and step order in --json")
+    p.add_argument("--plot", metavar="PNG", help="save a plot of the live-bytes timeline (needs matplotlib)")
+    p.add_argument("--list", action="store_true", help="list the registry's model names and exit")
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from elixir import models
+
+    console = Console()
+    if args.list:
+        console.print("\n".join(models.model_names()))
+        return 0
+    import torch
+
+    from .memory_tracer import memory_profiling
+
+    t0 = time.perf_counter()
+    model = models.build_model(args.model)
+    if args.checkpointing:
+        models.enable_checkpointing(model, reentrant=args.reentrant)
+    batch = models.make_batch(model, args.batch, args.seq)
+    n_params = sum(p.numel() for p in model.parameters())
+    t1 = time.perf_counter()
+    prof = memory_profiling(model, batch, models.lm_step_fn, getattr(torch, DTYPES[args.dtype]))
+    t2 = time.perf_counter()
+    ck = f", checkpointing ({'reentrant' if args.reentrant else 'non-reentrant'})" if args.checkpointing else ""
+    title = f"{args.model}: {n_params / 1e9:.2f}B params, batch {args.batch} x seq {args.seq}, {args.dtype}{ck}"
+    prof.print(console, title=title)
+    console.print(f"built in {t1 - t0:.2f} s, traced in {t2 - t1:.2f} s")
+    if args.json:
+        prof.to_json(args.json, timeline=args.timeline)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        prof.plot(args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0
