@@ -1,0 +1,405 @@
+"""The cost model: per-rank memory and step time of a candidate plan, from a hardware profile.
+
+Everything here is a formula over the :class:`~elixir.search.step_profile.StepProfile` (what the
+step touches, when) and the :class:`~elixir.hardware.HardwareProfile` (what the machine can do).
+No constant is fitted: bandwidths, optimizer throughput and matmul throughput all come from the
+hardware profile; byte counts come from the plan and the tracer.
+
+**Layout.** For a chunk size ``C`` the trainable parameters are packed greedily, in order of first
+use, into chunks of capacity ``C`` (a multiple of ``world * ALIGN``); tied parameters get their own
+replicated chunks (as :func:`~elixir.search.minimum_waste.minimum_waste_search` does).
+
+**Memory, per rank** (bytes; ``s = C / world`` shard elements, ``e`` the compute element size,
+``r`` the reduce element size, ``k`` optimizer-state bytes per element: 8 for Adam, 4 for SGD):
+
+- device, fixed: activation peak + buffers + ``blocks * C * e`` (rCache) + ``G * C * r`` (gradient
+  buffers: ``G`` is the most chunks whose backward is in progress at once) + replicated payloads;
+- per sharded chunk, by placement of (shard, optimizer state):
+  ``DD``: device ``s(e + m + 4 + k)``; ``DH``: device ``s e``, host ``s(4 + 4 + k)``;
+  ``HH``: host ``s(e + m + 4 + k)``; ``DK``/``HK``: as ``DH``/``HH`` with master and state
+  (``s(4 + k)``) on disk and one chunk's worth staged in host memory.
+  ``m`` is 4 for the fp32 master copy, 0 when the compute dtype is fp32 and shard and master live
+  together (the runtime then uses one tensor);
+- a safety margin (:class:`MemoryPolicy`) is held back from each budget for allocator
+  fragmentation and workspaces that the tracer does not see.
+
+The activation peak, cache, gradient buffers and shards are summed (an upper bound: the activation
+peak and the gradient-buffer peak need not coincide).
+
+**Time, per step** (seconds): compute ``flops / matmul_flops`` + all-gathers (one per simulated
+gather, ``all_gather_time(C e)``) + reduce-scatters (one per sharded chunk) + all-reduces of
+replicated chunks + host->device copies of host shards at each gather + per-placement optimizer
+phase (device Adam; or grad shard device->host, host Adam, updated shard host->device; plus disk
+read and write of master and state). With ``overlap`` hardware and a prefetch depth >= 1,
+communication during forward/backward hides under compute: ``max(compute, comm) + one gather``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from elixir.hardware import HardwareProfile
+from elixir.search.simulator import AccessTrace, simulate
+from elixir.search.step_profile import BACKWARD, StepProfile
+
+ALIGN = 16  # elements per rank a shard is aligned to (as minimum_waste_search)
+
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "cpuadam": 8, "sgd": 4, "none": 0}
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    """Safety margins held back from each budget (fractions of the budget).
+
+    Attributes:
+        device_margin: for the caching allocator's fragmentation and kernel workspaces (cuBLAS,
+            NCCL buffers) that the tracer does not see. PyTorch's caching allocator typically
+            reserves 5-15% more than it allocates on transformer training; 10% is the default.
+        host_margin: for the Python process, pinned staging and the page cache.
+        disk_margin: for the file system's own overhead.
+    """
+
+    device_margin: float = 0.10
+    host_margin: float = 0.10
+    disk_margin: float = 0.05
+
+    def __post_init__(self) -> None:
+        for k in ("device_margin", "host_margin", "disk_margin"):
+            if not 0.0 <= getattr(self, k) < 1.0:
+                raise ValueError(f"{k} must be in [0, 1)")
+
+    def usable(self, device: int, host: int, disk: int) -> tuple[int, int, int]:
+        return (
+            int(device * (1 - self.device_margin)),
+            int(host * (1 - self.host_margin)),
+            int(disk * (1 - self.disk_margin)),
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Chunks for one chunk size: names per chunk, which are sharded, and the cache trace."""
+
+    chunk_size: int
+    chunks: tuple[tuple[str, ...], ...]
+    capacities: tuple[int, ...]
+    sharded: tuple[bool, ...]
+    trace: AccessTrace  # over sharded chunks only (ids index `sharded_ids`)
+    sharded_ids: tuple[int, ...]
+    min_blocks: int
+    grad_buffers: int  # most sharded chunks with backward in progress at once
+    used: int  # parameter elements in sharded chunks
+
+    @property
+    def n_sharded(self) -> int:
+        return len(self.sharded_ids)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def pack(profile: StepProfile, chunk_size: int, world: int) -> Layout:
+    """Greedy in-order packing of ``profile``'s parameters into chunks of ``chunk_size``."""
+    numel = profile.numel
+    order = profile.use_order()
+    sh_names = [n for n in order if n not in profile.shared]
+    if sh_names and chunk_size < max(numel[n] for n in sh_names):
+        raise ValueError(f"chunk size {chunk_size} is smaller than the largest parameter")
+    chunks: list[list[str]] = []
+    used = chunk_size + 1
+    for n in sh_names:
+        k = numel[n]
+        if used + k > chunk_size:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(n)
+        used += k
+    n_sh = len(chunks)
+    caps = [chunk_size] * n_sh
+    sharded = [True] * n_sh
+    for n in order:
+        if n in profile.shared:
+            chunks.append([n])
+            caps.append(numel[n])
+            sharded.append(False)
+    chunk_of = {n: i for i, c in enumerate(chunks[:n_sh]) for n in c}
+    steps = [sorted({chunk_of[n] for n in s if n in chunk_of}) for s in profile.steps]
+    # The runtime keeps a chunk resident (pinned) in backward from its first backward use until its
+    # gradients are complete; the same interval holds its gradient buffer.
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for t, (s, kind) in enumerate(zip(steps, profile.step_kinds)):
+        if kind == BACKWARD:
+            for c in s:
+                first.setdefault(c, t)
+                last[c] = t
+    grad_buffers = 0
+    if first:
+        delta = np.zeros(len(steps) + 1, dtype=np.int64)
+        for c in first:
+            delta[first[c]] += 1
+            delta[last[c] + 1] -= 1
+        open_count = np.cumsum(delta)
+        grad_buffers = int(open_count.max())
+        opens: list[list[int]] = [[] for _ in steps]
+        spans = sorted(first)
+        for c in spans:
+            for t in range(first[c] + 1, last[c]):
+                opens[t].append(c)
+        steps = [sorted(set(s) | set(o)) if o else s for s, o in zip(steps, opens)]
+    trace = AccessTrace.from_steps(steps, n_sh)
+    min_blocks = max((len(s) for s in steps), default=0)
+    return Layout(
+        chunk_size=chunk_size, chunks=tuple(tuple(c) for c in chunks), capacities=tuple(caps),
+        sharded=tuple(sharded), trace=trace, sharded_ids=tuple(range(n_sh)), min_blocks=min_blocks,
+        grad_buffers=grad_buffers, used=sum(numel[n] for n in sh_names),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# placements
+
+PLACEMENTS = ("DD", "DH", "HH", "DK", "HK")  # (shard, optimizer state): Device / Host / disK
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What is fixed for one evaluation: world, dtypes, optimizer, hardware."""
+
+    world: int
+    elem: int  # compute element size
+    reduce_elem: int
+    opt_bytes: int  # optimizer-state bytes per element
+    hardware: HardwareProfile
+    dtype: str
+    pin: bool = True
+
+
+def per_chunk_bytes(st: Setting, shard: int) -> dict[str, tuple[int, int, int]]:
+    """(device, host, disk) bytes of one sharded chunk's state for each placement."""
+    e, k = st.elem, st.opt_bytes
+    m_same = 0 if e == 4 else 4  # fp32 master shares the shard tensor when they live together
+    return {
+        "DD": (shard * (e + m_same + 4 + k), 0, 0),
+        "DH": (shard * e, shard * (4 + 4 + k), 0),
+        "HH": (0, shard * (e + m_same + 4 + k), 0),
+        "DK": (shard * e, shard * 4, shard * (4 + k)),
+        "HK": (0, shard * (e + 4), shard * (4 + k)),
+    }
+
+
+def per_chunk_fixed_time(st: Setting, shard: int) -> dict[str, float]:
+    """Optimizer-phase seconds of one sharded chunk for each placement (gathers excluded)."""
+    hw = st.hardware
+    grad_d2h = hw.d2h_time(shard * st.reduce_elem, st.pin)
+    param_h2d = hw.h2d_time(shard * st.elem, st.pin)
+    dev = hw.optimizer_time(shard, "device")
+    host = hw.optimizer_time(shard, "host")
+    disk = hw.disk_time(shard * (4 + st.opt_bytes), shard * (4 + st.opt_bytes))
+    return {
+        "DD": dev,
+        "DH": grad_d2h + host + param_h2d,
+        "HH": grad_d2h + host,
+        "DK": grad_d2h + host + param_h2d + disk,
+        "HK": grad_d2h + host + disk,
+    }
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One fully placed candidate and its predictions."""
+
+    chunk_size: int
+    blocks: int
+    prefetch_depth: int
+    placements: tuple[str, ...]  # per chunk of the layout (replicated ones: "D" + optimizer place)
+    device_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    step_time: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)
+    gathers: int = 0
+
+
+def fixed_device_bytes(profile: StepProfile, layout: Layout, st: Setting, blocks: int) -> dict[str, int]:
+    """Device bytes that do not depend on placement."""
+    repl = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
+    return {
+        "activations": int(profile.activation_bytes),
+        "buffers": int(profile.buffer_bytes),
+        "rcache": blocks * layout.chunk_size * st.elem,
+        "grad_buffers": layout.grad_buffers * layout.chunk_size * st.reduce_elem,
+        "replicated": repl * st.elem,
+    }
+
+
+def replicated_optimizer_bytes(layout: Layout, st: Setting, where: str) -> tuple[int, int]:
+    """(device, host) bytes of the replicated chunks' master, gradient and optimizer state."""
+    repl = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
+    if where == "D":
+        return repl * ((0 if st.elem == 4 else 4) + 4 + st.opt_bytes), 0
+    return 0, repl * (4 + 4 + st.opt_bytes)
+
+
+def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int) -> dict[str, float]:
+    hw, w = st.hardware, st.world
+    full = layout.chunk_size * st.elem
+    repl = [c for c, s in zip(layout.capacities, layout.sharded) if not s]
+    ar = 0.0
+    if w > 1:
+        ar = sum(hw.reduce_scatter_time(c * st.reduce_elem, w) + hw.all_gather_time(c * st.reduce_elem, w) for c in repl)
+    return {
+        "compute": hw.matmul_time(profile.flops(), st.dtype),
+        "all_gather": gathers * hw.all_gather_time(full, w) if layout.n_sharded else 0.0,
+        "reduce_scatter": layout.n_sharded * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, w),
+        "all_reduce": ar,
+    }
+
+
+def place(
+    profile: StepProfile,
+    layout: Layout,
+    st: Setting,
+    blocks: int,
+    depth: int,
+    budgets: tuple[int, int, int],
+    allow_disk: bool,
+    per_chunk_gathers: np.ndarray,
+) -> Optional[Evaluation]:
+    """The fastest placement of every chunk for this (chunk size, blocks, depth), or None if none fits.
+
+    Sharded chunks are identical in memory, and their optimizer-phase time depends only on the
+    placement; only host-shard gathers depend on the chunk. So the best placement keeps on the
+    device the shards of the most-gathered chunks, and is found exactly by scanning ``y`` (chunks
+    with optimizer state on device), with as many device shards ``x >= y`` as fit, and the fewest
+    optimizer states on disk ``z`` that make host memory fit.
+    """
+    dev_budget, host_budget, disk_budget = budgets
+    hw = st.hardware
+    n = layout.n_sharded
+    shard = layout.chunk_size // st.world if n else 0
+    fixed = fixed_device_bytes(profile, layout, st, blocks)
+    base_dev = sum(fixed.values())
+    cb = per_chunk_bytes(st, shard)
+    ct = per_chunk_fixed_time(st, shard)
+    g_sorted = np.sort(per_chunk_gathers)[::-1]  # most gathered first
+    # host-shard gather cost if the n - x least gathered chunks have host shards
+    h2d_gather = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
+    suffix = np.concatenate([np.cumsum(g_sorted[::-1])[::-1], [0]]) if n else np.zeros(1)
+    gathers = int(per_chunk_gathers.sum())
+    comm = comm_times(profile, layout, st, gathers)
+    best: Optional[Evaluation] = None
+    repl_any = any(not s for s in layout.sharded)
+    for rwhere in ("D", "H") if repl_any else ("D",):
+        rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
+        dev_free = dev_budget - base_dev - rd
+        host_free = host_budget - rh
+        if dev_free < 0 or host_free < 0:
+            continue
+        repl_opt_numel = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
+        t_repl_opt = hw.optimizer_time(repl_opt_numel, "device" if rwhere == "D" else "host")
+        if rwhere == "H" and repl_opt_numel:
+            t_repl_opt += hw.d2h_time(repl_opt_numel * st.reduce_elem, st.pin) + hw.h2d_time(repl_opt_numel * st.elem, st.pin)
+        if n == 0:
+            cand = _finish(layout, st, blocks, depth, (), fixed, rd, rh, 0, comm, t_repl_opt, 0.0, gathers, rwhere)
+            if best is None or cand.step_time < best.step_time:
+                best = cand
+            continue
+        y = np.arange(n + 1)
+        dd_dev = cb["DD"][0]
+        s_dev = cb["DH"][0]
+        # shards on device: all y DD chunks, plus as many DH/DK as fit
+        room = dev_free - y * dd_dev
+        ok = room >= 0
+        x = np.minimum(n, y + np.where(ok, room, 0) // max(1, s_dev)) if s_dev else np.full(n + 1, n)
+        # host: (x - y) DH chunks, (n - x) HH chunks; z of them move optimizer state to disk
+        host_need = (x - y) * cb["DH"][1] + (n - x) * cb["HH"][1]
+        free_per_disk = cb["DH"][1] - cb["DK"][1]  # equals HH - HK
+        over = host_need - host_free
+        if allow_disk and free_per_disk > 0:
+            stage = shard * (4 + st.opt_bytes)
+            over_staged = np.where(over > 0, over + stage, over)
+            z = np.where(over_staged > 0, -(-over_staged // free_per_disk), 0)
+        else:
+            z = np.where(over > 0, n + 1, 0)
+        ok &= z <= n - y
+        ok &= z * cb["DK"][2] <= disk_budget
+        if not ok.any():
+            continue
+        zc = np.minimum(z, n - y)
+        # z disk chunks taken from the host-shard chunks first (HK), then DK
+        hk = np.minimum(zc, n - x)
+        dk = zc - hk
+        t_opt = (
+            y * ct["DD"] + (x - y - dk) * ct["DH"] + dk * ct["DK"] + (n - x - hk) * ct["HH"] + hk * ct["HK"]
+        )
+        t_h2d = suffix[x] * h2d_gather
+        total = t_opt + t_h2d
+        total = np.where(ok, total, np.inf)
+        yi = int(np.argmin(total))
+        xi, zi, hki, dki = int(x[yi]), int(zc[yi]), int(hk[yi]), int(dk[yi])
+        # assign: most gathered chunks get device shards
+        order = np.argsort(-per_chunk_gathers, kind="stable")
+        kinds = ["HH"] * n
+        for rank_, c in enumerate(order):
+            if rank_ < yi:
+                kinds[c] = "DD"
+            elif rank_ < xi - dki:
+                kinds[c] = "DH"
+            elif rank_ < xi:
+                kinds[c] = "DK"
+            elif rank_ < n - hki:
+                kinds[c] = "HH"
+            else:
+                kinds[c] = "HK"
+        dev = sum(cb[k][0] for k in kinds)
+        host = sum(cb[k][1] for k in kinds) + (shard * (4 + st.opt_bytes) if zi else 0)
+        disk = sum(cb[k][2] for k in kinds)
+        cand = _finish(
+            layout, st, blocks, depth, tuple(kinds), fixed, rd + dev, rh + host, disk, comm,
+            t_repl_opt + float(t_opt[yi]), float(t_h2d[yi]), gathers, rwhere,
+        )
+        if cand.device_bytes > dev_budget or cand.host_bytes > host_budget or cand.disk_bytes > disk_budget:
+            continue  # pragma: no cover - guarded by construction
+        if best is None or cand.step_time < best.step_time:
+            best = cand
+    return best
+
+
+def _finish(
+    layout: Layout, st: Setting, blocks: int, depth: int, kinds: tuple[str, ...], fixed: dict[str, int],
+    dev_var: int, host: int, disk: int, comm: dict[str, float], t_opt: float, t_h2d: float, gathers: int,
+    rwhere: str,
+) -> Evaluation:
+    hw = st.hardware
+    fb_comm = comm["all_gather"] + comm["reduce_scatter"] + comm["all_reduce"] + t_h2d
+    if hw.overlap and depth >= 1 and layout.n_sharded:
+        first_gather = hw.all_gather_time(layout.chunk_size * st.elem, st.world)
+        fb = max(comm["compute"], fb_comm) + first_gather
+        hidden = comm["compute"] + fb_comm - fb
+    else:
+        fb = comm["compute"] + fb_comm
+        hidden = 0.0
+    breakdown = dict(comm, h2d_gather=t_h2d, optimizer=t_opt, overlap_hidden=-hidden)
+    placements = []
+    it = iter(kinds)
+    for s in layout.sharded:
+        placements.append(next(it) if s else "R" + rwhere)
+    memory = dict(fixed, placed_device=dev_var)
+    return Evaluation(
+        chunk_size=layout.chunk_size, blocks=blocks, prefetch_depth=depth, placements=tuple(placements),
+        device_bytes=sum(fixed.values()) + dev_var, host_bytes=host, disk_bytes=disk,
+        step_time=fb + t_opt, breakdown=breakdown, memory=memory, gathers=gathers,
+    )
+
+
+def simulate_layout(layout: Layout, blocks: int) -> np.ndarray:
+    """Per sharded chunk gather counts under Belady with ``blocks`` blocks."""
+    if layout.n_sharded == 0:
+        return np.zeros(0, dtype=np.int64)
+    return simulate(layout.trace, max(blocks, layout.min_blocks), "belady").per_chunk

@@ -1,0 +1,477 @@
+"""optimal_search: the plan with the lowest predicted step time that fits the memory budgets.
+
+It scores candidate chunk sizes (a geometric grid between the largest parameter and the whole
+model, plus the least-padding size), numbers of rCache blocks (from the fewest any step can run
+with upwards), prefetch depths (when ``overlap``) and, for each, the fastest per-chunk placement of
+shards and optimizer state (:func:`~elixir.search.cost_model.place`). Gathers come from the cache
+simulator under Belady's rule; costs from the hardware profile (:mod:`elixir.search.cost_model`).
+
+The candidate space is finite and every loop is bounded, so the search always terminates. It
+raises :class:`DoesNotFitError` exactly when no candidate fits: the fewest blocks with everything
+offloaded is tried for every chunk size, and more blocks only add memory.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from elixir.hardware import HardwareProfile, default_profile
+from elixir.search.cost_model import (
+    ALIGN,
+    OPTIMIZER_STATE_BYTES,
+    Evaluation,
+    Layout,
+    MemoryPolicy,
+    Setting,
+    pack,
+    place,
+    round_up,
+    simulate_layout,
+)
+from elixir.search.plan import ChunkPlan, Placement, Prediction, SearchResult, dtype_name
+from elixir.search.step_profile import RECOMPUTE, StepProfile, profile_from_module, profile_step
+
+GRID_POINTS = 48  # geometric chunk-size candidates
+EXTRA_BLOCKS = 6  # block counts tried above the minimum one by one (then geometrically)
+MAX_DEPTH = 2  # deepest prefetch tried when overlap is on
+INF = 1 << 62
+
+_PLACE = {"D": Placement.DEVICE, "H": Placement.HOST, "K": Placement.DISK}
+
+
+class DoesNotFitError(ValueError):
+    """No configuration fits the budgets. ``suggestions`` lists changes that would fit, smallest first."""
+
+    def __init__(self, message: str, suggestions: list[str], needs: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.suggestions = suggestions
+        self.needs = needs
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Per-rank memory budgets in bytes (before the safety margins); ``disk`` 0 forbids disk offload."""
+
+    device: int
+    host: int
+    disk: int = 0
+
+
+def _elem(dtype: str) -> int:
+    return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[dtype]
+
+
+def chunk_size_candidates(profile: StepProfile, world: int, points: int = GRID_POINTS) -> list[int]:
+    """Chunk sizes to score: a geometric grid from the largest sharded parameter to the whole
+    (sharded) model, and the size with the least padding."""
+    numel = profile.numel
+    sh = [numel[n] for n in profile.use_order() if n not in profile.shared]
+    if not sh:
+        return [0]
+    align = ALIGN * world
+    lo = round_up(max(sh), align)
+    hi = max(lo, round_up(sum(sh), align))
+    sizes = {lo, hi}
+    if hi > lo:
+        r = (hi / lo) ** (1 / max(1, points - 1))
+        for i in range(points):
+            sizes.add(min(hi, round_up(int(lo * r**i), align)))
+    try:
+        from elixir.search.minimum_waste import best_chunk_size
+
+        sizes.add(best_chunk_size(sh, align))
+    except Exception:  # noqa: BLE001 - the least-padding size is a bonus candidate
+        pass
+    return sorted(s for s in sizes if s >= lo)
+
+
+def _block_candidates(layout: Layout) -> list[int]:
+    n, lo = layout.n_sharded, layout.min_blocks
+    if n == 0:
+        return [0]
+    lo = max(1, lo)
+    out = set(range(lo, min(n, lo + EXTRA_BLOCKS) + 1))
+    b = lo + EXTRA_BLOCKS
+    while b < n:
+        out.add(b)
+        b = int(b * 1.5) + 1
+    out.add(n)
+    return sorted(x for x in out if lo <= x <= max(lo, n))
+
+
+class _Searcher:
+    def __init__(self, profile: StepProfile, world: int, hardware: HardwareProfile, budgets: Budgets,
+                 optimizer_type: str, overlap: bool, policy: MemoryPolicy, reduce_dtype: Optional[str]) -> None:
+        key = optimizer_type.lower()
+        if key not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(f"optimizer_type {optimizer_type!r} not known; use one of {sorted(OPTIMIZER_STATE_BYTES)}")
+        if world < 1:
+            raise ValueError(f"group_size must be >= 1, got {world}")
+        self.profile = profile
+        self.world = world
+        self.hw = hardware
+        self.budgets = budgets
+        self.policy = policy
+        self.overlap = overlap
+        self.setting = Setting(
+            world=world, elem=_elem(profile.dtype), reduce_elem=_elem(reduce_dtype or profile.dtype),
+            opt_bytes=OPTIMIZER_STATE_BYTES[key], hardware=hardware, dtype=profile.dtype,
+        )
+        self.usable = policy.usable(budgets.device, budgets.host, budgets.disk)
+        self._layouts: dict[int, Layout] = {}
+
+    def layout(self, c: int) -> Layout:
+        if c not in self._layouts:
+            self._layouts[c] = pack(self.profile, c, self.world)
+        return self._layouts[c]
+
+    def evaluate(self, layout: Layout, blocks: int, depth: int, usable=None) -> Optional[Evaluation]:
+        g = simulate_layout(layout, blocks)
+        usable = usable or self.usable
+        return place(self.profile, layout, self.setting, blocks, depth, usable, usable[2] > 0, g)
+
+    def fits(self, usable=None) -> bool:
+        """Whether any candidate fits: the fewest blocks, no prefetch, for every chunk size."""
+        for c in chunk_size_candidates(self.profile, self.world):
+            lay = self.layout(c)
+            if self.evaluate(lay, _block_candidates(lay)[0], 0, usable) is not None:
+                return True
+        return False
+
+    def run(self) -> tuple[Evaluation, list[Evaluation], int]:
+        results: list[Evaluation] = []
+        scored = 0
+        for c in chunk_size_candidates(self.profile, self.world):
+            lay = self.layout(c)
+            for b in _block_candidates(lay):
+                depths = range(0, min(MAX_DEPTH, b - max(1, lay.min_blocks)) + 1) if self.overlap and lay.n_sharded else (0,)
+                ev_any = None
+                for d in depths:
+                    scored += 1
+                    ev = self.evaluate(lay, b, d)
+                    if ev is not None:
+                        results.append(ev)
+                        ev_any = ev
+                if ev_any is None:
+                    break  # more blocks only need more memory
+        if not results:
+            raise self.no_fit_error()
+        results.sort(key=lambda e: (e.step_time, e.device_bytes))
+        return results[0], results, scored
+
+    # ---- diagnostics ----
+
+    def no_fit_error(self) -> DoesNotFitError:
+        dev, host, disk = self.usable
+        st = self.setting
+        needs: dict[str, Any] = {}
+        options: list[tuple[float, str]] = []
+
+        # each suggestion changes one thing only, and is checked to fit
+        min_dev = self._min_needed(lambda v: (v, host, disk), dev)
+        if min_dev is not None and min_dev > dev:
+            need = math.ceil(min_dev / (1 - self.policy.device_margin)) + 1
+            needs["device_memory"] = need
+            options.append((need / max(1, self.budgets.device) - 1, f"device memory >= {_fmt(need)} per rank (budget {_fmt(self.budgets.device)})"))
+        min_host = self._min_needed(lambda v: (dev, v, disk), host)
+        if min_host is not None and min_host > host:
+            need = math.ceil(min_host / (1 - self.policy.host_margin)) + 1
+            needs["host_memory"] = need
+            options.append((need / max(1, self.budgets.host) - 1, f"host memory >= {_fmt(need)} per rank (budget {_fmt(self.budgets.host)})"))
+        if self.budgets.disk == 0 and self.fits((dev, host, INF)):
+            d_need = self._min_needed(lambda v: (dev, host, v), 1 << 20)
+            if d_need is not None:
+                d_need = math.ceil(d_need / (1 - self.policy.disk_margin)) + 1
+                needs["disk"] = d_need
+                options.append((0.5, f"allow disk offload of optimizer state (disk >= {_fmt(d_need)} per rank)"))
+        w = self.world
+        for _ in range(16):
+            w *= 2
+            other = _Searcher(self.profile, w, self.hw, self.budgets, _opt_name(st.opt_bytes), False, self.policy, None)
+            try:
+                ok = other.fits()
+            except ValueError:
+                ok = False
+            if ok:
+                needs["world_size"] = w
+                options.append((w / self.world - 1, f"world size >= {w} (from {self.world})"))
+                break
+        act = self.profile.activation_bytes
+        if act > 0:
+            lo, hi = 0.0, 1.0
+            if self._fits_with_activation(0):
+                for _ in range(20):
+                    mid = (lo + hi) / 2
+                    if self._fits_with_activation(int(act * mid)):
+                        lo = mid
+                    else:
+                        hi = mid
+                needs["activation_fraction"] = lo
+                tok = self.profile.tokens
+                txt = f"activations <= {_fmt(int(act * lo))} (now {_fmt(act)}): a batch about {lo:.0%} of the current one"
+                if tok:
+                    txt += f" (~{max(1, int(tok * lo))} tokens per rank instead of {tok})"
+                options.append((1 - lo, txt))
+                if RECOMPUTE not in self.profile.step_kinds:
+                    options.append((1 - lo + 0.01, "gradient checkpointing (--checkpointing), which cuts activations to about one layer's worth plus layer inputs"))
+        options.sort()
+        suggestions = [t for _, t in options]
+        head = (
+            f"no plan fits: device budget {_fmt(self.budgets.device)} and host budget {_fmt(self.budgets.host)} per rank"
+            f" (usable after margins {_fmt(dev)} / {_fmt(host)})"
+            + (f", disk {_fmt(self.budgets.disk)}" if self.budgets.disk else ", no disk offload")
+            + f", world size {self.world}; activations alone need {_fmt(act)}"
+        )
+        if suggestions:
+            head += ". Smallest changes that would fit:\n  - " + "\n  - ".join(suggestions)
+        else:
+            head += ". No single change within reach fits; plan a smaller model or a larger cluster."
+        return DoesNotFitError(head, suggestions, needs)
+
+    def _min_needed(self, budgets_of: Callable[[int], tuple[int, int, int]], start: int) -> Optional[int]:
+        """Smallest value ``v`` (bytes, to 0.1%) for which ``budgets_of(v)`` fits; None if even INF fails."""
+        if not self.fits(budgets_of(INF)):
+            return None
+        lo, hi = 0, max(1, start)
+        while not self.fits(budgets_of(hi)):
+            lo, hi = hi, hi * 2
+            if hi >= INF:
+                hi = INF
+                break
+        while hi - lo > max(1, hi // 1000):
+            mid = (lo + hi) // 2
+            if self.fits(budgets_of(mid)):
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    def _fits_with_activation(self, act: int) -> bool:
+        saved = self.profile
+        self.profile = _with_activation(saved, act)
+        try:
+            return self.fits()
+        finally:
+            self.profile = saved
+
+
+def _with_activation(p: StepProfile, act: int) -> StepProfile:
+    import dataclasses
+
+    return dataclasses.replace(p, activation_bytes=act)
+
+
+def _opt_name(opt_bytes: int) -> str:
+    return {8: "adam", 4: "sgd", 0: "none"}[opt_bytes]
+
+
+def _fmt(n: int) -> str:
+    if n >= INF // 2:
+        return "unlimited"
+    for unit, k in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+
+
+def _summary(ev: Evaluation) -> str:
+    from collections import Counter
+
+    c = Counter(ev.placements)
+    return " ".join(f"{k}x{v}" for k, v in sorted(c.items()))
+
+
+def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: Layout, info: dict) -> SearchResult:
+    shapes = dict(profile.params)
+    chunks = []
+    for names, cap, sharded, pl in zip(layout.chunks, layout.capacities, layout.sharded, ev.placements):
+        if sharded:
+            sp, op = _PLACE[pl[0]], _PLACE[pl[1]]
+        else:
+            sp, op = Placement.DEVICE, _PLACE[pl[1]]
+        chunks.append(ChunkPlan(tuple(names), tuple(shapes[n] for n in names), cap, profile.dtype, sharded, sp, op))
+    traced = profile.info.get("source", "").startswith("tracer")
+    pred = Prediction(
+        peak_device_bytes=int(ev.device_bytes), peak_host_bytes=int(ev.host_bytes), peak_disk_bytes=int(ev.disk_bytes),
+        step_time_s=float(ev.step_time), breakdown={k: float(v) for k, v in ev.breakdown.items()},
+    )
+    return SearchResult(
+        chunks=tuple(chunks), world_size=world, cache_blocks=ev.blocks, prefetch_depth=ev.prefetch_depth,
+        frozen_params=tuple(profile.frozen), param_order=tuple(profile.steps) if traced else None,
+        search="optimal", prediction=pred, info=info,
+    )
+
+
+def search_profile(
+    profile: StepProfile,
+    world: int,
+    *,
+    hardware: Optional[HardwareProfile] = None,
+    device_memory: Optional[int] = None,
+    host_memory: Optional[int] = None,
+    disk: Optional[int] = None,
+    optimizer_type: str = "Adam",
+    overlap: bool = False,
+    policy: Optional[MemoryPolicy] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    verbose: bool = False,
+    console=None,
+) -> SearchResult:
+    """The search proper, on a ready :class:`StepProfile` (``optimal_search`` traces, then calls this).
+
+    Budgets are bytes per rank; ``None`` takes the hardware profile's device memory and its host
+    memory shared by the ranks of one node; ``disk`` None or 0 forbids disk offload.
+    """
+    t0 = time.perf_counter()
+    policy = policy or MemoryPolicy()
+    hw = hardware or default_profile()
+    if device_memory is None:
+        device_memory = hw.device_memory_bytes
+    if host_memory is None:
+        per_node = world if hw.device_type == "cpu" else min(world, hw.devices_per_node)
+        host_memory = hw.host_memory_bytes // max(1, per_node)
+    budgets = Budgets(int(device_memory), int(host_memory), int(disk or 0))
+    s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy,
+                  None if reduce_dtype is None else dtype_name(reduce_dtype))
+    best, results, scored = s.run()
+    layout = s.layout(best.chunk_size)
+    runners = _runner_ups(results, 5)
+    info = {
+        "search_time_s": time.perf_counter() - t0,
+        "candidates_scored": scored,
+        "hardware": hw.name,
+        "budgets": {"device": budgets.device, "host": budgets.host, "disk": budgets.disk},
+        "usable_after_margins": dict(zip(("device", "host", "disk"), s.usable)),
+        "margins": {"device": policy.device_margin, "host": policy.host_margin, "disk": policy.disk_margin},
+        "predicted_memory": {k: int(v) for k, v in best.memory.items()},
+        "gathers_per_step": best.gathers,
+        "waste": 1 - layout.used / max(1, layout.chunk_size * layout.n_sharded),
+        "profile": {k: v for k, v in profile.info.items() if isinstance(v, (str, int, float, list, tuple, dict))},
+        "activation_bytes": profile.activation_bytes,
+        "runner_ups": [
+            {"chunk_size": e.chunk_size, "blocks": e.blocks, "prefetch_depth": e.prefetch_depth,
+             "placements": _summary(e), "step_time_s": e.step_time, "device_bytes": e.device_bytes,
+             "host_bytes": e.host_bytes}
+            for e in runners
+        ],
+    }
+    result = to_search_result(profile, world, best, layout, info)
+    if verbose:
+        print_report(result, runners, console)
+    return result
+
+
+def _runner_ups(results: list[Evaluation], k: int) -> list[Evaluation]:
+    """The best evaluation per chunk size, best first (the first is the winner)."""
+    seen, out = set(), []
+    for e in results:
+        if e.chunk_size in seen:
+            continue
+        seen.add(e.chunk_size)
+        out.append(e)
+        if len(out) == k:
+            break
+    return out
+
+
+def print_report(result: SearchResult, runners: list[Evaluation], console=None) -> None:
+    """Rich report: the chosen plan, its predicted memory and time, and the runner-ups."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    p = result.prediction
+    info = result.info
+    sharded = [c for c in result.chunks if c.sharded]
+    t = Table(title=f"elixir optimal plan: world {result.world_size}, hardware {info.get('hardware')}")
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    t.add_row("chunk size", f"{result.chunk_size:,} elements ({len(sharded)} sharded, {len(result.chunks) - len(sharded)} replicated)")
+    t.add_row("padding waste", f"{100 * info.get('waste', 0):.2f}%")
+    t.add_row("rCache blocks / prefetch depth", f"{result.cache_blocks} / {result.prefetch_depth}")
+    t.add_row("gathers per step", str(info.get("gathers_per_step")))
+    t.add_row("placements (shard, optimizer)", runners[0] and _summary(runners[0]) if runners else "")
+    b = info["budgets"]
+    u = info["usable_after_margins"]
+    t.add_row("peak device / usable / budget", f"{_fmt(p.peak_device_bytes)} / {_fmt(u['device'])} / {_fmt(b['device'])}")
+    t.add_row("peak host / usable / budget", f"{_fmt(p.peak_host_bytes)} / {_fmt(u['host'])} / {_fmt(b['host'])}")
+    if p.peak_disk_bytes:
+        t.add_row("disk", _fmt(p.peak_disk_bytes))
+    for k, v in info.get("predicted_memory", {}).items():
+        t.add_row(f"  device: {k}", _fmt(v))
+    t.add_row("predicted step time", f"{p.step_time_s:.4f} s")
+    for k, v in p.breakdown.items():
+        t.add_row(f"  {k}", f"{v:.4f} s")
+    t.add_row("search time", f"{info.get('search_time_s', 0):.2f} s ({info.get('candidates_scored')} candidates)")
+    console.print(t)
+    r = Table(title="runner-ups (best per chunk size)")
+    for col in ("chunk size", "blocks", "depth", "placements", "device", "host", "step s", "vs best"):
+        r.add_column(col, justify="right")
+    best = runners[0].step_time if runners else 0
+    for e in runners:
+        r.add_row(f"{e.chunk_size:,}", str(e.blocks), str(e.prefetch_depth), _summary(e), _fmt(e.device_bytes),
+                  _fmt(e.host_bytes), f"{e.step_time:.4f}", f"{e.step_time / best:.3f}x" if best else "")
+    console.print(r)
+    console.print("placements: DD shard+optimizer on device, DH shard on device / optimizer on host, HH both on host, "
+                  "DK/HK optimizer on disk, R* replicated chunk (optimizer on D/H)")
+
+
+def optimal_search(
+    model: nn.Module,
+    group_size: int,
+    unified_dtype: torch.dtype = torch.float,
+    optimizer_type: str = "Adam",
+    overlap: bool = False,
+    verbose: bool = False,
+    inp: Optional[dict] = None,
+    step_fn: Optional[Callable] = None,
+    *,
+    device_memory: Optional[int] = None,
+    host_memory: Optional[int] = None,
+    disk: Optional[int] = None,
+    hardware: Optional[HardwareProfile] = None,
+    policy: Optional[MemoryPolicy] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+) -> SearchResult:
+    """Plan ``model`` for ``group_size`` ranks: the lowest predicted step time that fits.
+
+    Args:
+        model: the model (any device; meta included: nothing is allocated).
+        group_size: data-parallel world size.
+        unified_dtype: compute dtype of the chunks.
+        optimizer_type: ``"Adam"``/``"AdamW"`` (8 B/element of state) or ``"SGD"`` (4).
+        overlap: allow prefetching (depth 1-2) so gathers overlap compute where the hardware can.
+        verbose: print a rich report with the runner-ups.
+        inp, step_fn: one training step ``step_fn(model, inp)`` to trace (activations, buffers and
+            parameter order); without them, definition order and zero activation bytes are used.
+        device_memory, host_memory, disk: per-rank budgets in bytes (see :func:`search_profile`).
+        hardware: the hardware profile (default: the shipped profile of this project's CPU box).
+        policy: the safety margins.
+        reduce_dtype: gradient reduction dtype (default: the compute dtype).
+
+    Raises:
+        DoesNotFitError: nothing fits; the message names the smallest changes that would.
+    """
+    if (inp is None) != (step_fn is None):
+        raise ValueError("give both inp and step_fn (to trace the step), or neither")
+    if inp is not None:
+        profile = profile_step(model, inp, step_fn, unified_dtype)
+    else:
+        profile = profile_from_module(model, dtype=unified_dtype)
+    return search_profile(
+        profile, group_size, hardware=hardware, device_memory=device_memory, host_memory=host_memory, disk=disk,
+        optimizer_type=optimizer_type, overlap=overlap, policy=policy, reduce_dtype=reduce_dtype, verbose=verbose,
+    )
+
+
+__all__ = ["Budgets", "DoesNotFitError", "optimal_search", "search_profile", "chunk_size_candidates"]
