@@ -307,7 +307,7 @@ def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: L
     )
     return SearchResult(
         chunks=tuple(chunks), world_size=world, cache_blocks=ev.blocks, prefetch_depth=ev.prefetch_depth,
-        frozen_params=tuple(profile.frozen), param_order=tuple(profile.steps) if traced else None,
+        frozen_params=tuple(profile.frozen), param_order=tuple(tuple(sorted(s)) for s in profile.steps) if traced else None,
         search="optimal", prediction=pred, info=info,
     )
 

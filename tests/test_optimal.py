@@ -1,0 +1,188 @@
+"""optimal_search: terminates, respects budgets, raises exactly when nothing fits, explains itself."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from elixir.hardware import load_profile
+from elixir.search.cost_model import (
+    MemoryPolicy,
+    Setting,
+    fixed_device_bytes,
+    pack,
+    per_chunk_bytes,
+    replicated_optimizer_bytes,
+)
+from elixir.search.optimal import DoesNotFitError, chunk_size_candidates, optimal_search, search_profile
+from elixir.search.plan import SearchResult
+from elixir.search.step_profile import BACKWARD, FORWARD, StepProfile
+
+HW = load_profile("cpu-box")
+POLICY = MemoryPolicy()
+
+
+@st.composite
+def layer_stacks(draw):
+    """A random stack: optional tied embedding, layers of 1-3 params, forward then reversed backward."""
+    layers = draw(st.integers(1, 4))
+    per_layer = draw(st.lists(st.integers(8, 3000), min_size=1, max_size=3))
+    params, steps = [], []
+    tied = draw(st.booleans())
+    if tied:
+        params.append(("emb.weight", (draw(st.integers(8, 2000)),)))
+    for i in range(layers):
+        names = []
+        for j, n in enumerate(per_layer):
+            name = f"layers.{i}.p{j}"
+            params.append((name, (n,)))
+            names.append(name)
+        steps.append(tuple(names))
+    fwd = ([("emb.weight",)] if tied else []) + steps + ([("emb.weight",)] if tied else [])
+    kinds = [FORWARD] * len(fwd) + [BACKWARD] * len(fwd)
+    return StepProfile(
+        params=tuple(params), shared=frozenset({"emb.weight"} if tied else ()), steps=tuple(fwd + fwd[::-1]),
+        step_kinds=tuple(kinds), activation_bytes=draw(st.integers(0, 200_000)),
+        matmul_param_numel=sum(math.prod(s) for _, s in params), tokens=4,
+        dtype=draw(st.sampled_from(["float32", "bfloat16"])), info={"source": "synthetic"},
+    )
+
+
+def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int]) -> bool:
+    """Exhaustive: any chunk size, the fewest blocks, any count of each placement."""
+    dev, host, disk = POLICY.usable(*budgets)
+    elem = 4 if profile.dtype == "float32" else 2
+    stt = Setting(world=world, elem=elem, reduce_elem=elem, opt_bytes=8, hardware=HW, dtype=profile.dtype)
+    types = ["DD", "DH", "HH"] + (["DK", "HK"] if disk > 0 else [])
+    for c in chunk_size_candidates(profile, world):
+        lay = pack(profile, c, world)
+        n = lay.n_sharded
+        blocks = max(1, lay.min_blocks) if n else 0
+        base = sum(fixed_device_bytes(profile, lay, stt, blocks).values())
+        cb = per_chunk_bytes(stt, c // world if n else 0)
+        for rw in ("D", "H"):
+            rd, rh = replicated_optimizer_bytes(lay, stt, rw)
+            for counts in itertools.product(range(n + 1), repeat=len(types)):
+                if sum(counts) != n:
+                    continue
+                d = base + rd + sum(k * cb[t][0] for k, t in zip(counts, types))
+                h = rh + sum(k * cb[t][1] for k, t in zip(counts, types))
+                k_disk = sum(k * cb[t][2] for k, t in zip(counts, types))
+                if k_disk:
+                    h += (c // world) * (4 + 8)  # one chunk's master + state staged in host memory
+                if d <= dev and h <= host and k_disk <= disk:
+                    return True
+    return False
+
+
+def _search(profile, world, budgets, **kw):
+    return search_profile(profile, world, hardware=HW, device_memory=budgets[0], host_memory=budgets[1],
+                          disk=budgets[2], policy=POLICY, **kw)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layer_stacks(),
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(0, 400_000),
+    st.integers(0, 400_000),
+    st.sampled_from([0, 0, 100_000, 10**9]),
+)
+def test_plans_respect_budgets_and_raise_exactly_when_nothing_fits(profile, world, dev, host, disk):
+    budgets = (dev, host, disk)
+    expected = oracle_fits(profile, world, budgets)
+    try:
+        r = _search(profile, world, budgets)
+    except DoesNotFitError as e:
+        assert not expected, "the search gave up although a configuration fits"
+        # every suggested single change really fits
+        for key, value in e.needs.items():
+            if key == "device_memory":
+                _search(profile, world, (value, host, disk))
+            elif key == "host_memory":
+                _search(profile, world, (dev, value, disk))
+            elif key == "disk":
+                _search(profile, world, (dev, host, value))
+            elif key == "world_size":
+                _search(profile, value, budgets)
+        return
+    assert expected, "the search returned a plan although none fits"
+    udev, uhost, udisk = POLICY.usable(*budgets)
+    p = r.prediction
+    assert p.peak_device_bytes <= udev and p.peak_host_bytes <= uhost and p.peak_disk_bytes <= udisk
+    assert sorted(r.param_names) == sorted(n for n, _ in profile.params)
+    assert all(c.chunk_size % world == 0 for c in r.chunks if c.sharded)
+    assert r.cache_blocks >= max(1, pack(profile, r.chunk_size, world).min_blocks) or not any(c.sharded for c in r.chunks)
+    # more memory never makes the chosen plan slower (the search is exhaustive over its candidates)
+    r2 = _search(profile, world, (2 * dev + 1, 2 * host + 1, disk))
+    assert r2.prediction.step_time_s <= p.step_time_s * (1 + 1e-9)
+
+
+def _tiny_gpt():
+    from elixir.testing.zoo import build_gpt2
+
+    torch.manual_seed(0)
+    return build_gpt2(n_layer=3, n_embd=32)
+
+
+def _step(model, batch):
+    out = model(input_ids=batch["input_ids"], labels=batch["input_ids"])
+    out.loss.backward()
+    return out.loss
+
+
+def test_optimal_search_on_a_traced_model_round_trips(tmp_path, capsys):
+    model = _tiny_gpt()
+    batch = {"input_ids": torch.randint(0, 128, (2, 16))}
+    r = optimal_search(model, 2, inp=batch, step_fn=_step, device_memory=64 << 20, host_memory=1 << 30,
+                       hardware=HW, verbose=True)
+    out = capsys.readouterr().out
+    assert "runner-ups" in out and "predicted step time" in out
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(r.param_names) == names and len(r.param_names) == len(names)
+    assert r.param_order is not None and r.prediction.step_time_s > 0
+    assert r.info["activation_bytes"] > 0
+    r.save(tmp_path / "plan.json")
+    assert SearchResult.load(tmp_path / "plan.json") == r
+
+
+def test_tight_budget_terminates_with_a_clear_error():
+    # Budgets that leave room for fewer than 3 blocks (the reference looped forever there).
+    model = _tiny_gpt()
+    with pytest.raises(DoesNotFitError) as e:
+        optimal_search(model, 2, device_memory=1000, host_memory=1000, hardware=HW)
+    msg = str(e.value)
+    assert "no plan fits" in msg and "device memory >=" in msg
+    assert e.value.suggestions
+
+
+def test_margins_are_held_back():
+    model = _tiny_gpt()
+    r0 = optimal_search(model, 1, device_memory=1 << 30, host_memory=1 << 30, hardware=HW,
+                        policy=MemoryPolicy(device_margin=0.0))
+    peak = r0.prediction.peak_device_bytes
+    # half the budget is held back: a budget of twice the peak leaves exactly the peak usable
+    r = optimal_search(model, 1, device_memory=2 * peak, host_memory=1 << 30, hardware=HW,
+                       policy=MemoryPolicy(device_margin=0.5))
+    assert r.prediction.peak_device_bytes <= peak
+    assert r.info["usable_after_margins"]["device"] == peak
+    with pytest.raises(DoesNotFitError):
+        optimal_search(model, 1, device_memory=peak, host_memory=1000, hardware=HW,
+                       policy=MemoryPolicy(device_margin=0.99, host_margin=0.99))
+
+
+def test_more_ranks_suggestion_fits():
+    # Shards dominate: the suggestion to add ranks must be a world size that fits.
+    prof = StepProfile(
+        params=tuple((f"layers.{i}.w", (100_000,)) for i in range(8)),
+        steps=tuple((f"layers.{i}.w",) for i in range(8)) + tuple((f"layers.{i}.w",) for i in reversed(range(8))),
+        step_kinds=(FORWARD,) * 8 + (BACKWARD,) * 8, matmul_param_numel=800_000, tokens=1,
+    )
+    with pytest.raises(DoesNotFitError) as e:
+        search_profile(prof, 1, hardware=HW, device_memory=3_000_000, host_memory=3_000_000)
+    w = e.value.needs["world_size"]
+    assert w > 1 and any("world size" in s for s in e.value.suggestions)
+    search_profile(prof, w, hardware=HW, device_memory=3_000_000, host_memory=3_000_000)
