@@ -82,6 +82,10 @@ class BandwidthCurve:
             return 0.0
         return nbytes / self.bandwidth(nbytes)
 
+    def scaled(self, factor: float) -> BandwidthCurve:
+        """The same curve with every bandwidth multiplied by ``factor``."""
+        return BandwidthCurve(self.sizes, tuple(b * factor for b in self.bytes_per_s))
+
     def to_json(self) -> dict:
         return {"sizes": list(self.sizes), "bytes_per_s": list(self.bytes_per_s)}
 
@@ -155,6 +159,42 @@ class HardwareProfile:
     created: str = ""
     notes: str = ""
     schema_version: int = HARDWARE_SCHEMA_VERSION
+
+    def ranks_per_node(self, world: int) -> int:
+        """Ranks sharing one node: all of them on a CPU-only box (local emulation), else up to
+        ``devices_per_node``."""
+        return max(1, world if self.device_type == "cpu" else min(world, self.devices_per_node))
+
+    def per_rank(self, ranks_per_node: int) -> HardwareProfile:
+        """The share of one rank when ``ranks_per_node`` ranks run on a node.
+
+        Host-side quantities (host optimizer throughput, disk, pageable copies through host RAM)
+        are per node and are divided among the ranks; so are all quantities of a CPU-only profile,
+        whose "device" is the node's own cores and RAM. Accelerator quantities are per device.
+        Collective curves are measured across ranks already and are kept.
+        """
+        k = max(1, int(ranks_per_node))
+        if k == 1:
+            return self
+        f = 1.0 / k
+        cpu = self.device_type == "cpu"
+        rates = dict(self.optimizer_params_per_s)
+        rates["host"] = rates.get("host", 0.0) * f
+        if cpu:
+            rates["device"] = rates.get("device", 0.0) * f
+        return dataclasses.replace(
+            self,
+            h2d_pinned=self.h2d_pinned.scaled(f) if cpu else self.h2d_pinned,
+            d2h_pinned=self.d2h_pinned.scaled(f) if cpu else self.d2h_pinned,
+            h2d_pageable=self.h2d_pageable.scaled(f),
+            d2h_pageable=self.d2h_pageable.scaled(f),
+            device_copy=self.device_copy.scaled(f) if cpu else self.device_copy,
+            optimizer_params_per_s=rates,
+            matmul_flops={d: v * f for d, v in self.matmul_flops.items()} if cpu else self.matmul_flops,
+            disk_read_bytes_per_s=self.disk_read_bytes_per_s * f,
+            disk_write_bytes_per_s=self.disk_write_bytes_per_s * f,
+            notes=(self.notes + f" [per-rank share of {k} ranks per node]").strip(),
+        )
 
     # ---- derived costs (seconds) ----
 

@@ -51,7 +51,7 @@ def test_counts_are_consistent(tn, extra, policy):
 def _optimal_misses(seq: list[int], blocks: int) -> int:
     """Fewest misses over all eviction choices (exhaustive; single-chunk steps)."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def go(i: int, cache: frozenset) -> int:
         if i == len(seq):
             return 0

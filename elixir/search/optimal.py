@@ -121,7 +121,8 @@ class _Searcher:
         self.overlap = overlap
         self.setting = Setting(
             world=world, elem=_elem(profile.dtype), reduce_elem=_elem(reduce_dtype or profile.dtype),
-            opt_bytes=OPTIMIZER_STATE_BYTES[key], hardware=hardware, dtype=profile.dtype,
+            opt_bytes=OPTIMIZER_STATE_BYTES[key], hardware=hardware.per_rank(hardware.ranks_per_node(world)),
+            dtype=profile.dtype,
         )
         self.usable = policy.usable(budgets.device, budgets.host, budgets.disk)
         self._layouts: dict[int, Layout] = {}
@@ -338,8 +339,7 @@ def search_profile(
     if device_memory is None:
         device_memory = hw.device_memory_bytes
     if host_memory is None:
-        per_node = world if hw.device_type == "cpu" else min(world, hw.devices_per_node)
-        host_memory = hw.host_memory_bytes // max(1, per_node)
+        host_memory = hw.host_memory_bytes // hw.ranks_per_node(world)
     budgets = Budgets(int(device_memory), int(host_memory), int(disk or 0))
     s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy,
                   None if reduce_dtype is None else dtype_name(reduce_dtype))
