@@ -102,61 +102,111 @@ def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def pack(profile: StepProfile, chunk_size: int, world: int) -> Layout:
-    """Greedy in-order packing of ``profile``'s parameters into chunks of ``chunk_size``."""
+@dataclass(frozen=True)
+class _PackContext:
+    """What packing needs from a profile, precomputed once as arrays."""
+
+    sh_names: tuple[str, ...]  # sharded params in use order
+    sh_numel: tuple[int, ...]
+    shared: tuple[tuple[str, int], ...]  # replicated params in use order, with numel
+    acc_step: np.ndarray  # int64, step of each (step, sharded param) access
+    acc_param: np.ndarray  # int64, index into sh_names
+    backward: np.ndarray  # bool per step
+    n_steps: int
+
+
+_CONTEXTS: dict[int, tuple[StepProfile, _PackContext]] = {}
+
+
+def _context(profile: StepProfile) -> _PackContext:
+    hit = _CONTEXTS.get(id(profile))
+    if hit is not None and hit[0] is profile:
+        return hit[1]
     numel = profile.numel
     order = profile.use_order()
     sh_names = [n for n in order if n not in profile.shared]
-    if sh_names and chunk_size < max(numel[n] for n in sh_names):
+    index = {n: i for i, n in enumerate(sh_names)}
+    steps, params = [], []
+    for t, st in enumerate(profile.steps):
+        for n in st:
+            i = index.get(n)
+            if i is not None:
+                steps.append(t)
+                params.append(i)
+    ctx = _PackContext(
+        sh_names=tuple(sh_names), sh_numel=tuple(numel[n] for n in sh_names),
+        shared=tuple((n, numel[n]) for n in order if n in profile.shared),
+        acc_step=np.asarray(steps, dtype=np.int64), acc_param=np.asarray(params, dtype=np.int64),
+        backward=np.asarray([k == BACKWARD for k in profile.step_kinds], dtype=bool), n_steps=len(profile.steps),
+    )
+    if len(_CONTEXTS) > 16:
+        _CONTEXTS.clear()
+    _CONTEXTS[id(profile)] = (profile, ctx)
+    return ctx
+
+
+def pack(profile: StepProfile, chunk_size: int, world: int) -> Layout:
+    """Greedy in-order packing of ``profile``'s parameters into chunks of ``chunk_size``.
+
+    The cache trace lists, per step, the sharded chunks it needs; in backward a chunk also stays
+    listed (pinned) from its first backward use until its last, as the runtime keeps it resident
+    until its gradients are complete. The same intervals hold its gradient buffer.
+    """
+    ctx = _context(profile)
+    if ctx.sh_numel and chunk_size < max(ctx.sh_numel):
         raise ValueError(f"chunk size {chunk_size} is smaller than the largest parameter")
+    param_chunk = np.empty(len(ctx.sh_names), dtype=np.int64)
     chunks: list[list[str]] = []
-    used = chunk_size + 1
-    for n in sh_names:
-        k = numel[n]
+    used, c = chunk_size + 1, -1
+    for i, (n, k) in enumerate(zip(ctx.sh_names, ctx.sh_numel)):
         if used + k > chunk_size:
             chunks.append([])
+            c += 1
             used = 0
         chunks[-1].append(n)
+        param_chunk[i] = c
         used += k
     n_sh = len(chunks)
     caps = [chunk_size] * n_sh
     sharded = [True] * n_sh
-    for n in order:
-        if n in profile.shared:
-            chunks.append([n])
-            caps.append(numel[n])
-            sharded.append(False)
-    chunk_of = {n: i for i, c in enumerate(chunks[:n_sh]) for n in c}
-    steps = [sorted({chunk_of[n] for n in s if n in chunk_of}) for s in profile.steps]
-    # The runtime keeps a chunk resident (pinned) in backward from its first backward use until its
-    # gradients are complete; the same interval holds its gradient buffer.
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for t, (s, kind) in enumerate(zip(steps, profile.step_kinds)):
-        if kind == BACKWARD:
-            for c in s:
-                first.setdefault(c, t)
-                last[c] = t
+    for n, k in ctx.shared:
+        chunks.append([n])
+        caps.append(k)
+        sharded.append(False)
+    n_steps = ctx.n_steps
     grad_buffers = 0
-    if first:
-        delta = np.zeros(len(steps) + 1, dtype=np.int64)
-        for c in first:
-            delta[first[c]] += 1
-            delta[last[c] + 1] -= 1
-        open_count = np.cumsum(delta)
-        grad_buffers = int(open_count.max())
-        opens: list[list[int]] = [[] for _ in steps]
-        spans = sorted(first)
-        for c in spans:
-            for t in range(first[c] + 1, last[c]):
-                opens[t].append(c)
-        steps = [sorted(set(s) | set(o)) if o else s for s, o in zip(steps, opens)]
-    trace = AccessTrace.from_steps(steps, n_sh)
-    min_blocks = max((len(s) for s in steps), default=0)
+    if n_sh and ctx.acc_step.size:
+        acc_chunk = param_chunk[ctx.acc_param]
+        keys = np.unique(ctx.acc_step * n_sh + acc_chunk)
+        bw = ctx.backward[keys // n_sh]
+        if bw.any():
+            bk = keys[bw]
+            first = np.full(n_sh, n_steps, dtype=np.int64)
+            last = np.full(n_sh, -1, dtype=np.int64)
+            np.minimum.at(first, bk % n_sh, bk // n_sh)
+            np.maximum.at(last, bk % n_sh, bk // n_sh)
+            has = last >= 0
+            delta = np.zeros(n_steps + 1, dtype=np.int64)
+            np.add.at(delta, first[has], 1)
+            np.add.at(delta, last[has] + 1, -1)
+            grad_buffers = int(np.cumsum(delta).max())
+            span = np.where(has, last - first - 1, 0).clip(min=0)
+            if span.sum():
+                cid = np.repeat(np.arange(n_sh), span)
+                start = np.repeat(first + 1, span)
+                within = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
+                keys = np.unique(np.concatenate([keys, (start + within) * n_sh + cid]))
+        step_of = keys // n_sh
+        offsets = np.searchsorted(step_of, np.arange(n_steps + 1)).astype(np.int64)
+        trace = AccessTrace(offsets, (keys % n_sh).astype(np.int32), n_sh)
+        min_blocks = int(np.diff(offsets).max()) if n_steps else 0
+    else:
+        trace = AccessTrace(np.zeros(n_steps + 1, dtype=np.int64), np.zeros(0, dtype=np.int32), n_sh)
+        min_blocks = 0
     return Layout(
         chunk_size=chunk_size, chunks=tuple(tuple(c) for c in chunks), capacities=tuple(caps),
         sharded=tuple(sharded), trace=trace, sharded_ids=tuple(range(n_sh)), min_blocks=min_blocks,
-        grad_buffers=grad_buffers, used=sum(numel[n] for n in sh_names),
+        grad_buffers=grad_buffers, used=sum(ctx.sh_numel),
     )
 
 

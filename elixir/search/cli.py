@@ -1,0 +1,133 @@
+"""``elixir plan``: plan a run for any cluster (not necessarily this machine) and write the plan.
+
+Example: OPT-66B on one node of 8x A100-40GB, planned from a laptop::
+
+    elixir plan opt-66b --world-size 8 --hardware 8xA100-40GB --batch 1 --seq 2048 --dtype bf16 \\
+        --checkpointing --out plan.json
+
+The model is built on meta (no weights). Models with more than 3 repeated layers are traced at 2 and
+3 layers and extrapolated by layer repetition (exact for uniform stacks; ``--full-trace`` traces the
+whole model instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+           "fp16": "float16", "float16": "float16"}
+
+
+def parse_size(text: str) -> int:
+    """``"24GiB"`` -> bytes (``B``, ``KB``/``MB``/``GB``/``TB`` are powers of 10; ``KiB``... of 2)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 24GiB, 256GB, 1TiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a registry name (e.g. opt-175b, llama-7b) or a path to a config.json")
+    parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks of the target")
+    parser.add_argument("--device-memory", type=parse_size, default=None,
+                        help="memory of one device, e.g. 40GiB (default: the hardware profile's)")
+    parser.add_argument("--host-memory", type=parse_size, default=None,
+                        help="host RAM of one node, shared by its ranks (default: the hardware profile's)")
+    parser.add_argument("--disk", type=parse_size, default=None,
+                        help="offload disk space of one node (default: no disk offload)")
+    parser.add_argument("--hardware", default="8xA100-40GB",
+                        help="hardware profile: a JSON from `elixir hwprofile` or a reference name "
+                             "(8xA100-40GB, 8xH100-80GB, 1x24GB-workstation, cpu-box)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks sharing one node's host memory (default: from the hardware profile)")
+    parser.add_argument("--batch", type=int, default=1, help="batch size per rank")
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="compute dtype")
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every layer")
+    parser.add_argument("--optimizer", default="Adam", help="Adam/AdamW (8 B/element of state) or SGD (4)")
+    parser.add_argument("--no-overlap", action="store_true", help="do not plan prefetching")
+    parser.add_argument("--full-trace", action="store_true", help="trace the whole model (slower for deep models)")
+    parser.add_argument("--out", default=None, help="write the plan JSON here")
+
+
+def _layer_key(cfg) -> tuple[str, int]:
+    d = cfg.to_dict()
+    for k in ("num_hidden_layers", "n_layer", "num_layers"):
+        if k in d and isinstance(d[k], int):
+            return k, d[k]
+    raise ValueError("the config names no layer count (num_hidden_layers / n_layer); use --full-trace")
+
+
+def build_profile(model_name: str, batch: int, seq: int, dtype, checkpointing: bool, full_trace: bool):
+    """Trace the step on meta (by layer repetition when the model is deep) into a StepProfile."""
+    from elixir import models
+    from elixir.search.step_profile import profile_by_layers, profile_step
+
+    cfg = models.load_config(model_name)
+    key, layers = _layer_key(cfg)
+
+    def build(n: int):
+        m = models.build_model(model_name, **{key: n})
+        if checkpointing:
+            models.enable_checkpointing(m)
+        return m
+
+    def make_inp(m):
+        return models.make_batch(m, batch, seq)
+
+    if full_trace or layers <= 3:
+        m = build(layers)
+        return profile_step(m, make_inp(m), models.lm_step_fn, dtype)
+    return profile_by_layers(build, layers, make_inp, models.lm_step_fn, dtype)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from elixir.hardware import load_profile
+    from elixir.search.optimal import DoesNotFitError, search_profile
+    from elixir.search.plan import dtype_from_name
+
+    t0 = time.perf_counter()
+    console = Console()
+    hw = load_profile(args.hardware)
+    if args.world_size < 1:
+        console.print("[red]--world-size must be >= 1[/red]")
+        return 2
+    if args.world_size > 1 and hw.all_gather is None:
+        console.print(f"[red]hardware profile {hw.name} has no collective measurements (single-device); "
+                      "use a multi-GPU profile or --world-size 1[/red]")
+        return 2
+    dtype = dtype_from_name(_DTYPES[args.dtype])
+    rpn = args.ranks_per_node or hw.ranks_per_node(args.world_size)
+    device = args.device_memory if args.device_memory is not None else hw.device_memory_bytes
+    host_node = args.host_memory if args.host_memory is not None else hw.host_memory_bytes
+    disk = None if args.disk is None else args.disk // rpn
+    with console.status(f"tracing {args.model} (batch {args.batch}, seq {args.seq}, {args.dtype})"):
+        profile = build_profile(args.model, args.batch, args.seq, dtype, args.checkpointing, args.full_trace)
+    t_trace = time.perf_counter() - t0
+    try:
+        result = search_profile(
+            profile, args.world_size, hardware=hw, device_memory=device, host_memory=host_node // rpn, disk=disk,
+            optimizer_type=args.optimizer, overlap=not args.no_overlap, verbose=True, console=console,
+        )
+    except DoesNotFitError as e:
+        console.print(f"[red]{e}[/red]")
+        return 1
+    info = dict(result.info, model=args.model, batch=args.batch, seq=args.seq, dtype=args.dtype,
+                checkpointing=args.checkpointing, ranks_per_node=rpn, trace_time_s=t_trace)
+    result = type(result)(**{**result.__dict__, "info": info})
+    if args.out:
+        result.save(args.out)
+        console.print(f"wrote {args.out}")
+    console.print(
+        f"{profile.total_numel / 1e9:.2f}B trainable parameters; traced in {t_trace:.2f} s "
+        f"({profile.info.get('source')}); total {time.perf_counter() - t0:.2f} s. "
+        f"Hardware {hw.name} ({'measured' if hw.measured else 'reference figures, not measured'})."
+    )
+    return 0
