@@ -186,3 +186,22 @@ def test_more_ranks_suggestion_fits():
     w = e.value.needs["world_size"]
     assert w > 1 and any("world size" in s for s in e.value.suggestions)
     search_profile(prof, w, hardware=HW, device_memory=3_000_000, host_memory=3_000_000)
+
+
+def test_evaluating_the_chosen_plan_reproduces_its_prediction():
+    from elixir.search.cost_model import evaluate_plan
+    from elixir.search.optimal import Budgets, _Searcher
+    from elixir.search.step_profile import profile_from_module
+
+    model = _tiny_gpt()
+    prof = profile_from_module(model, activation_bytes=1 << 20, tokens=32)
+    for dev in (2 << 20, 6 << 20, 1 << 30):
+        try:
+            r = search_profile(prof, 2, hardware=HW, device_memory=dev, host_memory=1 << 30, overlap=True)
+        except DoesNotFitError:
+            continue
+        s = _Searcher(prof, 2, HW, Budgets(dev, 1 << 30), "adam", True, POLICY, None)
+        ev = evaluate_plan(prof, r, s.setting)
+        assert ev.device_bytes == r.prediction.peak_device_bytes
+        assert ev.host_bytes == r.prediction.peak_host_bytes
+        assert ev.step_time == pytest.approx(r.prediction.step_time_s, rel=1e-9)

@@ -148,9 +148,10 @@ def _context(profile: StepProfile) -> _PackContext:
 def pack(profile: StepProfile, chunk_size: int, world: int) -> Layout:
     """Greedy in-order packing of ``profile``'s parameters into chunks of ``chunk_size``.
 
-    The cache trace lists, per step, the sharded chunks it needs; in backward a chunk also stays
-    listed (pinned) from its first backward use until its last, as the runtime keeps it resident
-    until its gradients are complete. The same intervals hold its gradient buffer.
+    The cache trace lists, per step, the sharded chunks it needs (the runtime pins a chunk only
+    while a module using it runs). A chunk's gradient buffer lives from its first backward use to
+    its last (the runtime reduces it once every gradient has arrived): ``grad_buffers`` is the most
+    such intervals open at once.
     """
     ctx = _context(profile)
     if ctx.sh_numel and chunk_size < max(ctx.sh_numel):
@@ -173,11 +174,20 @@ def pack(profile: StepProfile, chunk_size: int, world: int) -> Layout:
         chunks.append([n])
         caps.append(k)
         sharded.append(False)
+    return _layout(ctx, chunk_size, chunks, caps, sharded, param_chunk)
+
+
+def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharded: list,
+            param_chunk: np.ndarray) -> Layout:
+    """The cache trace and counts for chunks; ``param_chunk[i]`` is the sharded chunk of
+    ``ctx.sh_names[i]`` (-1 if it is in no sharded chunk). Sharded chunks come first."""
+    n_sh = sum(sharded)
     n_steps = ctx.n_steps
     grad_buffers = 0
     if n_sh and ctx.acc_step.size:
         acc_chunk = param_chunk[ctx.acc_param]
-        keys = np.unique(ctx.acc_step * n_sh + acc_chunk)
+        keep = acc_chunk >= 0
+        keys = np.unique(ctx.acc_step[keep] * n_sh + acc_chunk[keep])
         bw = ctx.backward[keys // n_sh]
         if bw.any():
             bk = keys[bw]
@@ -190,12 +200,6 @@ def pack(profile: StepProfile, chunk_size: int, world: int) -> Layout:
             np.add.at(delta, first[has], 1)
             np.add.at(delta, last[has] + 1, -1)
             grad_buffers = int(np.cumsum(delta).max())
-            span = np.where(has, last - first - 1, 0).clip(min=0)
-            if span.sum():
-                cid = np.repeat(np.arange(n_sh), span)
-                start = np.repeat(first + 1, span)
-                within = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
-                keys = np.unique(np.concatenate([keys, (start + within) * n_sh + cid]))
         step_of = keys // n_sh
         offsets = np.searchsorted(step_of, np.arange(n_steps + 1)).astype(np.int64)
         trace = AccessTrace(offsets, (keys % n_sh).astype(np.int32), n_sh)
@@ -206,7 +210,7 @@ def pack(profile: StepProfile, chunk_size: int, world: int) -> Layout:
     return Layout(
         chunk_size=chunk_size, chunks=tuple(tuple(c) for c in chunks), capacities=tuple(caps),
         sharded=tuple(sharded), trace=trace, sharded_ids=tuple(range(n_sh)), min_blocks=min_blocks,
-        grad_buffers=grad_buffers, used=sum(ctx.sh_numel),
+        grad_buffers=grad_buffers, used=sum(k for k, c in zip(ctx.sh_numel, param_chunk) if c >= 0),
     )
 
 
@@ -239,6 +243,7 @@ def per_chunk_bytes(st: Setting, shard: int) -> dict[str, tuple[int, int, int]]:
         "HH": (0, shard * (e + m_same + 4 + k), 0),
         "DK": (shard * e, shard * 4, shard * (4 + k)),
         "HK": (0, shard * (e + 4), shard * (4 + k)),
+        "HD": (shard * (4 + 4 + k), shard * e, 0),  # only scored for given plans
     }
 
 
@@ -256,6 +261,7 @@ def per_chunk_fixed_time(st: Setting, shard: int) -> dict[str, float]:
         "HH": grad_d2h + host,
         "DK": grad_d2h + host + param_h2d + disk,
         "HK": grad_d2h + host + disk,
+        "HD": dev + hw.d2h_time(shard * st.elem, st.pin),
     }
 
 
@@ -453,3 +459,48 @@ def simulate_layout(layout: Layout, blocks: int) -> np.ndarray:
     if layout.n_sharded == 0:
         return np.zeros(0, dtype=np.int64)
     return simulate(layout.trace, max(blocks, layout.min_blocks), "belady").per_chunk
+
+
+def layout_from_plan(profile: StepProfile, plan) -> Layout:
+    """The :class:`Layout` of an existing plan (``SearchResult``), e.g. from another search."""
+    ctx = _context(profile)
+    index = {n: i for i, n in enumerate(ctx.sh_names)}
+    param_chunk = np.full(len(ctx.sh_names), -1, dtype=np.int64)
+    order = [c for c in plan.chunks if c.sharded] + [c for c in plan.chunks if not c.sharded]
+    for ci, c in enumerate(order):
+        if c.sharded:
+            for n in c.params:
+                if n in index:
+                    param_chunk[index[n]] = ci
+    return _layout(ctx, plan.chunk_size, [list(c.params) for c in order], [c.chunk_size for c in order],
+                   [c.sharded for c in order], param_chunk)
+
+
+_CODE = {"device": "D", "host": "H", "disk": "K"}
+
+
+def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
+    """Predicted memory and step time of an existing plan under the same model as the search."""
+    lay = layout_from_plan(profile, plan)
+    order = [c for c in plan.chunks if c.sharded] + [c for c in plan.chunks if not c.sharded]
+    kinds = tuple(_CODE[c.shard_placement.value] + _CODE[c.optim_placement.value] for c in order if c.sharded)
+    repl = [c for c in order if not c.sharded]
+    rwhere = "D" if all(c.optim_placement.value == "device" for c in repl) else "H"
+    g = simulate_layout(lay, plan.cache_blocks)
+    n = lay.n_sharded
+    shard = lay.chunk_size // st.world if n else 0
+    cb, ct = per_chunk_bytes(st, shard), per_chunk_fixed_time(st, shard)
+    fixed = fixed_device_bytes(profile, lay, st, plan.cache_blocks)
+    rd, rh = replicated_optimizer_bytes(lay, st, rwhere)
+    hw = st.hardware
+    repl_numel = sum(c.chunk_size for c in repl)
+    t_repl = hw.optimizer_time(repl_numel, "device" if rwhere == "D" else "host")
+    h2d = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
+    t_h2d = float(sum(int(gc) * h2d for gc, k in zip(g, kinds) if k[0] == "H"))
+    t_opt = t_repl + sum(ct[k] for k in kinds)
+    dev = rd + sum(cb[k][0] for k in kinds)
+    host = rh + sum(cb[k][1] for k in kinds) + (shard * (4 + st.opt_bytes) if any(k[1] == "K" for k in kinds) else 0)
+    disk = sum(cb[k][2] for k in kinds)
+    comm = comm_times(profile, lay, st, int(g.sum()))
+    return _finish(lay, st, plan.cache_blocks, plan.prefetch_depth, kinds, fixed, dev, host, disk, comm,
+                   t_opt, t_h2d, int(g.sum()), rwhere)
