@@ -11,10 +11,15 @@ parameter got no gradient on any rank (so the optimizer skips it, as torch does)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from elixir.optim.loss_scaler import DynamicLossScaler, LossScalePolicy, found_inf_across_ranks
+from elixir.wrapper import optim_state
+from elixir.wrapper.clipping import clip_coefficient, global_grad_norm
+from elixir.wrapper.fused_step import fused_step, uses_fused_path
+from elixir.wrapper.loss_scaling import scale_outputs
 from elixir.wrapper.module import ElixirModule
 
 
@@ -34,26 +39,59 @@ class ElixirOptimizer:
 
     Args:
         module: the :class:`ElixirModule` whose parameters ``optimizer`` was built on.
-        optimizer: an elementwise torch optimizer (AdamW, Adam, SGD, Adagrad, ...), without state yet.
+        optimizer: an elementwise torch optimizer (AdamW, Adam, SGD, Adagrad, ...). State it already
+            holds (Adagrad's initial sums, or a trained optimizer's moments) is cut into the shards.
+        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+            max_scale: the dynamic loss scale (:class:`~elixir.optim.loss_scaler.LossScalePolicy`),
+            used only when the module computes in fp16. Outputs of the module are then wrapped so
+            a plain ``loss.backward()`` produces scaled gradients (see
+            :mod:`elixir.wrapper.loss_scaling`); do not scale the loss yourself. An inf/NaN gradient
+            on any rank makes every rank skip the step (one agreed decision).
+        max_norm, norm_type: clip the global gradient norm at every step when ``max_norm > 0``.
+        init_step: create the optimizer state now, changing no parameter, hyper-parameter or step
+            count.
+
+    With CPUAdam/HybridAdam inside, unscaling and clipping fold into the kernel's ``div_scale`` and
+    the kernel writes low-precision compute shards directly (:mod:`elixir.wrapper.fused_step`).
     """
 
-    def __init__(self, module: ElixirModule, optimizer: torch.optim.Optimizer, **kwargs) -> None:
-        if kwargs:
-            raise TypeError(
-                f"ElixirOptimizer got options {sorted(kwargs)} that this version does not implement "
-                f"(loss scaling and clipping come with the full ElixirOptimizer)"
-            )
+    def __init__(
+        self,
+        module: ElixirModule,
+        optimizer: torch.optim.Optimizer,
+        initial_scale: float = 2.0**16,
+        min_scale: float = 1.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2.0**32,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+        init_step: bool = False,
+    ) -> None:
         if not isinstance(module, ElixirModule):
             raise TypeError("ElixirOptimizer needs the ElixirModule (wrap the model first)")
-        if any(len(s) for s in optimizer.state.values()):
-            raise ValueError("wrap the optimizer before its first step (it already has state)")
+        if max_norm < 0:
+            raise ValueError(f"max_norm must be >= 0 (0 disables clipping), got {max_norm}")
+        pre_state = optimizer.state_dict() if any(len(s) for s in optimizer.state.values()) else None
         self.module = module
         self.optim = optimizer
         self.fragments: list[Fragment] = []
         self._frags_of: dict[int, list[Fragment]] = {}
         self._cut_fragments()
+        self.layout = optim_state.capture_layout(module, optimizer)
         self._rebuild_groups()
         self._sync_grads: list[Callable] = []
+        self._init_precision(
+            LossScalePolicy(initial_scale, min_scale, max_scale, growth_factor, backoff_factor, growth_interval, hysteresis),
+            max_norm,
+            norm_type,
+        )
+        if pre_state is not None:
+            optim_state.scatter_full_state(self, pre_state)
+        if init_step:
+            optim_state.init_state(self)
 
     # ---- structure ---------------------------------------------------------------------------
 
@@ -117,21 +155,128 @@ class ElixirOptimizer:
                 f.tensor.grad = None
 
     def step(self, closure: Optional[Callable] = None):
-        """One optimizer step on the shards, then refresh what the next gather reads."""
+        """One optimizer step on the shards, then refresh what the next gather reads.
+
+        fp16: skipped on every rank when any rank holds an inf/NaN gradient (the loss scale then
+        backs off). Gradients are unscaled and clipped (``max_norm``, and any pending
+        :meth:`clip_grad_norm_`) in one pass, or inside the kernel on the fused path."""
         if closure is not None:
             raise NotImplementedError("ElixirOptimizer.step does not take a closure")
         self._attach_grads()
         for hook in list(self.module._pre_step_hooks):
             hook(self.module)
-        self.optim.step()
-        for f in self.fragments:
-            f.tensor.grad = None
-        self.module.after_optimizer_step()
+        try:
+            if self.max_norm > 0:
+                self.clip_grad_norm_(self.max_norm, self.norm_type)
+            skip = False
+            if self.scaler is not None:
+                found_inf = self._found_inf
+                if found_inf is None:
+                    found_inf = found_inf_across_ranks(
+                        (c.shard_grad for c in self.module.chunks if c.grad_valid and c.shard_grad is not None),
+                        self.module.group,
+                    )
+                self.scaler.update(found_inf)
+                skip = found_inf
+            self.last_step_skipped = skip
+            if skip:
+                return None
+            fresh = self._apply_update()
+        finally:
+            self._grad_factor = None
+            self._found_inf = None
+            for f in self.fragments:
+                f.tensor.grad = None
+        if len(fresh) == len(self.module.chunks):
+            self.module.cache.release_all()  # every compute shard is current: only drop stale payloads
+        else:
+            self.module.after_optimizer_step()
+        return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad()
+        self._grad_factor = None
+        self._found_inf = None
         for f in self.fragments:
             f.tensor.grad = None
+
+    # ---- precision, clipping, state (issue 5) --------------------------------------------------
+
+    def _init_precision(self, policy: LossScalePolicy, max_norm: float, norm_type: float) -> None:
+        self.max_norm = float(max_norm)
+        self.norm_type = float(norm_type)
+        self.fused = uses_fused_path(self.optim)
+        self.scaler: Optional[DynamicLossScaler] = None
+        self.last_step_skipped = False
+        self._grad_factor: Optional[torch.Tensor] = None  # pending fp32 multiplier (clip / scale)
+        self._found_inf: Optional[bool] = None  # agreed overflow flag, when a norm was taken
+        self._scale_hook = None
+        if self.module.dtype == torch.float16:
+            self.scaler = DynamicLossScaler(policy)
+            self._scale_hook = self.module.register_forward_hook(self._scale_outputs)
+
+    def _scale_outputs(self, module, args, output):
+        if not torch.is_grad_enabled():
+            return output
+        return scale_outputs(output, lambda: self.loss_scale)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 when the module does not compute in fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``: scaling is automatic (kept for code written for other wrappers)."""
+        loss.backward()
+
+    def _pending_factor(self) -> torch.Tensor:
+        if self._grad_factor is None:
+            return torch.tensor(1.0 / self.loss_scale, dtype=torch.float32)
+        return self._grad_factor
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm like ``torch.nn.utils.clip_grad_norm_``; return the norm
+        (of the unscaled gradients; inf/NaN on overflow). Collective: call on every rank.
+
+        Call it between backward and :meth:`step`; the clip is applied at ``step`` in the same
+        pass as unscaling (or inside the fused kernel). Each call clips the result of the last."""
+        gn = global_grad_norm(self.module, norm_type)
+        factor = self._pending_factor()
+        self._found_inf = bool(self._found_inf) or gn.found_inf
+        if gn.found_inf:
+            return torch.tensor(gn.norm, dtype=torch.float32)
+        total = torch.tensor(gn.norm, dtype=torch.float64) * factor.double()
+        total32 = total.to(torch.float32)
+        self._grad_factor = (factor * clip_coefficient(float(total32), float(max_norm))).to(torch.float32)
+        return total32
+
+    def _apply_update(self) -> set[int]:
+        """Step the inner optimizer with the pending factor applied; return the fresh chunks."""
+        factor = self._pending_factor()
+        if self.fused:
+            return fused_step(self, 1.0 / float(factor))
+        if float(factor) != 1.0:
+            for c in self.module.chunks:
+                if c.grad_valid and c.shard_grad is not None:
+                    c.shard_grad.mul_(factor.to(c.shard_grad.device))
+        self.optim.step()
+        return {c.index for c in self.module.chunks if c.shard is c.master}
+
+    def state_dict(self, rank0_only: bool = False) -> dict[str, Any]:
+        """The full (unsharded) state dict in the inner optimizer's torch format, keyed like the
+        optimizer the user built (indices in original group order): it loads into that optimizer
+        type on the unwrapped model. Collective. The loss scaler goes under ``"loss_scaler"``."""
+        sd = optim_state.gather_full_state(self, rank0_only=rank0_only)
+        if sd and self.scaler is not None:
+            sd["loss_scaler"] = self.scaler.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full torch-format optimizer state dict (from :meth:`state_dict` or a plain torch
+        optimizer on the unwrapped model). Every rank needs the whole dict; no collective."""
+        optim_state.scatter_full_state(self, state_dict)
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
 
     def __repr__(self) -> str:
         return f"ElixirOptimizer({type(self.optim).__name__}, {len(self.fragments)} fragments)"

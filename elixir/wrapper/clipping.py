@@ -1,0 +1,90 @@
+"""Global gradient norm over the chunked shards, and the clip coefficient torch would use.
+
+Every element of every gradient is counted exactly once across the group: a sharded chunk's shard
+gradient belongs to one rank only; a replicated chunk is held whole (and identical) on every rank,
+so for p-norms only rank 0 counts it (for the inf-norm every rank may). Tied parameters are one
+parameter in one chunk, so they count once by construction. Padding holds zeros.
+
+The partial sums are taken in float64 (no overflow for finite fp32 gradients, and the rounding of
+the sum stays far below fp32's), then one all-reduce carries the partial norm and the inf/NaN
+flags together, so the overflow decision comes for free and is identical on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from elixir import distributed as edist
+
+if TYPE_CHECKING:
+    from elixir.wrapper.module import ElixirModule
+
+
+@dataclass(frozen=True)
+class GradNorm:
+    """A global gradient norm and whether any rank saw an inf or NaN gradient."""
+
+    norm: float  # of the gradients as they are stored, before any pending scale factor
+    found_inf: bool
+    norm_type: float
+
+
+def _check_norm_type(norm_type: float) -> float:
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    return norm_type
+
+
+def global_grad_norm(em: ElixirModule, norm_type: float = 2.0) -> GradNorm:
+    """The ``norm_type``-norm of all reduced gradients across the group (collective)."""
+    p = _check_norm_type(norm_type)
+    is_inf = math.isinf(p)
+    partial = torch.zeros((), dtype=torch.float64)
+    has_inf = False
+    has_nan = False
+    for c in em.chunks:
+        if not c.grad_valid or c.shard_grad is None:
+            continue
+        if not c.spec.sharded and not is_inf and em.rank != 0:
+            continue
+        g = c.shard_grad
+        if g.numel() == 0:
+            continue
+        if is_inf:
+            v = g.abs().max().double().cpu()
+            partial = torch.maximum(partial, v)
+        else:
+            v = torch.linalg.vector_norm(g, p, dtype=torch.float64).cpu()
+            partial = partial + (v * v if p == 2.0 else v**p)
+        if not torch.isfinite(v):
+            # find out which (the partial goes to 0 so MAX/SUM across ranks stay well defined)
+            finite = torch.isfinite(g)
+            has_nan = has_nan or bool(torch.isnan(g).any())
+            has_inf = has_inf or bool((~finite & ~torch.isnan(g)).any())
+            partial = torch.zeros((), dtype=torch.float64)
+    packed = torch.stack([partial, torch.tensor(float(has_inf), dtype=torch.float64), torch.tensor(float(has_nan), dtype=torch.float64)])
+    if has_inf or has_nan:
+        packed[0] = 0.0
+    if em.world_size > 1:
+        packed = packed.to(em.device)
+        edist.all_reduce(packed, em.group, op=torch.distributed.ReduceOp.MAX if is_inf else torch.distributed.ReduceOp.SUM)
+        packed = packed.cpu()
+    total, any_inf, any_nan = packed.tolist()
+    if any_nan:
+        return GradNorm(float("nan"), True, p)
+    if any_inf:
+        return GradNorm(float("inf"), True, p)
+    norm = total if is_inf else (math.sqrt(total) if p == 2.0 else total ** (1.0 / p))
+    return GradNorm(norm, False, p)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> torch.Tensor:
+    """torch's ``clamp(max_norm / (total_norm + 1e-6), max=1)`` in fp32, as a 0-d tensor."""
+    t = torch.tensor(total_norm, dtype=torch.float32)
+    coef = max_norm / (t + 1e-6)
+    return torch.clamp(coef, max=1.0)

@@ -1,0 +1,48 @@
+"""The fused optimizer path: CPUAdam/HybridAdam step the fragments in one pass each.
+
+When the inner optimizer is :class:`~elixir.optim.CPUAdam` (or HybridAdam), ElixirOptimizer does
+not unscale or clip the gradients in separate passes: the combined factor goes into the kernel's
+``div_scale``, and where a chunk keeps a low-precision compute shard beside its fp32 master (same
+device), the kernel writes the updated parameter into that shard too (``out_lowp``), so the
+runtime's copy of master into shard is not needed for that chunk.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from elixir.optim.cpu_adam import CPUAdam
+from elixir.optim.functional import LOWP_DTYPES
+
+if TYPE_CHECKING:
+    from elixir.wrapper.optimizer import ElixirOptimizer
+
+
+def uses_fused_path(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` takes the fused path (CPUAdam, HybridAdam and their subclasses)."""
+    return isinstance(optimizer, CPUAdam)
+
+
+def _lowp_target(chunk) -> bool:
+    s, m = chunk.shard, chunk.master
+    return s is not None and s is not m and s.dtype in LOWP_DTYPES and s.device == m.device and s.is_contiguous()
+
+
+def fused_step(eo: ElixirOptimizer, div_scale: float) -> set[int]:
+    """Step every fragment that has a gradient with ``div_scale``; return the chunks whose compute
+    shard now equals their master cast down (written by the kernel, or the master itself)."""
+    em = eo.module
+    params, grads, outs = [], [], []
+    for f in eo.fragments:
+        g = f.tensor.grad
+        if g is None:
+            continue
+        c = em.chunks[f.chunk]
+        params.append(f.tensor)
+        grads.append(g)
+        outs.append(c.shard[f.lo : f.hi] if _lowp_target(c) else None)
+    with torch.no_grad():
+        eo.optim.step_params(params, grads, div_scale=float(div_scale), out_lowps=outs)
+    return {c.index for c in em.chunks if c.shard is c.master or _lowp_target(c)}
