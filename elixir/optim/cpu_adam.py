@@ -1,0 +1,171 @@
+"""CPUAdam: Adam/AdamW on the native fused CPU kernel, a drop-in for ``torch.optim.AdamW``."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from elixir.optim.functional import adam_step_multi
+
+__all__ = ["CPUAdam"]
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam or AdamW whose update runs as one fused SIMD pass per tensor on the CPU.
+
+    ``CPUAdam(params)`` behaves like ``torch.optim.AdamW(params)`` and
+    ``CPUAdam(params, adamw_mode=False)`` like ``torch.optim.Adam(params)``: fp32 results are
+    bitwise equal to torch's fused kernel except in the last ``numel % 16`` elements of a tensor
+    (one-ulp differences there). Parameters must live on the CPU; :class:`HybridAdam` also takes
+    accelerator parameters.
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer.
+        lr, betas, eps: as in torch's Adam.
+        weight_decay: decoupled (AdamW) or L2 (Adam) coefficient; by default 1e-2 in AdamW mode and
+            0 in Adam mode, torch's defaults.
+        bias_correction: divide the moments by ``1 - beta**step`` (torch always does).
+        adamw_mode: decoupled weight decay (AdamW) when True, L2 (Adam) when False. Stored in each
+            group under torch's key ``decoupled_weight_decay``.
+        amsgrad: not implemented; True raises NotImplementedError.
+
+    ``state_dict`` is torch's format (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``; torch's
+    group keys plus ``bias_correction``), so ``torch.optim.AdamW`` loads it and vice versa.
+    Without the native extension the same math runs on torch (one warning).
+    """
+
+    _accepts_accelerator = False
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: Optional[float] = None,
+        bias_correction: bool = True,
+        adamw_mode: bool = True,
+        amsgrad: bool = False,
+    ) -> None:
+        if amsgrad:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not implement AMSGrad; use torch.optim.AdamW(amsgrad=True) "
+                "(or torch.optim.Adam) if you need it"
+            )
+        if weight_decay is None:
+            weight_decay = 1e-2 if adamw_mode else 0.0
+        if not 0.0 <= float(lr):
+            raise ValueError(f"invalid lr {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"invalid eps {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}: each must lie in [0, 1)")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"invalid weight_decay {weight_decay}")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            decoupled_weight_decay=adamw_mode,
+            # torch's own keys, so torch's Adam/AdamW can load our state_dict unchanged.
+            amsgrad=False,
+            maximize=False,
+            foreach=None,
+            capturable=False,
+            differentiable=False,
+            fused=None,
+        )
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # groups loaded from torch's Adam/AdamW lack our keys
+            group.setdefault("bias_correction", True)
+            group.setdefault("decoupled_weight_decay", self.defaults["decoupled_weight_decay"])
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One optimizer step over every parameter that has a ``.grad``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params, grads = [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    params.append(p)
+                    grads.append(p.grad)
+        self.step_params(params, grads)
+        return loss
+
+    @torch.no_grad()
+    def step_params(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        *,
+        div_scale: float = 1.0,
+        out_lowps: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    ) -> None:
+        """Step ``params`` (members of this optimizer's groups) with explicit gradients.
+
+        The fused mixed-precision entry: ``grads`` may be fp16/bf16 for fp32 params, each is
+        divided by ``div_scale`` on the fly, and ``out_lowps[i]`` (fp16/bf16, optional) receives
+        the updated ``params[i]``. State lives in ``self.state`` as for :meth:`step`.
+        """
+        if out_lowps is None:
+            out_lowps = [None] * len(params)
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        # One kernel call per (group, step count): hyperparameters and bias correction are shared.
+        buckets: Dict[Tuple[int, int], List[int]] = defaultdict(list)
+        for i, p in enumerate(params):
+            gi = group_of.get(id(p))
+            if gi is None:
+                raise ValueError("step_params got a tensor that is not a parameter of this optimizer")
+            if p.device.type != "cpu" and not self._accepts_accelerator:
+                raise RuntimeError(
+                    f"{type(self).__name__} steps CPU parameters only, got one on {p.device}; "
+                    "use elixir.optim.HybridAdam for parameters on an accelerator"
+                )
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            buckets[(gi, int(state["step"].item()))].append(i)
+        for (gi, step), idx in buckets.items():
+            group = self.param_groups[gi]
+            _check_supported(group, type(self).__name__)
+            beta1, beta2 = group["betas"]
+            adam_step_multi(
+                [params[i] for i in idx],
+                [grads[i] for i in idx],
+                [self.state[params[i]]["exp_avg"] for i in idx],
+                [self.state[params[i]]["exp_avg_sq"] for i in idx],
+                step=step,
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                adamw_mode=bool(group["decoupled_weight_decay"]),
+                bias_correction=bool(group["bias_correction"]),
+                div_scale=div_scale,
+                out_lowps=[out_lowps[i] for i in idx],
+            )
+
+
+def _check_supported(group: Dict[str, Any], name: str) -> None:
+    """Refuse group options loaded from a torch state_dict that the kernel does not implement."""
+    if group.get("amsgrad"):
+        raise NotImplementedError(f"{name} does not implement AMSGrad (a loaded param group has amsgrad=True)")
+    if group.get("maximize"):
+        raise NotImplementedError(f"{name} does not implement maximize=True (found in a loaded param group)")
