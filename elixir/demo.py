@@ -1,0 +1,377 @@
+"""``elixir demo``: the main job. Train a small GPT on the Python standard library's source code,
+byte by byte, sharded across local ranks with a searched plan.
+
+``elixir demo`` re-launches itself under torchrun (``python -m torch.distributed.run --standalone``)
+with ``--worker``; each worker searches a plan (``minimum_waste_search``), wraps the model
+(``ElixirModule``) and its AdamW (``ElixirOptimizer``), trains, evaluates and reports. Only rank 0
+prints; the other ranks send it their memory figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+PRESETS: dict[str, tuple[int, int, int]] = {
+    # name: (n_embd, n_layer, n_head)
+    "tiny": (64, 2, 2),
+    "small": (384, 6, 6),
+    "medium": (512, 8, 8),
+    "large": (768, 8, 12),
+}
+"""Model sizes (vocabulary 256, so nearly all parameters sit in the blocks: about 12·n_embd²·n_layer)."""
+
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything a demo run depends on (the same on every rank)."""
+
+    preset: str = "small"
+    steps: int = 100
+    batch: int = 8
+    seq: int = 128
+    world_size: int = 2
+    dtype: str = "fp32"
+    lr: float = 3e-3
+    warmup: int = 10
+    seed: int = 0
+    eval_batches: int = 4
+    corpus_bytes: int = 4_000_000
+    threads: int = 0
+    json_path: Optional[str] = None
+
+    def threads_per_rank(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // self.world_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DemoConfig()
+    p.add_argument("--preset", choices=sorted(PRESETS, key=lambda k: PRESETS[k]), default=d.preset,
+                   help="model size: " + ", ".join(f"{k}={_describe(k)}" for k in PRESETS) + f" (default {d.preset})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
+    p.add_argument("--batch", type=int, default=d.batch, help=f"sequences per rank per step (default {d.batch})")
+    p.add_argument("--seq", type=int, default=d.seq, help=f"sequence length in bytes (default {d.seq})")
+    p.add_argument("--world-size", "--nproc", dest="world_size", type=int, default=d.world_size,
+                   help=f"local ranks to launch with torchrun (default {d.world_size})")
+    p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"compute dtype (default {d.dtype})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default {d.lr})")
+    p.add_argument("--warmup", type=int, default=d.warmup, help=f"linear warm-up steps (default {d.warmup})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"seed for weights and batches (default {d.seed})")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches,
+                   help=f"validation batches per rank (default {d.eval_batches})")
+    p.add_argument("--corpus-bytes", type=int, default=d.corpus_bytes,
+                   help=f"bytes of standard-library source to read (default {d.corpus_bytes})")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch threads per rank (default: CPU cores / world size)")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the run's summary to this JSON file")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def _describe(preset: str) -> str:
+    d, n_layer, _ = PRESETS[preset]
+    return f"{_param_count(preset) / 1e6:.1f}M ({n_layer}x{d})"
+
+
+def _param_count(preset: str, seq: int = 128) -> int:
+    d, n_layer, _ = PRESETS[preset]
+    vocab = 256
+    return vocab * d + seq * d + n_layer * (12 * d * d + 13 * d) + 2 * d
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    names = DemoConfig.__dataclass_fields__
+    cfg = DemoConfig(**{k: getattr(args, k) for k in names if hasattr(args, k)})
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: DemoConfig) -> None:
+    if cfg.preset not in PRESETS:
+        raise SystemExit(f"unknown preset {cfg.preset!r}; choose one of {sorted(PRESETS)}")
+    if cfg.world_size < 1:
+        raise SystemExit(f"--world-size must be >= 1 (got {cfg.world_size})")
+    for name in ("steps", "batch", "seq", "eval_batches"):
+        if getattr(cfg, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if args.worker:
+        return run_worker(cfg)
+    return launch(cfg)
+
+
+def worker_argv(cfg: DemoConfig) -> list[str]:
+    """The ``elixir demo --worker ...`` arguments that reproduce ``cfg``."""
+    argv = ["demo", "--worker"]
+    for key, default in asdict(DemoConfig()).items():
+        value = getattr(cfg, key)
+        if value is not None and value != default or key == "world_size":
+            argv += ["--" + key.replace("_", "-").replace("json-path", "json"), str(value)]
+    return argv
+
+
+def launch(cfg: DemoConfig) -> int:
+    """Run the demo on ``cfg.world_size`` local ranks through torchrun; return its exit status."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(cfg.world_size), "--standalone",
+        "-m", "elixir", *worker_argv(cfg),
+    ]
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(cfg.threads_per_rank())  # also silences torchrun's warning about it
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    try:
+        return subprocess.run(cmd, env=env).returncode
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker
+
+
+def build_gpt(preset: str, seq: int):
+    """A byte-level GPT-2 from config (no download), vocabulary 256, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    d, n_layer, n_head = PRESETS[preset]
+    cfg = GPT2Config(
+        vocab_size=256, n_positions=seq, n_embd=d, n_layer=n_layer, n_head=n_head,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def lr_lambda(cfg: DemoConfig):
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+
+    def f(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    return f
+
+
+def _lm_loss(model, x, y):
+    import torch.nn.functional as F
+
+    logits = model(input_ids=x).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Trainer:
+    """The Elixir runtime around the model: plan, wrapped module, wrapped optimizer."""
+
+    def __init__(self, model, cfg: DemoConfig, world_size: int, show_plan: bool):
+        import torch
+
+        from elixir.optim import HybridAdam
+        from elixir.search import minimum_waste_search, print_plan
+        from elixir.wrapper import ElixirModule, ElixirOptimizer
+
+        dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+        self.plan = minimum_waste_search(model, world_size, unified_dtype=dtype)
+        if show_plan:
+            print_plan(self.plan, dtype)
+        self.inner_optimizer = HybridAdam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+        self.model = ElixirModule(model, self.plan, dtype=dtype, output_fp32=True)
+        self.optimizer = ElixirOptimizer(self.model, self.inner_optimizer)
+
+    def memory(self) -> dict[str, int]:
+        """This rank's bytes, from the runtime's own accounting plus the process's peak RSS."""
+        r = self.model.memory_report()
+        return {
+            "shard": int(r["shard_bytes"]),
+            "master": int(r["master_bytes"]),
+            "cache": int(r["cache_bytes"]),
+            "peak_gathered": int(r["peak_gathered_bytes"]),
+            "peak_rss": peak_rss_bytes(),
+        }
+
+
+def run_worker(cfg: DemoConfig) -> int:
+    import torch
+    from rich.console import Console
+
+    from elixir import distributed as edist
+    from elixir.data import eval_batches, load_corpus, sample_batch
+
+    t_start = time.perf_counter()
+    # The scheduler drives the inner optimizer, whose step ElixirOptimizer may run through its own
+    # fused kernel; torch then wrongly believes the scheduler stepped first.
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+    torch.set_num_threads(cfg.threads_per_rank())
+    info = edist.init_distributed()
+    rank, world = info.rank, info.world_size
+    console = Console(highlight=False) if rank == 0 else None
+    say = console.print if console is not None else (lambda *a, **k: None)
+
+    corpus = load_corpus(cfg.corpus_bytes)
+    torch.manual_seed(cfg.seed)
+    model = build_gpt(cfg.preset, cfg.seq)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"[bold]elixir demo[/]: byte-level GPT-2 '{cfg.preset}' ({n_params / 1e6:.1f}M params, "
+        f"{PRESETS[cfg.preset][1]} layers x {PRESETS[cfg.preset][0]}) on {world} rank(s), {cfg.dtype}, "
+        f"{cfg.threads_per_rank()} thread(s)/rank")
+    say(f"corpus: {corpus.train.numel() / 1e6:.2f} MB train ({corpus.train_files} files), "
+        f"{corpus.val.numel() / 1e6:.2f} MB val ({corpus.val_files} files) of Python source from {corpus.source}")
+
+    trainer = Trainer(model, cfg, world, show_plan=console is not None)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(trainer.inner_optimizer, lr_lambda(cfg))
+    val_set = eval_batches(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, world)
+    val_before = _evaluate(trainer.model, val_set, edist)
+    say(f"val loss before training: {val_before:.4f} (uniform guess: {math.log(256):.4f})")
+
+    setup_s = time.perf_counter() - t_start
+    losses, step_times = _train(cfg, trainer, sched, corpus.train, rank, world, console, edist, sample_batch)
+    val_after = _evaluate(trainer.model, val_set, edist)
+
+    per_rank = edist.all_gather_object(trainer.memory())
+    summary = {
+        "config": asdict(cfg),
+        "params": n_params,
+        "world_size": world,
+        "losses": losses,
+        "val_loss_before": val_before,
+        "val_loss_after": val_after,
+        "setup_s": setup_s,
+        "train_s": sum(step_times),
+        "tokens_per_s": cfg.steps * world * cfg.batch * cfg.seq / sum(step_times),
+        "memory": per_rank,
+        "plan": {"chunks": len(trainer.plan.chunks), "chunk_size": trainer.plan.chunk_size,
+                 "waste": trainer.plan.waste(), "cache_blocks": trainer.plan.cache_blocks},
+    }
+    if console is not None:
+        _print_summary(console, cfg, summary)
+        if cfg.json_path:
+            with open(cfg.json_path, "w") as f:
+                json.dump(summary, f, indent=1)
+    edist.barrier()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def _evaluate(model, val_set, edist) -> float:
+    import torch
+
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for x, y in val_set:
+            total[0] += _lm_loss(model, x, y).item() * x.numel()
+            total[1] += x.numel()
+    model.train()
+    edist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def _train(cfg, trainer, sched, train_data, rank, world, console, edist, sample_batch):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    losses: list[float] = []
+    step_times: list[float] = []
+    tokens_per_step = world * cfg.batch * cfg.seq
+    progress = Progress(
+        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("[green]{task.fields[tps]}[/] tok/s"),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+        console=console, disable=console is None,
+    )
+    log_every = max(1, cfg.steps // 10)
+    with progress:
+        task = progress.add_task("train", total=cfg.steps, loss="-", tps="-")
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            x, y = sample_batch(train_data, cfg.batch, cfg.seq, step, cfg.seed, rank, world)
+            loss = _lm_loss(trainer.model, x, y)
+            loss.backward()
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+            sched.step()
+            avg = loss.detach().double().reshape(1) / world
+            edist.all_reduce(avg)
+            dt = time.perf_counter() - t0
+            losses.append(float(avg))
+            step_times.append(dt)
+            recent = step_times[-10:]
+            progress.update(task, advance=1, loss=f"{losses[-1]:.3f}",
+                            tps=f"{tokens_per_step * len(recent) / sum(recent):,.0f}")
+            if console is not None and (step % log_every == 0 or step == cfg.steps - 1):
+                progress.console.print(f"step {step + 1:>5}/{cfg.steps}  loss {losses[-1]:.4f}  "
+                                       f"lr {sched.get_last_lr()[0]:.2e}  {dt * 1e3:.0f} ms/step")
+    return losses, step_times
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:,.1f} MiB"
+
+
+def _sparkline(values: list[float], width: int = 40) -> str:
+    if not values:
+        return ""
+    step = max(1, len(values) // width)
+    pts = [sum(values[i : i + step]) / len(values[i : i + step]) for i in range(0, len(values), step)]
+    lo, hi = min(pts), max(pts)
+    bars = "▁▂▃▄▅▆▇█"
+    return "".join(bars[int((p - lo) / (hi - lo + 1e-12) * (len(bars) - 1))] for p in pts)
+
+
+def _print_summary(console, cfg: DemoConfig, s: dict) -> None:
+    from rich.table import Table
+
+    mem = Table(title="memory per rank", title_justify="left")
+    for col in ("rank", "shard", "fp32 master", "rCache", "peak gathered", "peak RSS"):
+        mem.add_column(col, justify="right")
+    for r, m in enumerate(s["memory"]):
+        mem.add_row(str(r), *(_mib(m[k]) for k in ("shard", "master", "cache", "peak_gathered", "peak_rss")))
+    console.print(mem)
+
+    losses = s["losses"]
+    k = max(1, min(5, len(losses) // 5))
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    t = Table(title="summary", show_header=False, title_justify="left")
+    p = s["plan"]
+    t.add_row("runtime", f"elixir: {p['chunks']} chunks of {p['chunk_size']:,}, {100 * p['waste']:.2f}% waste, "
+                         f"{p['cache_blocks']} rCache blocks")
+    t.add_row("model", f"GPT-2 '{cfg.preset}', {s['params'] / 1e6:.2f}M params, {cfg.dtype}")
+    t.add_row("data", f"{cfg.steps} steps x {s['world_size']} ranks x {cfg.batch} x {cfg.seq} bytes")
+    t.add_row("train loss", f"{first:.3f} -> {last:.3f} (mean of first/last {k} steps)  {_sparkline(losses)}")
+    t.add_row("val loss", f"{s['val_loss_before']:.3f} -> [bold]{s['val_loss_after']:.3f}[/] "
+                          f"({s['val_loss_after'] / math.log(2):.2f} bits/byte)")
+    t.add_row("time", f"setup {s['setup_s']:.1f} s, training {s['train_s']:.1f} s, "
+                      f"{s['tokens_per_s']:,.0f} tokens/s")
+    console.print(t)
