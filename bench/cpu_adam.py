@@ -1,0 +1,189 @@
+"""CPU Adam step: the native fused kernel against torch's AdamW, on one flat tensor of N params.
+
+Every variant updates the same fp32 master, moments and gradients (as ElixirOptimizer does on a
+flat shard), interleaved round by round so that noise from other processes hits all of them alike.
+Reported: ms/step (median and best over rounds), Mparam/s, effective GB/s (bytes the update must
+move, see BYTES), and the ratio to torch's fused AdamW. Two bandwidth probes run in the same
+process: ``copy_`` (read + write) and in-place ``mul_`` (read-modify-write, the optimizer's main
+pattern); "% roofline" is effective GB/s over the in-place probe.
+
+    python bench/cpu_adam.py                     # 100M params, 7 rounds
+    python bench/cpu_adam.py --params 20e6 --rounds 3 --markdown
+
+fp32: ours vs torch fused / foreach / for-loop (and DeepSpeedCPUAdam when importable).
+bf16 grads in, bf16 params out, loss scale: ours in one pass vs torch fused plus its casts
+(grad bf16->fp32 copy, fused AdamW with ``grad_scale``, param fp32->bf16 copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+from torch.optim.adam import adam as torch_adam
+
+from elixir.optim import functional as F
+
+# Bytes per parameter the update has to move (reads + writes, no write-allocate traffic).
+BYTES = {
+    "fp32": 16 + 12,  # read p g m v, write p m v
+    "bf16": 14 + 14,  # read p m v + bf16 g, write p m v + bf16 copy
+    "bf16_torch": 6 + 28 + 4 + 6,  # cast g in; fused step (+ grad_scale writes g back); cast p out
+}
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+LOSS_SCALE = 1024.0
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+class Bench:
+    def __init__(self, n: int):
+        gen = torch.Generator().manual_seed(0)
+        self.n = n
+        self.p = torch.randn(n, generator=gen) * 0.02
+        self.g = torch.randn(n, generator=gen) * 1e-3
+        self.m = torch.zeros(n)
+        self.v = torch.zeros(n)
+        self.g_bf16 = (self.g * LOSS_SCALE).bfloat16()
+        self.p_bf16 = torch.empty(n, dtype=torch.bfloat16)
+        self.g_buf = torch.empty(n)  # torch's fp32 landing buffer for the cast-in
+        self.step_t = torch.tensor(0.0)
+        self.step = 0
+        self.scale_t = torch.tensor(LOSS_SCALE)
+
+    def _next(self) -> int:
+        self.step += 1
+        self.step_t.fill_(self.step)
+        return self.step
+
+    # --- fp32 -------------------------------------------------------------------------------
+    def ours_fp32(self) -> None:
+        F.adam_step(self.p, self.g, self.m, self.v, step=self._next(), **HYPER)
+
+    def torch_fp32(self, fused: bool, foreach: bool) -> None:
+        self._next()
+        torch_adam([self.p], [self.g], [self.m], [self.v], [], [self.step_t], foreach=foreach,
+                   fused=fused, decoupled_weight_decay=True, amsgrad=False, maximize=False,
+                   beta1=HYPER["beta1"], beta2=HYPER["beta2"], lr=HYPER["lr"],
+                   weight_decay=HYPER["weight_decay"], eps=HYPER["eps"])  # fmt: skip
+
+    # --- bf16 grads in, bf16 params out -----------------------------------------------------
+    def ours_bf16(self) -> None:
+        F.adam_step(self.p, self.g_bf16, self.m, self.v, step=self._next(), div_scale=LOSS_SCALE,
+                    out_lowp=self.p_bf16, **HYPER)  # fmt: skip
+
+    def torch_bf16(self) -> None:
+        self._next()
+        self.g_buf.copy_(self.g_bf16)
+        torch._fused_adamw_([self.p], [self.g_buf], [self.m], [self.v], [], [self.step_t], lr=HYPER["lr"],
+                            beta1=HYPER["beta1"], beta2=HYPER["beta2"], weight_decay=HYPER["weight_decay"],
+                            eps=HYPER["eps"], amsgrad=False, maximize=False, grad_scale=self.scale_t)  # fmt: skip
+        self.p_bf16.copy_(self.p)
+
+    # --- bandwidth probes -------------------------------------------------------------------
+    def copy_probe(self) -> None:
+        self.g_buf.copy_(self.p)
+
+    def rmw_probe(self) -> None:
+        self.m.mul_(1.0)
+
+
+def deepspeed_variant(b: Bench):
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
+    except Exception:
+        return None
+    t0 = time.perf_counter()
+    param = torch.nn.Parameter(b.p)
+    opt = DeepSpeedCPUAdam([param], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], adamw_mode=True)
+    print(f"DeepSpeedCPUAdam ready (JIT build/load {time.perf_counter() - t0:.1f} s)")
+    param.grad = b.g
+
+    def step() -> None:
+        opt.step()
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", type=float, default=100e6, help="number of parameters (one flat tensor)")
+    ap.add_argument("--rounds", type=int, default=7, help="timed rounds (each variant once per round)")
+    ap.add_argument("--loop", action="store_true", help="also time torch's for-loop and foreach (slow)")
+    ap.add_argument("--no-loop", dest="loop", action="store_false")
+    ap.add_argument("--markdown", action="store_true", help="print rows for docs/benchmarks.md")
+    ap.set_defaults(loop=True)
+    args = ap.parse_args()
+
+    n = int(args.params)
+    b = Bench(n)
+    variants: Dict[str, tuple] = {  # name -> (fn, bytes key, group, peer of the group)
+        "copy_ probe": (b.copy_probe, None, "probe", None),
+        "in-place mul_ probe": (b.rmw_probe, None, "probe", None),
+        "torch AdamW fused": (lambda: b.torch_fp32(True, False), "fp32", "fp32", None),
+        "elixir CPUAdam kernel": (b.ours_fp32, "fp32", "fp32", "torch AdamW fused"),
+        "torch fused + casts": (b.torch_bf16, "bf16_torch", "bf16", None),
+        "elixir fused bf16": (b.ours_bf16, "bf16", "bf16", "torch fused + casts"),
+    }
+    if args.loop:
+        variants["torch AdamW foreach"] = (lambda: b.torch_fp32(False, True), "fp32", "fp32", None)
+        variants["torch AdamW for-loop"] = (lambda: b.torch_fp32(False, False), "fp32", "fp32", None)
+    ds = deepspeed_variant(b)
+    if ds is not None:
+        variants["DeepSpeedCPUAdam"] = (ds, "fp32", "fp32", None)
+
+    print(f"{n / 1e6:.0f}M params, {torch.get_num_threads()} threads, kernel {F.kernel_level()}, "
+          f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})")  # fmt: skip
+    for fn, *_ in variants.values():  # warm up (page faults, lazy init)
+        fn()
+    times: Dict[str, List[float]] = {k: [] for k in variants}
+    for _ in range(args.rounds):
+        for name, (fn, *_rest) in variants.items():
+            times[name].append(timed(fn))
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}
+    copy_gbs = 2 * 4 * n / best["copy_ probe"] / 1e9
+    rmw_gbs = 2 * 4 * n / best["in-place mul_ probe"] / 1e9
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"CPU Adam, {n / 1e6:.0f}M params (median / best of {args.rounds} rounds)")
+    for col in ("variant", "ms/step med", "ms/step best", "Mparam/s", "GB/s", "% of mul_ BW", "vs torch fused"):
+        table.add_column(col, justify="right" if col != "variant" else "left")
+    rows = []
+    fused_ref = {"fp32": "torch AdamW fused", "bf16": "torch fused + casts"}
+    for name, (_, bkey, group, _peer) in variants.items():
+        t_med, t_best = med[name], best[name]
+        if bkey is None:
+            gbs = 2 * 4 * n / t_best / 1e9
+            cells = [f"{t_med * 1e3:.1f}", f"{t_best * 1e3:.1f}", "", f"{gbs:.1f}", "", ""]
+        else:
+            gbs = BYTES[bkey] * n / t_med / 1e9
+            ratio = med[fused_ref[group]] / t_med
+            cells = [f"{t_med * 1e3:.1f}", f"{t_best * 1e3:.1f}", f"{n / t_med / 1e6:.0f}", f"{gbs:.1f}",
+                     f"{100 * gbs / rmw_gbs:.0f}%", f"{ratio:.2f}x"]  # fmt: skip
+        table.add_row(name, *cells)
+        rows.append((name, cells))
+    Console(width=150).print(table)
+    print(f"bandwidth probes (best): copy_ {copy_gbs:.1f} GB/s, in-place mul_ {rmw_gbs:.1f} GB/s; "
+          f"effective GB/s counts {BYTES['fp32']} B/param fp32, {BYTES['bf16']} ours bf16, "
+          f"{BYTES['bf16_torch']} torch bf16 pipeline")  # fmt: skip
+    if args.markdown:
+        date = datetime.date.today().isoformat()
+        for name, cells in rows:
+            print(f"| {date} | 2-core EPYC | {n / 1e6:.0f}M | {name} | {cells[0]} (best {cells[1]}) | {cells[2]} "
+                  f"| {cells[3]} | {cells[5]} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
