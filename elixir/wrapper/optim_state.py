@@ -223,6 +223,15 @@ def scatter_full_state(eo: ElixirOptimizer, state_dict: dict) -> None:
                     k: (v.to(e.device, copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                     for k, v in by_entry[id(e)].items()
                 }
+    install_state(eo, new_state, saved_groups)
+
+
+def install_state(eo: ElixirOptimizer, new_state: dict, saved_groups: list[dict]) -> None:
+    """Replace the inner optimizer's state (keyed by fragment tensors) and its groups'
+    hyper-parameters (``saved_groups``, whose ``params`` entries are ignored), as torch's
+    ``load_state_dict`` does."""
+    state: defaultdict = defaultdict(dict)
+    state.update(new_state)
     new_groups = []
     for group, sg in zip(eo.optim.param_groups, saved_groups):
         ng = {k: copy.deepcopy(v) for k, v in sg.items() if k != "params"}
@@ -230,7 +239,7 @@ def scatter_full_state(eo: ElixirOptimizer, state_dict: dict) -> None:
         if "param_names" in group and "param_names" not in ng:
             ng["param_names"] = group["param_names"]
         new_groups.append(ng)
-    eo.optim.__setstate__({"state": new_state, "param_groups": new_groups})
+    eo.optim.__setstate__({"state": state, "param_groups": new_groups})
 
 
 # --------------------------------------------------------------------------------------------
