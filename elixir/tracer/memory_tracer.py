@@ -167,16 +167,18 @@ class MemoryProfile:
         x = range(self.num_ops)
         fig, ax = plt.subplots(figsize=(9, 3.5))
         gib = 2**30
-        ax.plot(x, [a / gib for a in self.timeline_activation], label="activations", lw=0.8)
-        ax.plot(x, [g / gib for g in self.timeline_grad], label="param grads", lw=0.8)
+        ax.plot(x, [a / gib for a in self.timeline_activation], label="activations", lw=0.8, color="tab:blue")
+        ax2 = ax.twinx()
+        ax2.plot(x, [g / gib for g in self.timeline_grad], label="param grads", lw=0.8, color="tab:purple")
+        ax2.set_ylabel("param grads (GiB)", color="tab:purple")
         for r in self.checkpoint_regions:
             ax.axvspan(r.start_op, r.end_op, color="tab:green", alpha=0.08)
         for a, b in self.recompute_regions:
             ax.axvspan(a, b, color="tab:orange", alpha=0.15)
         ax.axvline(self.peak.op_index, color="red", lw=0.6, ls="--")
         ax.set_xlabel("op index (green: checkpointed forward, orange: recompute)")
-        ax.set_ylabel("GiB")
-        ax.legend(loc="upper left")
+        ax.set_ylabel("activations (GiB)", color="tab:blue")
+        ax.set_title(f"activation peak {_human(self.activation_occ)} in {self.peak.phase}", fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

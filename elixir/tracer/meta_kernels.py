@@ -12,10 +12,9 @@ Two gaps are closed here:
   with gradient checkpointing). On meta that value does not exist; :func:`hf_meta_shims` answers
   "not packed", which is what a batch without explicit restarting ``position_ids`` gives.
 - **Missing meta kernels.** :func:`register_meta_kernel` registers a shape function for an aten
-  op that has none; :func:`ensure_meta_kernels` registers the ones elixir knows are missing (on
-  torch 2.13 none of the ops used by the zoo, HF GPT-2/OPT/LLaMA/BERT or conv nets are missing,
-  so the list is empty; older torch versions may need entries). An op with no meta kernel makes
-  the tracer raise a ``TracerError`` naming the op.
+  op that has none; :func:`ensure_meta_kernels` registers the ones elixir knows are missing
+  (on torch 2.13: CTC loss backward). An op with no meta kernel makes the tracer raise a
+  ``TracerError`` naming the op.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ def register_meta_kernel(op: str, fn: Callable[..., Any]) -> None:
     ``fn`` gets the op's arguments (meta tensors) and returns empty meta outputs of the right
     shape, dtype and strides. Registering twice is an error from torch.
     """
-    ns, name = op.split("::") if "::" in op else ("aten", op)
+    ns, name = op.split("::") if "::" in op else ("aten", op)  # name may carry ".overload"
     lib = _LIBS.get(ns)
     if lib is None:
         lib = _LIBS[ns] = torch.library.Library(ns, "IMPL")  # noqa: TOR901 - process-lifetime
@@ -51,7 +50,18 @@ def _has_meta(op: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op, "Meta")
 
 
-_KNOWN_MISSING: dict[str, Callable[..., Any]] = {}
+def _ctc_loss_backward_meta(grad, log_probs, *args, **kwargs):
+    # CPU allocates the gradient like ``log_probs`` in contiguous (legacy) layout
+    return torch.empty(log_probs.shape, dtype=log_probs.dtype, device="meta")
+
+
+# ops used in training that torch 2.13 ships without a Meta kernel (found by running a battery of
+# ~60 forward+backward ops on meta: convs and their backward, baddbmm/addbmm, norms, pooling, RNNs,
+# attention, losses, interpolation, ... all have one except these)
+_KNOWN_MISSING: dict[str, Callable[..., Any]] = {
+    "aten::_ctc_loss_backward": _ctc_loss_backward_meta,
+    "aten::_ctc_loss_backward.Tensor": _ctc_loss_backward_meta,
+}
 
 
 def ensure_meta_kernels() -> None:
