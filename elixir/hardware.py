@@ -123,6 +123,10 @@ class HardwareProfile:
             (``"device"``, ``"host"``), in parameters per second for one rank.
         optimizer_impl: which implementation was timed, per key.
         matmul_flops: dense matmul throughput per dtype name (``"float32"``, ``"bfloat16"``, ...).
+        train_flops: per dtype, the training throughput (FLOP/s) of a reference transformer stack
+            against the FLOPs of one step (``6 * matmul weights * tokens``, as the cost model counts
+            them): it includes attention, elementwise ops and framework overhead that a bare matmul
+            does not. Empty in reference profiles (``matmul_flops`` is used then).
         disk_read_bytes_per_s, disk_write_bytes_per_s: sequential bandwidth of the offload dir.
         overlap: whether transfers and collectives run concurrently with compute (separate copy
             engines / NIC); False on a CPU-only machine, where they share the cores.
@@ -153,6 +157,7 @@ class HardwareProfile:
     disk_read_bytes_per_s: float
     disk_write_bytes_per_s: float
     overlap: bool
+    train_flops: dict[str, BandwidthCurve] = field(default_factory=dict)
     measured: bool = False
     source: dict[str, str] = field(default_factory=dict)
     host: str = "reference"
@@ -191,6 +196,7 @@ class HardwareProfile:
             device_copy=self.device_copy.scaled(f) if cpu else self.device_copy,
             optimizer_params_per_s=rates,
             matmul_flops={d: v * f for d, v in self.matmul_flops.items()} if cpu else self.matmul_flops,
+            train_flops={d: c.scaled(f) for d, c in self.train_flops.items()} if cpu else self.train_flops,
             disk_read_bytes_per_s=self.disk_read_bytes_per_s * f,
             disk_write_bytes_per_s=self.disk_write_bytes_per_s * f,
             notes=(self.notes + f" [per-rank share of {k} ranks per node]").strip(),
@@ -231,6 +237,14 @@ class HardwareProfile:
             raise ValueError(f"hardware profile {self.name!r} has no optimizer throughput for {where!r}")
         return params / rate
 
+    def compute_time(self, flops: float, dtype: str) -> float:
+        """Seconds of forward/backward compute for a step of ``flops`` matmul FLOPs: from the
+        measured training-throughput curve when the profile has one, else from matmul throughput."""
+        curve = self.train_flops.get(dtype) or self.train_flops.get("float32")
+        if curve is not None:
+            return curve.time(flops)
+        return self.matmul_time(flops, dtype)
+
     def matmul_time(self, flops: float, dtype: str) -> float:
         rate = self.matmul_flops.get(dtype) or self.matmul_flops.get("float32")
         if not rate:
@@ -247,6 +261,7 @@ class HardwareProfile:
         for k in _CURVES:
             v = getattr(self, k)
             d[k] = None if v is None else v.to_json()
+        d["train_flops"] = {k: v.to_json() for k, v in self.train_flops.items()}
         return d
 
     @classmethod
@@ -265,6 +280,7 @@ class HardwareProfile:
         for k in _CURVES:
             if kw.get(k) is not None:
                 kw[k] = BandwidthCurve.from_json(kw[k])
+        kw["train_flops"] = {k: BandwidthCurve.from_json(v) for k, v in kw.get("train_flops", {}).items()}
         return cls(**kw)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -337,6 +353,7 @@ class MeasureOptions:
         optimizer_params: parameters in the timed optimizer update.
         disk_bytes: file size for the disk test (0 skips it).
         matmul_n: side of the square matmul timed per dtype.
+        train_widths: widths of the reference transformer stacks timed for ``train_flops``.
         offload_dir: where the disk test writes (a temporary file, removed after).
     """
 
@@ -345,13 +362,15 @@ class MeasureOptions:
     optimizer_params: int = 32 * 1024 * 1024
     disk_bytes: int = 512 * MiB
     matmul_n: int = 2048
+    train_widths: tuple[int, ...] = (128, 256, 512)
     offload_dir: str = tempfile.gettempdir()
 
     @classmethod
     def quick(cls, offload_dir: Optional[str] = None) -> MeasureOptions:
         return cls(
             sizes=(1 * MiB, 16 * MiB, 64 * MiB), repeats=2, optimizer_params=8 * 1024 * 1024,
-            disk_bytes=128 * MiB, matmul_n=1024, offload_dir=offload_dir or tempfile.gettempdir(),
+            disk_bytes=128 * MiB, matmul_n=1024, train_widths=(128, 256),
+            offload_dir=offload_dir or tempfile.gettempdir(),
         )
 
     @classmethod
@@ -359,7 +378,7 @@ class MeasureOptions:
         """For tests: seconds, not minutes."""
         return cls(
             sizes=(64 * 1024, 1 * MiB), repeats=1, optimizer_params=64 * 1024, disk_bytes=4 * MiB,
-            matmul_n=128, offload_dir=offload_dir or tempfile.gettempdir(),
+            matmul_n=128, train_widths=(64,), offload_dir=offload_dir or tempfile.gettempdir(),
         )
 
 
@@ -478,6 +497,33 @@ def measure_matmul(n: int, dtype: torch.dtype, device: torch.device, repeats: in
     return 2.0 * n**3 / t
 
 
+def measure_train_flops(widths: tuple[int, ...], dtype: torch.dtype, device: torch.device, repeats: int,
+                        layers: int = 2, batch: int = 2, seq: int = 128) -> BandwidthCurve:
+    """Training throughput of a reference pre-norm transformer stack (GELU MLP, 64-wide heads) at
+    each width: FLOPs counted as ``6 * 12 d^2 * layers * tokens`` (the cost model's rule), divided
+    by the measured forward+backward time."""
+    import torch.nn as nn
+
+    flops, rates = [], []
+    for d in sorted(widths):
+        torch.manual_seed(0)
+        stack = nn.Sequential(*[
+            nn.TransformerEncoderLayer(d, max(1, d // 64), 4 * d, dropout=0.0, activation="gelu",
+                                       batch_first=True, norm_first=True)
+            for _ in range(layers)
+        ]).to(device=device, dtype=dtype)
+        x = torch.randn(batch, seq, d, device=device, dtype=dtype)
+
+        def step(stack=stack, x=x) -> None:
+            stack(x).float().pow(2).mean().backward()
+
+        t = _median_time(step, repeats, _sync(device))
+        f = 6.0 * 12 * d * d * layers * batch * seq
+        flops.append(int(f))
+        rates.append(f / t)
+    return BandwidthCurve(tuple(flops), tuple(rates))
+
+
 def measure_disk(path: str, nbytes: int, block: int = 8 * MiB) -> tuple[float, float]:
     """Sequential write (with fsync) and read bandwidth of a file in ``path``.
 
@@ -593,6 +639,11 @@ def measure(
     for dt in (torch.float32, torch.bfloat16) + (() if cpu_only else (torch.float16,)):
         flops[str(dt).split(".")[-1]] = measure_matmul(o.matmul_n, dt, d, o.repeats)
     src["matmul_flops"] = f"measured: {o.matmul_n}x{o.matmul_n} torch.mm"
+    say("training throughput")
+    train = {name: measure_train_flops(o.train_widths, getattr(torch, name), d, o.repeats)
+             for name in ("float32", "bfloat16")}
+    src["train_flops"] = (f"measured: 2-layer pre-norm transformer stacks of widths {list(o.train_widths)}, "
+                          "batch 2, seq 128, forward+backward")
 
     say("disk")
     if o.disk_bytes > 0:
@@ -620,6 +671,7 @@ def measure(
         optimizer_params_per_s=opt_rate,
         optimizer_impl=opt_impl,
         matmul_flops=flops,
+        train_flops=train,
         disk_read_bytes_per_s=rd,
         disk_write_bytes_per_s=wr,
         overlap=not cpu_only,

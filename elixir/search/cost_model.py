@@ -26,7 +26,8 @@ replicated chunks (as :func:`~elixir.search.minimum_waste.minimum_waste_search` 
 The activation peak, cache, gradient buffers and shards are summed (an upper bound: the activation
 peak and the gradient-buffer peak need not coincide).
 
-**Time, per step** (seconds): compute ``flops / matmul_flops`` + all-gathers (one per simulated
+**Time, per step** (seconds): compute (``flops`` over the profile's measured training
+throughput at that size, or its matmul throughput) + all-gathers (one per simulated
 gather, ``all_gather_time(C e)``) + reduce-scatters (one per sharded chunk) + all-reduces of
 replicated chunks + host->device copies of host shards at each gather + per-placement optimizer
 phase (device Adam; or grad shard device->host, host Adam, updated shard host->device; plus disk
@@ -310,7 +311,7 @@ def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int) 
     if w > 1:
         ar = sum(hw.reduce_scatter_time(c * st.reduce_elem, w) + hw.all_gather_time(c * st.reduce_elem, w) for c in repl)
     return {
-        "compute": hw.matmul_time(profile.flops(), st.dtype),
+        "compute": hw.compute_time(profile.flops(), st.dtype),
         "all_gather": gathers * hw.all_gather_time(full, w) if layout.n_sharded else 0.0,
         "reduce_scatter": layout.n_sharded * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, w),
         "all_reduce": ar,

@@ -1,0 +1,265 @@
+"""Search benchmark: predictions against the runtime, optimal vs minimum_waste, and scale.
+
+Run: ``python bench/search.py [--steps 6] [--hardware cpu-box] [--skip-scale] [--only-scale]``
+
+1. **Predictions vs measured.** For several (model, world size, device budget) configurations,
+   ``optimal_search`` plans with the measured hardware profile of this box; the runtime then trains
+   a few steps under the plan with its device-memory budget enforced (``memory_limit``: the budget
+   after margins, less what the runtime does not account: activations, buffers, optimizer moments).
+   Reported: predicted vs measured peak gathered+shard bytes, gathers per step, step time.
+2. **Side by side.** ``minimum_waste_search(prefetch=True)`` and ``optimal_search`` on the same
+   model and budget: predicted and measured step time.
+3. **Scale.** ``elixir plan opt-175b --world-size 8`` wall time (a subprocess, imports included),
+   and the cache simulator scoring 300 chunk sizes over the OPT-175B step trace.
+
+Timings on this shared 2-core box vary run to run; only ratios from one run mean much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+VOCAB = 8192
+SEQ = 128
+BATCH = 2
+
+
+def build(name: str):
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        OPTConfig,
+        OPTForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    if name == "gpt2-s":
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=256, n_layer=4, n_head=4,
+                         resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        return GPT2LMHeadModel(cfg)
+    if name == "opt-s":
+        cfg = OPTConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, ffn_dim=1024,
+                        max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0, word_embed_proj_dim=256)
+        return OPTForCausalLM(cfg)
+    if name == "llama-s":
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
+                          tie_word_embeddings=False)
+        return LlamaForCausalLM(cfg)
+    raise KeyError(name)
+
+
+def make_batch(step: int, batch: int = BATCH) -> dict:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def step_fn(model, batch):
+    loss = model(**batch).loss
+    loss.backward()
+    return loss
+
+
+def runtime_share(plan) -> int:
+    """Bytes of the plan's predicted device peak that the runtime's ledger does not hold."""
+    info = plan.info
+    mem = info["predicted_memory"]
+    mv = 0
+    for c in plan.chunks:
+        if c.optim_placement.value == "device":
+            mv += (c.chunk_size // plan.world_size if c.sharded else c.chunk_size) * 8
+    return mem.get("activations", 0) + mem.get("buffers", 0) + mv
+
+
+def train_worker(model_name: str, plan_json: dict, steps: int, memory_limit) -> dict:
+    from elixir.optim import CPUAdam
+    from elixir.search.plan import SearchResult
+    from elixir.wrapper import ElixirModule, ElixirOptimizer
+
+    plan = SearchResult.from_json(plan_json)
+    model = build(model_name)
+    em = ElixirModule(model, plan, prefetch=True, memory_limit=memory_limit)
+    opt = ElixirOptimizer(em, CPUAdam(model.parameters(), lr=1e-4))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    times, gathers = [], []
+    for s in range(steps):
+        batch = make_batch(1000 * rank + s)
+        if s == 1:
+            em.reset_peak_memory()
+        g0 = em.cache.gathers
+        t0 = time.perf_counter()
+        loss = em(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        gathers.append(em.cache.gathers - g0)
+    rep = em.memory_report()
+    return {"times": times, "gathers": gathers, "report": rep}
+
+
+def run_plan(model_name: str, plan, steps: int, enforce: bool = True) -> dict:
+    from elixir.testing.dist import run_distributed
+
+    limit = None
+    if enforce:
+        usable = plan.info["usable_after_margins"]["device"]
+        limit = max(0, usable - runtime_share(plan))
+    res = run_distributed(train_worker, plan.world_size, model_name, plan.to_json(), steps, limit, timeout=900)
+    times = [max(r["times"][i] for r in res) for i in range(steps)]  # the slowest rank sets the pace
+    r0 = res[0]
+    return {
+        "step_s": statistics.median(times[1:]) if steps > 1 else times[0],
+        "gathers": statistics.median(r0["gathers"][1:]) if steps > 1 else r0["gathers"][0],
+        "gathered_shard": max(r["report"]["peak_gathered_bytes"] + r["report"]["shard_device_bytes"] for r in res),
+        "limit": limit,
+    }
+
+
+def predicted_gathered_shard(plan) -> int:
+    el = {"float32": 4, "bfloat16": 2, "float16": 2}[plan.chunks[0].dtype]
+    cache = plan.cache_blocks * plan.chunk_size * el
+    shards = sum(
+        (c.chunk_size // plan.world_size if c.sharded else c.chunk_size) * el
+        for c in plan.chunks if (not c.sharded) or c.shard_placement.value == "device"
+    )
+    return cache + shards
+
+
+def predictions_table(hw, steps: int, console) -> None:
+    from rich.table import Table
+
+    from elixir.search import minimum_waste_search
+    from elixir.search.cost_model import MemoryPolicy, Setting, evaluate_plan
+    from elixir.search.optimal import search_profile
+    from elixir.search.step_profile import profile_step
+
+    MiB = 1 << 20
+    # (model, world, device budget in MiB or None for "everything fits")
+    configs = [
+        ("gpt2-s", 1, None),
+        ("gpt2-s", 2, None),
+        ("gpt2-s", 2, 260),
+        ("opt-s", 2, 200),
+        ("llama-s", 2, 150),
+        ("llama-s", 1, 210),
+    ]
+    t = Table(title=f"optimal_search: predicted vs measured (hardware {hw.name}; {steps} steps, median of steps 2..)")
+    for c in ("model", "world", "budget MiB", "chunk", "blocks", "placements", "gathered+shard pred MiB",
+              "measured MiB", "meas/pred", "gathers pred", "meas", "step pred s", "meas s", "meas/pred"):
+        t.add_column(c, justify="right")
+    side = Table(title="same budget: minimum_waste_search(prefetch=True) vs optimal_search")
+    for c in ("model", "world", "budget MiB", "search", "blocks", "gathers", "pred s", "measured s", "mw/opt measured"):
+        side.add_column(c, justify="right")
+    profiles = {}
+    rows = []
+    for name, world, budget in configs:
+        model = build(name)
+        if name not in profiles:
+            profiles[name] = profile_step(model, make_batch(0), step_fn, torch.float32)
+        prof = profiles[name]
+        dev = (budget * MiB) if budget else (8 << 30)
+        plan = search_profile(prof, world, hardware=hw, device_memory=dev, host_memory=4 << 30, overlap=True)
+        m = run_plan(name, plan, steps)
+        p = plan.prediction
+        pg = predicted_gathered_shard(plan)
+        from collections import Counter
+
+        cnt = Counter((c.shard_placement.value[0] + c.optim_placement.value[0]).upper() if c.sharded else "R"
+                      for c in plan.chunks)
+        pl = " ".join(f"{k}x{v}" for k, v in sorted(cnt.items()))
+        rows.append((name, world, budget, plan, m))
+        t.add_row(name, str(world), str(budget or "8192"), f"{plan.chunk_size:,}", str(plan.cache_blocks), pl,
+                  f"{pg / MiB:.1f}", f"{m['gathered_shard'] / MiB:.1f}", f"{m['gathered_shard'] / pg:.3f}",
+                  str(plan.info["gathers_per_step"]), f"{m['gathers']:.0f}", f"{p.step_time_s:.3f}",
+                  f"{m['step_s']:.3f}", f"{m['step_s'] / p.step_time_s:.2f}")
+        console.print(f"[dim]{name} w{world} budget {budget}: pred {p.step_time_s:.3f} s, meas {m['step_s']:.3f} s, "
+                      f"gathered+shard {m['gathered_shard'] / MiB:.1f}/{pg / MiB:.1f} MiB[/dim]")
+        if world > 1:
+            mw = minimum_waste_search(model, world, prefetch=True, inp=make_batch(0), step_fn=step_fn)
+            st = Setting(world=world, elem=4, reduce_elem=4, opt_bytes=8,
+                         hardware=hw.per_rank(hw.ranks_per_node(world)), dtype="float32")
+            ev = evaluate_plan(prof, mw, st)
+            usable = MemoryPolicy().usable(dev, 4 << 30, 0)[0]
+            if ev.device_bytes <= usable:
+                mm = run_plan(name, mw, steps, enforce=False)
+                side.add_row(name, str(world), str(budget or "8192"), "minimum_waste", str(mw.cache_blocks),
+                             f"{ev.gathers} / {mm['gathers']:.0f}", f"{ev.step_time:.3f}", f"{mm['step_s']:.3f}", "")
+                side.add_row("", "", "", "optimal", str(plan.cache_blocks),
+                             f"{plan.info['gathers_per_step']} / {m['gathers']:.0f}", f"{p.step_time_s:.3f}",
+                             f"{m['step_s']:.3f}", f"{mm['step_s'] / m['step_s']:.2f}x")
+    console.print(t)
+    console.print(side)
+
+
+def scale(console) -> None:
+    import numpy as np
+
+    from elixir import models
+    from elixir.search.cost_model import pack
+    from elixir.search.optimal import chunk_size_candidates
+    from elixir.search.simulator import simulate
+    from elixir.search.step_profile import profile_by_layers
+
+    cmd = [sys.executable, "-m", "elixir", "plan", "opt-175b", "--world-size", "8", "--hardware", "8xA100-40GB",
+           "--device-memory", "80GiB", "--host-memory", "2TiB", "--disk", "30TB", "--batch", "1", "--seq", "2048",
+           "--dtype", "bf16", "--checkpointing", "--out", os.devnull]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    last = [ln for ln in out.stdout.splitlines() if "total" in ln]
+    console.print(f"`{' '.join(cmd[1:])}`: exit {out.returncode}, wall {wall:.2f} s (process start and imports included)")
+    if last:
+        console.print("  " + last[-1].strip())
+
+    def build_l(n):
+        return models.build_model("opt-175b", num_hidden_layers=n)
+
+    prof = profile_by_layers(build_l, 96, lambda m: models.make_batch(m, 1, 2048), models.lm_step_fn, torch.bfloat16)
+    cands = chunk_size_candidates(prof, 8, points=300)
+    t0 = time.perf_counter()
+    layouts = [pack(prof, c, 8) for c in cands]
+    t_pack = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    total = 0
+    for lay in layouts:
+        for b in (lay.min_blocks, lay.min_blocks + 2):
+            total += simulate(lay.trace, max(1, b), "belady").gathers
+    t_sim = time.perf_counter() - t0
+    steps = np.mean([lay.trace.n_steps for lay in layouts])
+    console.print(f"cache simulator: {len(cands)} chunk sizes x 2 block counts over the OPT-175B step trace "
+                  f"({steps:.0f} steps): packing {t_pack:.2f} s, simulation {t_sim:.3f} s")
+
+
+def main() -> int:
+    from rich.console import Console
+
+    from elixir.hardware import load_profile
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--hardware", default="cpu-box")
+    ap.add_argument("--skip-scale", action="store_true")
+    ap.add_argument("--only-scale", action="store_true")
+    args = ap.parse_args()
+    console = Console(width=200)
+    console.print(f"date {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, {os.cpu_count()} cores")
+    if not args.skip_scale:
+        scale(console)
+    if not args.only_scale:
+        predictions_table(load_profile(args.hardware), args.steps, console)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
