@@ -41,9 +41,7 @@ MiB = 1 << 20
 class BandwidthCurve:
     """Measured bandwidth (bytes/s) at message sizes (bytes), in increasing size order.
 
-    Between points the bandwidth is interpolated linearly in log(size). Above the largest point it
-    stays at the last value; below the smallest, the *time* stays at the smallest point's time
-    (a latency floor), so tiny messages are never predicted faster than anything measured.
+    See :meth:`time` for how sizes between and beyond the measured points are treated.
     """
 
     sizes: tuple[int, ...]
@@ -62,25 +60,40 @@ class BandwidthCurve:
         """A size-independent bandwidth (for reference figures quoted as one number)."""
         return cls((1,), (float(bytes_per_s),))
 
-    def bandwidth(self, nbytes: float) -> float:
-        s, b = self.sizes, self.bytes_per_s
-        if nbytes >= s[-1]:
-            return b[-1]
+    def _times(self) -> list[float]:
+        """Measured times, made non-decreasing in size (more bytes never take less time)."""
+        out, worst = [], 0.0
+        for size, bw in zip(self.sizes, self.bytes_per_s):
+            worst = max(worst, size / bw)
+            out.append(worst)
+        return out
+
+    def time(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` (0 for 0 bytes).
+
+        Between measured sizes the time is interpolated linearly in log-log space; below the
+        smallest size it stays at that size's time (a latency floor); above the largest, the last
+        bandwidth holds. Time never decreases with size.
+        """
+        if nbytes <= 0:
+            return 0.0
+        s, t = self.sizes, self._times()
         if nbytes <= s[0]:
-            return b[0] * nbytes / s[0]  # time floor at the smallest measured message
+            return t[0]
+        if nbytes >= s[-1]:
+            return t[-1] * nbytes / s[-1]
         lx = math.log(nbytes)
         for i in range(1, len(s)):
             if nbytes <= s[i]:
                 x0, x1 = math.log(s[i - 1]), math.log(s[i])
-                t = (lx - x0) / (x1 - x0) if x1 > x0 else 1.0
-                return b[i - 1] + t * (b[i] - b[i - 1])
-        return b[-1]  # pragma: no cover
+                f = (lx - x0) / (x1 - x0) if x1 > x0 else 1.0
+                v = math.exp(math.log(t[i - 1]) + f * (math.log(t[i]) - math.log(t[i - 1])))
+                return min(max(v, t[i - 1]), t[i])  # no rounding below the previous point
+        return t[-1]  # pragma: no cover
 
-    def time(self, nbytes: float) -> float:
-        """Seconds to move ``nbytes`` (0 for 0 bytes)."""
-        if nbytes <= 0:
-            return 0.0
-        return nbytes / self.bandwidth(nbytes)
+    def bandwidth(self, nbytes: float) -> float:
+        """Effective bytes/s at a message of ``nbytes``."""
+        return nbytes / self.time(nbytes) if nbytes > 0 else self.bytes_per_s[0]
 
     def scaled(self, factor: float) -> BandwidthCurve:
         """The same curve with every bandwidth multiplied by ``factor``."""
