@@ -307,28 +307,75 @@ ELIXIR_AVX512 __attribute__((always_inline)) inline __m512 step16(const Consts& 
   return p;
 }
 
+// Ranges at least this long write the low-precision copy with non-temporal stores: the copy is
+// write-only, so streaming it skips reading its lines first (2 of 30 bytes per element) and
+// keeps it from evicting p, m and v.
+constexpr int64_t kStreamMin = int64_t(1) << 18;
+
+// Elements to process one by one from `i` until the 16-bit copy at `i` is 32-byte aligned, or -1
+// when streaming does not apply to [i, e).
+inline int64_t stream_peel(const void* out, int64_t i, int64_t e) {
+  if (e - i < kStreamMin) return -1;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(out) + i);
+  if (addr & 1u) return -1;
+  return static_cast<int64_t>(((32u - (addr & 31u)) & 31u) / 2u);
+}
+
+template <int G, int O, bool STREAM>
+ELIXIR_AVX512 __attribute__((always_inline)) inline void loop_avx512(const Consts& c, const Consts512& k,
+                                                                      const Span& s, int64_t& i, int64_t e) {
+  for (; i + 16 <= e; i += 16) {
+    const __m512 p = step16<G>(c, k, s, i);
+    if constexpr (O != kNone) {
+      __m256i h;
+      if constexpr (O == kF16) h = _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      else h = f32x16_to_bf16(p);
+      __m256i* out = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(s.out) + i);
+      if constexpr (STREAM) _mm256_stream_si256(out, h);
+      else _mm256_storeu_si256(out, h);
+    }
+  }
+}
+
 template <int G, int O>
 ELIXIR_AVX512 void range_avx512(const Consts& c, const Span& s, int64_t b, int64_t e) {
   const Consts512 k = broadcast512(c);
   int64_t i = b;
-  for (; i + 16 <= e; i += 16) {
-    const __m512 p = step16<G>(c, k, s, i);
-    __m256i* out = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(s.out) + i);
-    if constexpr (O == kF16) _mm256_storeu_si256(out, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    if constexpr (O == kBF16) _mm256_storeu_si256(out, f32x16_to_bf16(p));
+  const int64_t peel = O == kNone ? -1 : stream_peel(s.out, b, e);
+  if (peel >= 0) {
+    for (const int64_t stop = b + peel; i < stop; ++i) adam_one<G, O>(c, s, i);
+    loop_avx512<G, O, true>(c, k, s, i, e);
+    _mm_sfence();
+  } else {
+    loop_avx512<G, O, false>(c, k, s, i, e);
   }
   for (; i < e; ++i) adam_one<G, O>(c, s, i);
 }
 
 // Only the bf16 output differs from range_avx512.
+template <bool STREAM, int G>
+ELIXIR_AVX512BF16 __attribute__((always_inline)) inline void loop_avx512bf16(const Consts& c, const Consts512& k,
+                                                                              const Span& s, int64_t& i, int64_t e) {
+  for (; i + 16 <= e; i += 16) {
+    const __m512 p = step16<G>(c, k, s, i);
+    __m256i* out = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(s.out) + i);
+    if constexpr (STREAM) _mm256_stream_si256(out, f32x16_to_bf16_native(p));
+    else _mm256_storeu_si256(out, f32x16_to_bf16_native(p));
+  }
+}
+
 template <int G, int O>
 ELIXIR_AVX512BF16 void range_avx512bf16(const Consts& c, const Span& s, int64_t b, int64_t e) {
   static_assert(O == kBF16, "the native-bf16 variant only exists for bf16 output");
   const Consts512 k = broadcast512(c);
   int64_t i = b;
-  for (; i + 16 <= e; i += 16) {
-    const __m512 p = step16<G>(c, k, s, i);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(s.out) + i), f32x16_to_bf16_native(p));
+  const int64_t peel = stream_peel(s.out, b, e);
+  if (peel >= 0) {
+    for (const int64_t stop = b + peel; i < stop; ++i) adam_one<G, O>(c, s, i);
+    loop_avx512bf16<true, G>(c, k, s, i, e);
+    _mm_sfence();
+  } else {
+    loop_avx512bf16<false, G>(c, k, s, i, e);
   }
   for (; i < e; ++i) adam_one<G, O>(c, s, i);
 }

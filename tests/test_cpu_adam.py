@@ -186,6 +186,23 @@ def test_thread_split_and_multi_span_are_exact():
         assert torch.equal(r, results[0])
 
 
+def test_lowp_copy_at_any_alignment():
+    """The copy is streamed (non-temporal) in long ranges after peeling to 32-byte alignment."""
+    n = 300_001
+    gen = torch.Generator().manual_seed(8)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
+    results = []
+    for lvl in levels():
+        for offset in (0, 1, 5, 15):
+            for dtype in (torch.bfloat16, torch.float16):
+                out = torch.empty(n + offset, dtype=dtype)[offset:]
+                p = p0.clone()
+                ours(p, g, torch.zeros(n), torch.zeros(n), 1, adamw=True, wd=0.01, level=lvl, out=out)
+                assert torch.equal(out, p.to(dtype)), (lvl, offset, dtype)
+                results.append(p)
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
 def special_values(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen)
