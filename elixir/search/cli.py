@@ -128,6 +128,7 @@ def main(args: argparse.Namespace) -> int:
     console.print(
         f"{profile.total_numel / 1e9:.2f}B trainable parameters; traced in {t_trace:.2f} s "
         f"({profile.info.get('source')}); total {time.perf_counter() - t0:.2f} s. "
-        f"Hardware {hw.name} ({'measured' if hw.measured else 'reference figures, not measured'})."
+        f"Hardware {hw.name} ({'measured' if hw.measured else 'reference figures, not measured'}).",
+        soft_wrap=True,
     )
     return 0
