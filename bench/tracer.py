@@ -120,9 +120,9 @@ def main() -> None:
                 f"{r['act'] / gb:.2f}" if "act" in r else "-", f"{r['total'] / gb:.1f}",
                 f"{r['cpu_s'] / ours['cpu_s']:.2f}" if "error" not in ours else "-",
             )
-        if "error" not in ours:
-            Console().print_json(json.dumps({"ckpt": ckpt, **ours}))
-    Console().print(t)
+        for name, r in rows:
+            Console(width=200).print_json(json.dumps({"system": name, "ckpt": ckpt, **r}))
+    Console(width=200).print(t)
 
 
 if __name__ == "__main__":

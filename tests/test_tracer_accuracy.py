@@ -127,8 +127,8 @@ def test_order_helper_fires_at_the_traced_granularity():
         seen = []
         hooks = install_step_hooks(
             model,
-            on_forward=lambda k, n, m: seen.append((k, n)),
-            on_backward=lambda k, n, m: seen.append((k, n)),
+            on_forward=lambda k, n, m, rec=seen.append: rec((k, n)),
+            on_backward=lambda k, n, m, rec=seen.append: rec((k, n)),
         )
         try:
             case.step_fn(model, batch)
