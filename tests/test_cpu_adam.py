@@ -203,6 +203,34 @@ def test_lowp_copy_at_any_alignment():
     assert all(torch.equal(r, results[0]) for r in results)
 
 
+def test_kernel_releases_the_gil():
+    """Python threads keep running while a long kernel call is in flight."""
+    import threading
+    import time
+
+    n = 8_000_000
+    p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    window: list[tuple[float, float]] = []
+    started = threading.Event()
+
+    def work() -> None:
+        started.set()
+        for step in (1, 2, 3):
+            t0 = time.perf_counter()
+            F.adam_step(p, g, m, v, step=step, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0)
+            window.append((t0, time.perf_counter()))
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    started.wait()
+    ticks = []
+    while worker.is_alive():
+        ticks.append(time.perf_counter())
+    worker.join()
+    inside = [t for t in ticks for a, b in window if a + 1e-3 < t < b - 1e-3]
+    assert inside, "no Python progress during a kernel call: the GIL was held"
+
+
 def special_values(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen)
