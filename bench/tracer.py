@@ -6,6 +6,7 @@ transformers imports, model construction on meta and the trace). The peer is tor
 
     python bench/tracer.py                       # OPT-175B, batch 1, seq 2048, bf16, ckpt off/on
     python bench/tracer.py --model opt-13b --peer  # also time the MemTracker peer
+    python bench/tracer.py --accuracy            # predicted vs measured per model (zoo, small HF)
 """
 
 from __future__ import annotations
@@ -19,21 +20,22 @@ import time
 
 
 def _one_elixir(model_name: str, batch: int, seq: int, ckpt: bool) -> dict:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     import torch
 
     from elixir import models
     from elixir.tracer import memory_profiling
 
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     m = models.build_model(model_name)
     if ckpt:
         models.enable_checkpointing(m)
     b = models.make_batch(m, batch, seq)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     p = memory_profiling(m, b, models.lm_step_fn, torch.bfloat16)
-    t3 = time.perf_counter()
-    return dict(import_s=t1 - t0, build_s=t2 - t1, trace_s=t3 - t2, param=p.param_occ, grad=p.grad_occ,
+    t3, c3 = time.perf_counter(), time.process_time()
+    return dict(import_s=t1 - t0, build_s=t2 - t1, trace_s=t3 - t2, import_cpu_s=c1 - c0, build_cpu_s=c2 - c1,
+                trace_cpu_s=c3 - c2, param=p.param_occ, grad=p.grad_occ,
                 act=p.activation_occ, phases=p.phase_peaks, ops=p.num_ops, steps=len(p.order.steps),
                 total=p.total_peak)
 
@@ -84,6 +86,60 @@ def _run(system: str, args: argparse.Namespace, ckpt: bool) -> dict:
     return dict(json.loads(line[7:]), wall_s=wall)
 
 
+SMALL = {
+    "gpt2": dict(n_embd=128, n_layer=3, n_head=4, vocab_size=512, n_positions=128),
+    "opt-125m": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, ffn_dim=512, vocab_size=512,
+                     max_position_embeddings=128, word_embed_proj_dim=128),
+    "llama-7b": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=512, max_position_embeddings=128),
+    "bert-base": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, intermediate_size=512,
+                      vocab_size=512, max_position_embeddings=128),
+}
+
+
+def accuracy() -> None:
+    """Predicted (meta) vs measured (same step on real CPU tensors, same accounting) per model."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from elixir import models
+    from elixir.testing.zoo import ZOO, build_model
+    from elixir.tracer import memory_profiling
+
+    cases = []
+    for name, case in ZOO.items():
+        cases.append((f"tiny {name}", lambda n=name: build_model(n), case.make_batch(2, 0), case.step_fn, None))
+    for name in ("gpt2", "opt", "llama", "bert"):
+        case = ZOO[name]
+        for re in (False, True):
+            cases.append((f"tiny {name}", lambda n=name: build_model(n), case.make_batch(2, 0), case.step_fn, re))
+    for name, kw in SMALL.items():
+        for re in (None, False):
+            torch.manual_seed(0)
+            m = models.build_model(name, device="cpu", **kw)
+            cases.append((f"small {name}", lambda m=m: m, models.make_batch(m, 2, 64, device="cpu"),
+                          models.lm_step_fn, re))
+    t = Table(title="tracer accuracy: predicted on meta vs measured on real CPU tensors (fp32)")
+    for c in ("model", "checkpointing", "pred act", "meas act", "err %", "pred fwd/rec/bwd peaks",
+              "meas fwd/rec/bwd peaks", "order equal"):
+        t.add_column(c, justify="right")
+    for label, build, batch, step, re in cases:
+        model = build()
+        if re is not None:
+            models.enable_checkpointing(model, reentrant=re)
+        pm = memory_profiling(model, batch, step)
+        pr = memory_profiling(model, batch, step, target="real")
+        if re is not None:
+            model.gradient_checkpointing_disable()
+        err = 100 * (pm.activation_occ - pr.activation_occ) / pr.activation_occ
+        t.add_row(label, "off" if re is None else ("reentrant" if re else "non-reentrant"), f"{pm.activation_occ:,}",
+                  f"{pr.activation_occ:,}", f"{err:+.2f}", "/".join(f"{v:,}" for v in pm.phase_peaks.values()),
+                  "/".join(f"{v:,}" for v in pr.phase_peaks.values()),
+                  str(pm.order.params_per_step == pr.order.params_per_step))
+    Console(width=220).print(t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="opt-175b")
@@ -91,11 +147,15 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--peer", action="store_true", help="also run MemTracker under FakeTensorMode")
     ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--accuracy", action="store_true", help="print the accuracy table (meta vs real CPU) and exit")
     ap.add_argument("--child", choices=["elixir", "memtracker"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         _child(args)
+        return
+    if args.accuracy:
+        accuracy()
         return
     from rich.console import Console
     from rich.table import Table

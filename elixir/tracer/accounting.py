@@ -9,8 +9,10 @@ a parameter's ``.grad`` are moved from the activation bucket to the gradient buc
 AccumulateGrad produces them (``register_post_accumulate_grad_hook``).
 
 After each op the accountant appends one timeline sample ``(phase, op name, activation bytes,
-gradient bytes)``, and one more (op name ``autograd::AccumulateGrad``) each time a ``.grad`` is produced. Frees only lower the live total, so the maximum over these post-op samples is
-the exact peak.
+gradient bytes)``, and one more (op name ``autograd::AccumulateGrad``) each time a ``.grad`` is
+produced. Frees only lower the live total, so the maximum over these post-op samples is the exact
+peak. Allocations an op makes internally and frees before returning (kernel workspaces) are not
+visible to a dispatch mode and are not counted, on meta or real tensors alike.
 """
 
 from __future__ import annotations
