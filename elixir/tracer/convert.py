@@ -72,7 +72,14 @@ def copy_model(model: nn.Module, dtype: torch.dtype, target: Target = "meta") ->
         for v in vars(mod).values():  # plain tensor attributes (caches, constants)
             if isinstance(v, torch.Tensor) and id(v) not in memo:
                 memo[id(v)] = _twin(v, dtype, target)
-    return copy.deepcopy(model, memo)
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as err:
+        raise TracerError(
+            f"cannot copy the model's structure for tracing ({type(err).__name__}: {err}); the tracer never "
+            f"modifies your model, so it works on a structural copy. Make the model deep-copyable (drop "
+            f"locks, process groups or open files from module attributes)."
+        ) from err
 
 
 def copy_inputs(inp: dict, dtype: torch.dtype, target: Target = "meta") -> dict:
@@ -87,4 +94,6 @@ def copy_inputs(inp: dict, dtype: torch.dtype, target: Target = "meta") -> dict:
             out[k] = torch.empty_strided(v.shape, v.stride(), dtype=_cast(v, dtype), device="meta")
         else:
             out[k] = v.detach().to(device="cpu", dtype=_cast(v, dtype), copy=True)
+        if v.requires_grad and out[k].is_floating_point():
+            out[k].requires_grad_(True)
     return out
