@@ -5,6 +5,7 @@ special values, and the thread split."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -229,6 +230,18 @@ def test_kernel_releases_the_gil():
     worker.join()
     inside = [t for t in ticks for a, b in window if a + 1e-3 < t < b - 1e-3]
     assert inside, "no Python progress during a kernel call: the GIL was held"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
+def test_one_openmp_runtime_shared_with_torch():
+    """The kernel's OpenMP regions run on torch's libgomp, not a second runtime with its own pool."""
+    n = 1 << 20
+    p, g, m, v = (torch.zeros(n) for _ in range(4))
+    F.get_native().adam_update([(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0, n)], 0, 3, 1, LR,
+                               BETA1, BETA2, EPS, 0.0, True, True, 1.0, 2, "")  # fmt: skip
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) <= 1, runtimes
 
 
 def special_values(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
