@@ -9,7 +9,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a registry name (e.g. opt-175b, gpt2, llama-7b, bert-base) or a config.json path")
+    p.add_argument("model", nargs="?", help="a registry name (e.g. opt-175b, gpt2, llama-7b, bert-base) or a config.json path")
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     p.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="training dtype (default fp32)")
@@ -30,6 +30,9 @@ def main(args: argparse.Namespace) -> int:
     if args.list:
         console.print("\n".join(models.model_names()))
         return 0
+    if not args.model:
+        console.print("[red]error:[/red] give a MODEL (a registry name, see --list, or a config.json path)")
+        return 2
     import torch
 
     from .memory_tracer import memory_profiling
