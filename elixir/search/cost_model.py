@@ -13,7 +13,8 @@ replicated chunks (as :func:`~elixir.search.minimum_waste.minimum_waste_search` 
 ``r`` the reduce element size, ``k`` optimizer-state bytes per element: 8 for Adam, 4 for SGD):
 
 - device, fixed: activation peak + buffers + ``blocks * C * e`` (rCache) + ``G * C * r`` (gradient
-  buffers: ``G`` is the most chunks whose backward is in progress at once) + replicated payloads;
+  buffers: ``G`` is the most chunks whose backward is in progress at once) + replicated payloads
+  and their gradient buffers;
 - per sharded chunk, by placement of (shard, optimizer state):
   ``DD``: device ``s(e + m + 4 + k)``; ``DH``: device ``s e``, host ``s(4 + 4 + k)``;
   ``HH``: host ``s(e + m + 4 + k)``; ``DK``/``HK``: as ``DH``/``HH`` with master and state
@@ -150,7 +151,8 @@ def pack(profile: StepProfile, chunk_size: int, world: int) -> Layout:
     """Greedy in-order packing of ``profile``'s parameters into chunks of ``chunk_size``.
 
     The cache trace lists, per step, the sharded chunks it needs (the runtime pins a chunk only
-    while a module using it runs). A chunk's gradient buffer lives from its first backward use to
+    while a module using it runs, and the last backward step's chunks until the next backward step,
+    so across any recomputation in between). A chunk's gradient buffer lives from its first backward use to
     its last (the runtime reduces it once every gradient has arrived): ``grad_buffers`` is the most
     such intervals open at once.
     """
@@ -201,8 +203,21 @@ def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharde
             np.add.at(delta, first[has], 1)
             np.add.at(delta, last[has] + 1, -1)
             grad_buffers = int(np.cumsum(delta).max())
-        step_of = keys // n_sh
-        offsets = np.searchsorted(step_of, np.arange(n_steps + 1)).astype(np.int64)
+        offsets = np.searchsorted(keys // n_sh, np.arange(n_steps + 1)).astype(np.int64)
+        if bw.any() and not ctx.backward.all():
+            # The runtime keeps the chunks of the last backward step pinned until the next backward
+            # step; recomputation (checkpointing) in between needs them resident too.
+            extra, last_bw = [], -1
+            for t in range(n_steps):
+                lo, hi = offsets[t], offsets[t + 1]
+                if ctx.backward[t]:
+                    if hi > lo:
+                        last_bw = t
+                elif last_bw >= 0 and hi > lo:
+                    extra.append(t * n_sh + keys[offsets[last_bw]:offsets[last_bw + 1]] % n_sh)
+            if extra:
+                keys = np.unique(np.concatenate([keys, *extra]))
+                offsets = np.searchsorted(keys // n_sh, np.arange(n_steps + 1)).astype(np.int64)
         trace = AccessTrace(offsets, (keys % n_sh).astype(np.int32), n_sh)
         min_blocks = int(np.diff(offsets).max()) if n_steps else 0
     else:
@@ -290,7 +305,9 @@ def fixed_device_bytes(profile: StepProfile, layout: Layout, st: Setting, blocks
         "activations": int(profile.activation_bytes),
         "buffers": int(profile.buffer_bytes),
         "rcache": blocks * layout.chunk_size * st.elem,
-        "grad_buffers": layout.grad_buffers * layout.chunk_size * st.reduce_elem,
+        # sharded: the most chunks whose backward is in progress at once; replicated (tied) chunks:
+        # their gradients arrive at both ends of backward, so their buffers live throughout
+        "grad_buffers": (layout.grad_buffers * layout.chunk_size + repl) * st.reduce_elem,
         "replicated": repl * st.elem,
     }
 
