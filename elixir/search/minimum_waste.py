@@ -2,8 +2,10 @@
 
 Trainable parameters are packed greedily in order (definition order, or the traced order of first
 use when ``inp``/``step_fn`` are given) into chunks of one size; a parameter that does not fit in
-the current chunk starts the next one. The search tries chunk sizes between the largest parameter
-and a cap, coarse then fine, and keeps the one with the least padding. Parameters held by more than
+the current chunk starts the next one. The first and last chunks are trimmed to their contents, and
+a few outlier parameters (embeddings, LM heads at least twice the size of anything else) may get
+chunks of their own. The search tries every chunk size at which some run of consecutive parameters
+fills a chunk exactly, plus a grid, and keeps the one with the least padding. Parameters held by more than
 one module (tied weights) get their own replicated chunks. The rCache gets the fewest blocks that
 let any single step run (its chunks and those of the calls enclosing it), plus look-ahead blocks
 when ``prefetch``.
@@ -13,9 +15,11 @@ Nothing here allocates tensors: it works on meta-device models too.
 
 from __future__ import annotations
 
+import shutil
 import time
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -25,6 +29,7 @@ ALIGN = 16  # elements per rank a shard is aligned to
 MAX_CANDIDATES = 1024
 MAX_CHUNK_ELEMENTS = 64 * 2**20  # never larger than this unless one parameter is
 MIN_CHUNKS = 4  # aim for at least this many sharded chunks when the model allows
+MAX_OUTLIERS = 4  # at most this many very large params (embeddings, heads) get chunks of their own
 
 
 def _numel(shape) -> int:
@@ -44,79 +49,157 @@ def shared_params(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.requires_grad and owners.get(id(p), 0) > 1}
 
 
-def pack(numels: Sequence[int], chunk_size: int) -> list[list[int]]:
-    """Greedy in-order packing: indices of ``numels`` per chunk."""
-    chunks: list[list[int]] = []
-    used = chunk_size + 1
+def _up(n, align):
+    return -(-n // align) * align
+
+
+def pack(numels: Sequence[int], chunk_size: int, align: int = 1, oversize: Optional[int] = None) -> list[tuple[list[int], int]]:
+    """Greedy in-order packing into chunks of ``chunk_size``: ``[(param indices, capacity)]``.
+
+    A parameter that does not fit starts the next chunk. The first and the last chunk are trimmed to
+    their contents (rounded up to ``align``): both are partial by construction (embeddings before a
+    periodic body, the body's remainder). A parameter larger than ``oversize`` (default: the chunk
+    size) gets a chunk of its own, sized to fit.
+    """
+    oversize = chunk_size if oversize is None else oversize
+    chunks: list[tuple[list[int], int]] = []
+    cur: list[int] = []
+    used = 0
+
+    def close() -> None:
+        nonlocal cur, used
+        if cur:
+            cap = _up(used, align) if not chunks else chunk_size
+            chunks.append((cur, cap))
+        cur, used = [], 0
+
     for i, n in enumerate(numels):
-        if used + n > chunk_size:
-            chunks.append([])
-            used = 0
-        chunks[-1].append(i)
+        if n > oversize:
+            close()
+            chunks.append(([i], _up(n, align)))
+            continue
+        if cur and used + n > chunk_size:
+            close()
+        cur.append(i)
         used += n
+    if cur:
+        chunks.append((cur, _up(used, align)))
     return chunks
 
 
-def _waste(numels: Sequence[int], chunk_size: int) -> tuple[int, int]:
-    """(padding elements, chunk count) of greedy packing, without building the lists."""
-    count, used, pad = 0, chunk_size + 1, 0
+def _waste_many(numels: Sequence[int], sizes: np.ndarray, align: int, oversize: int) -> np.ndarray:
+    """Padding of :func:`pack` for every candidate size at once (vectorised over sizes)."""
+    used = np.full(sizes.shape, -1, dtype=np.int64)  # -1: no chunk open
+    first = np.ones(sizes.shape, dtype=bool)  # no chunk closed yet
+    pad = np.zeros(sizes.shape, dtype=np.int64)
+
+    def close_pad(mask):
+        open_ = mask & (used >= 0)
+        trim = _up(np.maximum(used, 0), align) - np.maximum(used, 0)
+        return np.where(open_, np.where(first, trim, sizes - used), 0), open_
+
     for n in numels:
-        if used + n > chunk_size:
-            if count:
-                pad += chunk_size - used
-            count += 1
-            used = 0
-        used += n
-    if count:
-        pad += chunk_size - used
-    return pad, count
+        if n > oversize:
+            p, closed = close_pad(np.ones(sizes.shape, dtype=bool))
+            pad += p + (_up(n, align) - n)
+            first[:] = False
+            used[:] = -1
+            continue
+        new = (used < 0) | (used + n > sizes)
+        p, closed = close_pad(new)
+        pad += p
+        first &= ~closed
+        used = np.where(new, n, used + n)
+    return pad + np.where(used >= 0, _up(np.maximum(used, 0), align) - np.maximum(used, 0), 0)
 
 
 def best_chunk_size(numels: Sequence[int], align: int, cap: Optional[int] = None) -> int:
-    """The multiple of ``align`` in [max(numels), cap] with the least padding (smallest on ties)."""
+    """The chunk size with the least padding under :func:`pack` (see :func:`search_chunk_size`)."""
+    return search_chunk_size(numels, align, cap)[0]
+
+
+def search_chunk_size(numels: Sequence[int], align: int, cap: Optional[int] = None) -> tuple[int, int, int]:
+    """``(chunk size, oversize threshold, padding)`` with the least padding under :func:`pack`.
+
+    Chunk sizes are multiples of ``align`` in [largest packed parameter, ``cap``]. Greedy packing
+    wastes least at sizes where some chunk is exactly full, so the candidates are the sums of every
+    run of consecutive parameters (rounded up to ``align``), plus a uniform grid. The few largest
+    parameters (embeddings, LM heads) may instead get chunks of their own when that wastes less.
+    """
     if not numels:
-        return 0
-    lo = -(-max(numels) // align) * align
-    total = sum(numels)
+        return 0, 0, 0
     if cap is None:
-        cap = max(lo, min(MAX_CHUNK_ELEMENTS, -(-total // MIN_CHUNKS)))
-    cap = max(lo, -(-cap // align) * align)
+        cap = default_cap(numels)
+    cap = _up(cap, align)
+    distinct = sorted({n for n in numels if n <= cap}, reverse=True)
+    thresholds = [cap]
+    for d in distinct[:MAX_OUTLIERS]:  # outliers: few params at least twice the rest's largest
+        body = [n for n in numels if n < d]
+        if body and len(numels) - len(body) <= MAX_OUTLIERS and d >= 2 * max(body):
+            thresholds.append(d - 1)
+    best = None
+    quarter = _up(-(-sum(numels) // MIN_CHUNKS), align)
+    for thr, hi in [(t, h) for t in thresholds for h in _caps(numels, t, cap, quarter, align)]:
+        body = [n for n in numels if n <= thr]
+        lo = _up(max(body), align)
+        hi = max(lo, hi)
+        cands = set(range(lo, hi + 1, max(align, (hi - lo) // MAX_CANDIDATES // align * align or align)))
+        for i in range(len(numels)):
+            run = 0
+            for n in numels[i:]:
+                run += n
+                if run > hi or n > thr:
+                    break
+                if run >= lo:
+                    cands.add(_up(run, align))
+            if len(cands) > 200_000:
+                break
+        sizes = np.array(sorted(cands), dtype=np.int64)
+        pads = _waste_many(numels, sizes, align, thr)
+        j = int(np.argmin(pads))  # the first (smallest size) on ties
+        if best is None or pads[j] < best[2]:
+            best = (int(sizes[j]), thr, int(pads[j]))
+    return best
 
-    def scan(a: int, b: int, step: int) -> tuple[int, int]:
-        best = (None, None)
-        s = a
-        while s <= b:
-            pad, _ = _waste(numels, s)
-            if best[0] is None or pad < best[0]:
-                best = (pad, s)
-            s += step
-        return best
 
-    steps = max(1, (cap - lo) // align)
-    stride = max(1, -(-steps // MAX_CANDIDATES)) * align
-    _, size = scan(lo, cap, stride)
-    while stride > align:  # refine around the optimum, 64 candidates a side per level
-        finer = max(align, (stride // 64) // align * align)
-        _, size = scan(max(lo, size - stride), min(cap, size + stride), finer)
-        stride = finer
-    return size
+def _caps(numels: Sequence[int], thr: int, cap: int, quarter: int, align: int) -> list[int]:
+    """Upper bounds tried for the chunk size: ``cap``, and 2x, 4x, 8x the largest packed parameter
+    when those stay within a quarter of the model (large layers pack better in larger chunks)."""
+    body_max = max((n for n in numels if n <= thr), default=0)
+    out = [cap]
+    for k in (2, 4, 8):
+        c = _up(k * body_max, align)
+        if cap < c <= quarter:
+            out.append(c)
+    return out
 
 
-def _traced_order(model: nn.Module, inp, step_fn) -> list[tuple[str, ...]]:
+def default_cap(numels: Sequence[int]) -> int:
+    """Largest chunk size considered: a quarter of the packed elements, at most 64 Mi elements."""
+    return max(1, min(MAX_CHUNK_ELEMENTS, -(-sum(numels) // MIN_CHUNKS)))
+
+
+def _traced_order(model: nn.Module, inp, step_fn) -> tuple[list[tuple[str, ...]], list[str]]:
+    """(params per step, kind per step) from the tracer."""
     try:
-        from elixir.tracer import generate_tf_order  # type: ignore[attr-defined]
+        from elixir.tracer import generate_tf_order
     except ImportError:
-        try:
-            from elixir.tracer.order import generate_tf_order  # type: ignore[no-redef]
-        except ImportError:
-            raise RuntimeError(
-                "minimum_waste_search(inp=..., step_fn=...) needs the tracer (elixir.tracer."
-                "generate_tf_order), which is not available in this installation; call it without "
-                "inp/step_fn to pack in definition order"
-            ) from None
-    steps = generate_tf_order(model, inp, step_fn)
-    steps = getattr(steps, "params_per_step", steps)
-    return [tuple(sorted(s)) for s in steps]
+        raise RuntimeError(
+            "minimum_waste_search(inp=..., step_fn=...) needs the tracer (elixir.tracer."
+            "generate_tf_order), which is not available in this installation; call it without "
+            "inp/step_fn to pack in definition order"
+        ) from None
+    traced = generate_tf_order(model, inp, step_fn)
+    order = traced.get("order") if isinstance(traced, dict) else traced
+    if order is not None and hasattr(order, "steps"):
+        return [tuple(s.params) for s in order.steps], [getattr(s.kind, "value", str(s.kind)) for s in order.steps]
+    steps = traced["params_per_step"] if isinstance(traced, dict) else traced.params_per_step
+    return [tuple(s) for s in steps], ["forward"] * len(steps)
+
+
+def uses_checkpointing(model: nn.Module) -> bool:
+    """Whether any module of ``model`` has gradient checkpointing switched on (HF style flag)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _module_steps(model: nn.Module, names: dict[int, str]) -> list[tuple[list[str], list[str]]]:
@@ -134,15 +217,27 @@ def _module_steps(model: nn.Module, names: dict[int, str]) -> list[tuple[list[st
     return out
 
 
-def cache_blocks_needed(chunk_of: dict[str, int], steps: Sequence[Sequence[str]], nested: Sequence[Sequence[str]] = ()) -> int:
-    """Fewest rCache blocks that let every step run: the runtime pins a step's sharded chunks and
-    those of the calls enclosing it (``nested[i]``, ancestors' params), in forward and in backward.
+def cache_blocks_needed(
+    chunk_of: dict[str, int],
+    steps: Sequence[Sequence[str]],
+    nested: Sequence[Sequence[str]] = (),
+    kinds: Sequence[str] = (),
+) -> int:
+    """Fewest rCache blocks that let every step run. The runtime pins a step's sharded chunks and
+    those of the calls enclosing it (``nested[i]``: ancestors' params); a recomputation step
+    (``kinds[i] == "recompute"``) also runs while the chunks of the last backward step stay pinned.
     ``chunk_of`` maps the params of sharded chunks to their chunk index."""
     need = 0
+    last_bwd: set = set()
     for i, s in enumerate(steps):
         cs = {chunk_of[n] for n in s if n in chunk_of}
         if nested:
             cs |= {chunk_of[n] for n in nested[i] if n in chunk_of}
+        kind = kinds[i] if kinds else "forward"
+        if kind == "recompute":
+            cs |= last_bwd
+        elif kind == "backward":
+            last_bwd = set(cs)
         need = max(need, len(cs))
     return need
 
@@ -180,8 +275,9 @@ def minimum_waste_search(
     names = {id(p): n for n, p in named}
     tied = shared_params(model)
     order: Optional[list[tuple[str, ...]]] = None
+    kinds: list[str] = []
     if inp is not None:
-        order = _traced_order(model, inp, step_fn)
+        order, kinds = _traced_order(model, inp, step_fn)
         first_use: dict[str, int] = {}
         for i, s in enumerate(order):
             for n in s:
@@ -192,23 +288,24 @@ def minimum_waste_search(
     sharded_names = [n for n, _ in named if n not in tied]
     numels = [_numel(shapes[n]) for n in sharded_names]
     align = ALIGN * group_size
-    size = best_chunk_size(numels, align)
+    size, oversize, _ = search_chunk_size(numels, align) if numels else (0, 0, 0)
     place = Placement.HOST if cpu_offload else Placement.DEVICE
     dt = dtype_name(unified_dtype)
     chunks: list[ChunkPlan] = []
-    for idx in pack(numels, size) if numels else []:
+    for idx, capacity in pack(numels, size, align, oversize) if numels else []:
         ns = tuple(sharded_names[i] for i in idx)
-        chunks.append(ChunkPlan(ns, tuple(shapes[n] for n in ns), size, dt, True, place, place))
+        chunks.append(ChunkPlan(ns, tuple(shapes[n] for n in ns), capacity, dt, True, place, place))
     for n, _ in named:
         if n in tied:
             chunks.append(ChunkPlan((n,), (shapes[n],), _numel(shapes[n]), dt, False, Placement.DEVICE, place))
 
     chunk_of = {n: ci for ci, c in enumerate(chunks) if c.sharded for n in c.params}
+    mods = _module_steps(model, names)
+    blocks = cache_blocks_needed(chunk_of, [d for d, _ in mods], [a for _, a in mods])
     if order is not None:
-        blocks = cache_blocks_needed(chunk_of, order)
-    else:
-        mods = _module_steps(model, names)
-        blocks = cache_blocks_needed(chunk_of, [d for d, _ in mods], [a for _, a in mods])
+        blocks = max(blocks, cache_blocks_needed(chunk_of, order, kinds=kinds))
+    elif uses_checkpointing(model):
+        blocks *= 2  # recomputation runs while the backward step's chunks stay pinned
     if chunk_of:
         blocks = max(1, blocks)
     depth = 0
@@ -230,7 +327,7 @@ def minimum_waste_search(
             "search_time_s": elapsed,
             "traced": order is not None,
             "pin_memory": pin_memory,
-            "sharded_waste": 0.0 if not numels else 1 - sum(numels) / (size * max(1, sharded_count)),
+            "sharded_waste": 0.0 if not numels else 1 - sum(numels) / sum(c.chunk_size for c in chunks if c.sharded),
         },
     )
     if verbose:
@@ -258,4 +355,4 @@ def print_plan(result: SearchResult, dtype: torch.dtype = torch.float) -> None:
         f"{result.cache_bytes(el) / 2**20:.1f}",
         f"{result.info.get('search_time_s', 0.0):.3f}",
     )
-    Console().print(table)
+    Console(width=max(110, shutil.get_terminal_size().columns)).print(table)
