@@ -1,0 +1,305 @@
+"""elixir.checkpoint: exact resume in new processes, resharding 2 -> 1 and 2 -> 4, full
+HF-compatible checkpoints, crash safety under SIGKILL, and clear errors on bad input with nothing
+modified. Spawned runs: one world-2 run trains 6 steps and saves at step 3, a second world-2 run
+(new processes) loads and trains 3 more, a world-4 run reshards; the rest runs in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from elixir import checkpoint
+from elixir import distributed as edist
+from elixir.checkpoint import CheckpointError
+from elixir.search import minimum_waste_search
+from elixir.testing import run_distributed
+from elixir.testing.reference import shard_batch
+from elixir.testing.zoo import ZOO, build_model
+from elixir.wrapper import ElixirModule, ElixirOptimizer
+
+BATCH = 4
+MODEL = "gpt2"
+
+
+def make(world: int = 1, name: str = MODEL, dtype=torch.float32, groups: bool = False, **kw):
+    model = build_model(name)
+    em = ElixirModule(model, minimum_waste_search(model, world), dtype=dtype, output_fp32=dtype != torch.float32)
+    params = [p for p in em.parameters() if p.requires_grad]
+    if groups:  # two groups: no weight decay on biases and norms
+        decay = [p for p in params if p.dim() >= 2]
+        rest = [p for p in params if p.dim() < 2]
+        inner = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.05)
+    else:
+        inner = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    return em, ElixirOptimizer(em, inner, **kw)
+
+
+def train(em, opt, steps, name: str = MODEL) -> None:
+    zc = ZOO[name]
+    rank, world = edist.get_rank(), edist.get_world_size()
+    for s in steps:
+        opt.zero_grad()
+        zc.loss(em, shard_batch(zc.make_batch(BATCH, s), rank, world)).backward()
+        opt.step()
+
+
+def snapshot(em, opt) -> dict:
+    """Full model and optimizer state (collective), on every rank."""
+    return {"model": em.state_dict(), "optim": opt.state_dict()}
+
+
+def bitwise_diff(a: dict, b: dict) -> list[str]:
+    errs = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
+    sa, sb = a["optim"]["state"], b["optim"]["state"]
+    if set(sa) != set(sb):
+        errs.append("optimizer state indices differ")
+    for i in sa:
+        for k in sa[i]:
+            if not torch.equal(sa[i][k], sb[i][k]):
+                errs.append(f"optim {i}.{k}")
+    if a["optim"]["param_groups"] != b["optim"]["param_groups"]:
+        errs.append("param groups")
+    return errs
+
+
+# --------------------------------------------------------------------------------------------
+# exact resume and resharding
+
+
+def _train_and_save(root: str) -> dict:
+    em, opt = make(2, groups=True)
+    train(em, opt, range(3))
+    checkpoint.save(os.path.join(root, "sharded"), em, opt, extra={"step": 3, "note": "hi"})
+    checkpoint.save(os.path.join(root, "full"), em, opt, shard=False)
+    at3 = snapshot(em, opt)
+    train(em, opt, range(3, 6))
+    return {"at3": at3, "at6": snapshot(em, opt)}
+
+
+def _load_and_train(root: str, kinds: tuple) -> dict:
+    out = {}
+    world = edist.get_world_size()
+    for kind in kinds:
+        em, opt = make(world, groups=True)
+        extra = checkpoint.load(os.path.join(root, kind), em, opt)
+        loaded = snapshot(em, opt)
+        train(em, opt, range(3, 6))
+        out[kind] = {"extra": extra, "loaded": loaded, "at6": snapshot(em, opt), "files": sorted(os.listdir(os.path.join(root, kind)))}
+    return out
+
+
+@pytest.mark.dist
+def test_exact_resume_in_new_processes_and_resharding(tmp_path):
+    root = str(tmp_path)
+    first = run_distributed(_train_and_save, 2, root, timeout=300)[0]
+    resumed = run_distributed(_load_and_train, 2, root, ("sharded", "full"), timeout=300)[0]
+    assert resumed["sharded"]["files"] == ["extra.pt", "index.json", "rank00000-of-00002.safetensors", "rank00001-of-00002.safetensors"]
+    assert resumed["sharded"]["extra"] == {"step": 3, "note": "hi"}
+    for kind in ("sharded", "full"):
+        assert bitwise_diff(resumed[kind]["loaded"], first["at3"]) == [], kind
+        assert bitwise_diff(resumed[kind]["at6"], first["at6"]) == [], kind  # exact resume, fp32
+    # 2 -> 4 (new processes) and 2 -> 1 (in this process): the loaded state is bitwise the saved one
+    four = run_distributed(_load_and_train, 4, root, ("sharded",), timeout=300)[0]["sharded"]
+    one = _load_and_train(root, ("sharded", "full"))
+    for got in (four, one["sharded"], one["full"]):
+        assert bitwise_diff(got["loaded"], first["at3"]) == []
+        # training on at another world size sums gradients in another order: close, not bitwise
+        for k, v in first["at6"]["model"].items():
+            assert torch.allclose(got["at6"]["model"][k], v, rtol=1e-3, atol=2e-4), k
+
+
+# --------------------------------------------------------------------------------------------
+# full checkpoints are Hugging Face and torch compatible
+
+
+def test_full_checkpoint_is_hf_and_torch_compatible(tmp_path):
+    from safetensors import safe_open
+    from transformers import GPT2LMHeadModel
+
+    em, opt = make()
+    train(em, opt, range(2))
+    path = str(tmp_path / "full")
+    checkpoint.save(path, em, opt, shard=False)
+    sd = em.state_dict()
+    plain = build_model(MODEL)
+    plain.save_pretrained(str(tmp_path / "hf"))
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as a, safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())  # tied weights stored once, as HF stores them
+    hf = GPT2LMHeadModel.from_pretrained(path)
+    for k, v in hf.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    osd = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
+    torch_opt = torch.optim.AdamW(hf.parameters(), lr=1e-2)
+    torch_opt.load_state_dict(osd)
+    assert bitwise_diff({"model": sd, "optim": osd}, snapshot(em, opt)) == []
+
+
+def test_fp16_scaler_and_extra_roundtrip(tmp_path):
+    em, opt = make(dtype=torch.float16, growth_interval=2, initial_scale=2.0**8)
+    train(em, opt, range(3))
+    assert opt.loss_scale == 2.0**9
+    for shard in (True, False):
+        path = str(tmp_path / f"ck{shard}")
+        checkpoint.save(path, em, opt, extra={"rng": torch.get_rng_state(), "epoch": 1}, shard=shard)
+        em2, opt2 = make(dtype=torch.float16, growth_interval=2, initial_scale=2.0**8)
+        extra = checkpoint.load(path, em2, opt2)
+        assert torch.equal(extra["rng"], torch.get_rng_state()) and extra["epoch"] == 1
+        assert opt2.scaler.state_dict() == opt.scaler.state_dict()
+        for a, b in zip(em.chunks, em2.chunks):
+            assert torch.equal(a.master, b.master) and torch.equal(a.shard, b.shard)
+    with pytest.raises(CheckpointError, match="extra"):
+        checkpoint.save(str(tmp_path / "bad"), em, opt, extra={"opt": opt})
+    assert not os.path.exists(tmp_path / "bad")
+
+
+# --------------------------------------------------------------------------------------------
+# bad input: clear errors, nothing modified
+
+
+def _state(em, opt) -> list[torch.Tensor]:
+    out = [c.master.clone() for c in em.chunks]
+    for st in opt.state.values():
+        out += [v.clone() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _expect_error(path, em, opt, match):
+    before = _state(em, opt)
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load(path, em, opt)
+    after = _state(em, opt)
+    assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_bad_checkpoints_raise_clear_errors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    em, opt = make()
+    train(em, opt, range(2))
+    good = str(tmp_path / "good")
+    checkpoint.save(good, em, opt)
+    target, topt = make()
+    train(target, topt, range(1))
+    shard_file = os.path.join(good, "rank00000-of-00001.safetensors")
+
+    def variant(name: str) -> str:
+        dst = str(tmp_path / name)
+        subprocess.run(["cp", "-r", good, dst], check=True)
+        return dst
+
+    # missing shard
+    p = variant("missing")
+    os.remove(os.path.join(p, "rank00000-of-00001.safetensors"))
+    _expect_error(p, target, topt, "missing")
+    # truncated file
+    p = variant("truncated")
+    f = os.path.join(p, "rank00000-of-00001.safetensors")
+    os.truncate(f, os.path.getsize(f) // 2)
+    _expect_error(p, target, topt, "truncated")
+    # truncated file whose index was "fixed" to match: the safetensors header catches it
+    p = variant("truncated2")
+    f = os.path.join(p, "rank00000-of-00001.safetensors")
+    os.truncate(f, os.path.getsize(f) - 64)
+    idx = json.load(open(os.path.join(p, "index.json")))
+    idx["files"]["rank00000-of-00001.safetensors"] = os.path.getsize(f)
+    json.dump(idx, open(os.path.join(p, "index.json"), "w"))
+    _expect_error(p, target, topt, "corrupt or truncated")
+    # mismatched dtype
+    p = variant("dtype")
+    f = os.path.join(p, "rank00000-of-00001.safetensors")
+    tensors = load_file(f)
+    key = next(k for k in tensors if k.startswith("param/"))
+    tensors[key] = tensors[key].half()
+    save_file(tensors, f, metadata={"format": "pt"})
+    idx = json.load(open(os.path.join(p, "index.json")))
+    idx["files"]["rank00000-of-00001.safetensors"] = os.path.getsize(f)
+    json.dump(idx, open(os.path.join(p, "index.json"), "w"))
+    _expect_error(p, target, topt, "dtype")
+    # another model's checkpoint
+    other, oopt = make(name="llama")
+    checkpoint.save(str(tmp_path / "llama"), other, oopt)
+    _expect_error(str(tmp_path / "llama"), target, topt, "does not match this model")
+    # another optimizer layout
+    g_em, g_opt = make(groups=True)
+    before = _state(g_em, g_opt)
+    with pytest.raises(CheckpointError, match="param groups"):
+        checkpoint.load(good, g_em, g_opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(g_em, g_opt)))
+    # not a checkpoint at all; and save refuses to replace a directory that is not a checkpoint
+    os.makedirs(tmp_path / "notckpt")
+    (tmp_path / "notckpt" / "keep.txt").write_text("mine")
+    _expect_error(str(tmp_path / "notckpt"), target, topt, "not an elixir checkpoint")
+    with pytest.raises(CheckpointError, match="refusing"):
+        checkpoint.save(str(tmp_path / "notckpt"), target, topt)
+    assert (tmp_path / "notckpt" / "keep.txt").read_text() == "mine"
+    assert os.path.getsize(shard_file) > 0  # the good one is untouched by all this
+
+
+# --------------------------------------------------------------------------------------------
+# crash safety
+
+
+_CRASH_CHILD = textwrap.dedent(
+    """
+    import sys, time, torch
+    sys.path.insert(0, {tests!r})
+    import test_checkpoint as t
+    from elixir import checkpoint
+    em, opt = t.make()
+    t.train(em, opt, range(1))
+    checkpoint.save({path!r}, em, opt)
+    torch.save(em.state_dict(), {expected!r})
+    t.train(em, opt, range(1, 2))
+    real = checkpoint._write_tensors
+    def slow(path, tensors):
+        size = real(path, tensors)
+        print("WRITING", flush=True)
+        time.sleep(60)
+        return size
+    checkpoint._write_tensors = slow
+    checkpoint.save({path!r}, em, opt)
+    """
+)
+
+
+def test_kill_mid_save_keeps_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "ck")
+    expected = str(tmp_path / "expected.pt")
+    code = _CRASH_CHILD.format(tests=os.path.dirname(__file__), path=path, expected=expected)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "WRITING" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+        assert "WRITING" in line, "the child never reached the second save"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stale = [n for n in os.listdir(tmp_path) if n.startswith(".ck.tmp-")]
+    assert stale, "the killed save should have left its temporary directory behind"
+    em, opt = make()
+    checkpoint.load(path, em, opt)
+    want = torch.load(expected, weights_only=True)
+    got = em.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    # the next save cleans the debris up; a crash between the final renames is recovered by load
+    checkpoint.save(path, em, opt)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".ck.tmp-")]
+    os.rename(path, str(tmp_path / ".ck.old-deadbeef"))
+    em2, opt2 = make()
+    with pytest.warns(UserWarning, match="interrupted"):
+        checkpoint.load(path, em2, opt2)
+    assert all(torch.equal(a.master, b.master) for a, b in zip(em.chunks, em2.chunks))
