@@ -5,7 +5,8 @@ whose schema has no alias annotations (no views, no in-place or ``out=`` argumen
 metadata is a pure function of the inputs' metadata and the other arguments. The cache keys on
 ``(op, shapes, strides, storage offsets, dtypes, devices, other args)`` and, on a hit, builds fresh
 meta outputs with the recorded shapes, strides, offsets, dtypes and storage sizes. An op whose
-outputs alias an input or one another is never cached.
+outputs alias an input or one another (or are not meta) is never cached for that key. A real
+CPU scalar argument is keyed by its value.
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ def _key_of(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         if x.layout != torch.strided or x.is_neg() or x.is_conj():
             raise TypeError
-        return (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device.type)
+        if x.device.type != "meta":  # a real (CPU scalar) tensor: its value may matter
+            if x.numel() > 1:
+                raise TypeError
+            return (x.shape, x.dtype, x.device.type, x.item() if x.numel() else None)
+        return (x.shape, x.stride(), x.storage_offset(), x.dtype)
     if isinstance(x, (list, tuple)):
         return (type(x).__name__, *(_key_of(v) for v in x))
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -75,10 +80,6 @@ def _build(spec: Any) -> Any:
     if kind == "v":
         return val
     return kind([_build(v) for v in val])
-
-
-def func_of(key: tuple) -> Any:
-    return key[0]
 
 
 class MetaOpCache:
@@ -113,7 +114,7 @@ class MetaOpCache:
 
     def lookup(self, key: tuple) -> Any:
         spec = self._specs.get(key, _MISS)
-        if spec is _MISS:
+        if spec is _MISS or spec is None:  # None: this key's outputs cannot be rebuilt
             self.misses += 1
             return _MISS
         self.hits += 1
@@ -128,6 +129,6 @@ class MetaOpCache:
         try:
             self._specs[key] = _spec_of(out, set(inputs))
         except TypeError:
-            self._functional[func_of(key)] = False  # outputs alias: never cache this op
+            self._specs[key] = None  # outputs alias each other or an input, or are not meta
 
     MISS = _MISS
