@@ -267,3 +267,17 @@ def test_registered_meta_kernel_for_ctc_backward_matches_real():
     pm = memory_profiling(_Ctc(), batch, step)
     pr = memory_profiling(_Ctc(), batch, step, target="real")
     assert pm.phase_peaks == pr.phase_peaks
+
+
+def test_meta_op_cache_changes_nothing_but_speed():
+    from elixir.tracer.run import trace_step
+
+    case = ZOO["llama"]
+    model = models.enable_checkpointing(build_model("llama"))
+    batch = case.make_batch(2, 0)
+    a = trace_step(model, batch, case.step_fn, op_cache=True)
+    b = trace_step(model, batch, case.step_fn, op_cache=False)
+    assert a.acc.cache.hits > 0
+    assert (a.acc.t_act, a.acc.t_grad, a.acc.t_phase) == (b.acc.t_act, b.acc.t_grad, b.acc.t_phase)
+    assert [str(n) for n in a.acc.t_name] == [str(n) for n in b.acc.t_name]
+    assert a.steps == b.steps

@@ -64,9 +64,10 @@ def _unique_storage_bytes(tensors, seen: set) -> int:
 
 
 def trace_step(model: nn.Module, inp: dict, step_fn: StepFn, dtype: torch.dtype = torch.float,
-               target: Target = "meta") -> StepTrace:
+               target: Target = "meta", op_cache: bool = True) -> StepTrace:
     """Run ``step_fn`` once on a copy of ``model`` and ``inp`` (meta twins, or real CPU copies for
-    ``target="real"``) and record memory and parameter order. The caller's objects are untouched."""
+    ``target="real"``) and record memory and parameter order. The caller's objects are untouched.
+    ``op_cache`` memoises meta kernels (:mod:`elixir.tracer.opcache`); it changes speed only."""
     check_dtype(dtype)
     check_inputs(inp)
     if not callable(step_fn):
@@ -79,7 +80,7 @@ def trace_step(model: nn.Module, inp: dict, step_fn: StepFn, dtype: torch.dtype 
     batch = copy_inputs(inp, dtype, target)
     work.train(model.training)
 
-    acc = StorageAccountant(MetaOpCache() if target == "meta" else None)
+    acc = StorageAccountant(MetaOpCache() if target == "meta" and op_cache else None)
     tr = StepTrace(target=target, dtype=dtype, acc=acc)
     seen: set = set()
     params = list(work.parameters())
