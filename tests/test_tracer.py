@@ -281,3 +281,20 @@ def test_meta_op_cache_changes_nothing_but_speed():
     assert (a.acc.t_act, a.acc.t_grad, a.acc.t_phase) == (b.acc.t_act, b.acc.t_grad, b.acc.t_phase)
     assert [str(n) for n in a.acc.t_name] == [str(n) for n in b.acc.t_name]
     assert a.steps == b.steps
+
+
+def test_real_model_is_traced_on_meta_twins_without_copying_weights():
+    case = ZOO["tied"]
+    model = build_model("tied")
+    batch = case.make_batch(2, 0)
+    seen = {}
+
+    def step(m, b):
+        seen["params"] = {p.device.type for p in m.parameters()}
+        seen["inputs"] = {v.device.type for v in b.values()}
+        seen["tied"] = m.head.weight is m.embed.weight
+        seen["distinct"] = m is not model and m.embed.weight is not model.embed.weight
+        return case.step_fn(m, b)
+
+    memory_profiling(model, batch, step)
+    assert seen == {"params": {"meta"}, "inputs": {"meta"}, "tied": True, "distinct": True}
