@@ -46,6 +46,10 @@ def build(name: str):
         cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=256, n_layer=4, n_head=4,
                          resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
         return GPT2LMHeadModel(cfg)
+    if name == "gpt2-m":
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=512, n_layer=6, n_head=8,
+                         resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        return GPT2LMHeadModel(cfg)
     if name == "opt-s":
         cfg = OPTConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, ffn_dim=1024,
                         max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0, word_embed_proj_dim=256)
@@ -148,11 +152,13 @@ def predictions_table(hw, steps: int, console) -> None:
     # (model, world, device budget in MiB or None for "everything fits")
     configs = [
         ("gpt2-s", 1, None),
+        ("gpt2-s", 1, 120),
         ("gpt2-s", 2, None),
-        ("gpt2-s", 2, 260),
-        ("opt-s", 2, 200),
+        ("gpt2-s", 2, 120),
+        ("opt-s", 2, 100),
         ("llama-s", 2, 150),
-        ("llama-s", 1, 210),
+        ("llama-s", 1, 120),
+        ("gpt2-m", 2, None),
     ]
     t = Table(title=f"optimal_search: predicted vs measured (hardware {hw.name}; {steps} steps, median of steps 2..)")
     for c in ("model", "world", "budget MiB", "chunk", "blocks", "placements", "gathered+shard pred MiB",
@@ -248,7 +254,8 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--hardware", default="cpu-box")
+    ap.add_argument("--hardware", default="measure",
+                    help="a profile (path or reference name), or 'measure' to measure this box now (quick)")
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--only-scale", action="store_true")
     args = ap.parse_args()
@@ -257,7 +264,15 @@ def main() -> int:
     if not args.skip_scale:
         scale(console)
     if not args.only_scale:
-        predictions_table(load_profile(args.hardware), args.steps, console)
+        if args.hardware == "measure":
+            from elixir.hardware import MeasureOptions, measure
+
+            t0 = time.perf_counter()
+            hw = measure(MeasureOptions(sizes=MeasureOptions.quick().sizes), collective_world=2, name="cpu-box-now")
+            console.print(f"measured this box's hardware profile in {time.perf_counter() - t0:.1f} s")
+        else:
+            hw = load_profile(args.hardware)
+        predictions_table(hw, args.steps, console)
     return 0
 
 

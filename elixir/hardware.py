@@ -592,15 +592,33 @@ def measure(
 ) -> HardwareProfile:
     """Measure this machine into a :class:`HardwareProfile`.
 
-    Collectives are measured across the current process group when one of 2+ ranks is initialised;
-    otherwise, when ``collective_world >= 2``, over ``collective_world`` local gloo/nccl ranks spawned
-    for the purpose; otherwise they are left unmeasured (a world-1 plan needs none).
+    Collectives are measured across the current process group when one of 2+ ranks is initialised
+    (under torchrun: every rank calls this; rank 0 then measures the rest alone while the others
+    wait, and every rank gets the profile); otherwise, when ``collective_world >= 2``, over
+    ``collective_world`` local ranks spawned for the purpose; otherwise they are left unmeasured
+    (a world-1 plan needs none).
     """
-    from elixir import device as dev
     from elixir import distributed as edist
 
     o = options or MeasureOptions()
     say = progress or (lambda s: None)
+    say("collectives")
+    col = None
+    if edist.get_world_size() >= 2:
+        col = measure_collectives(o.sizes, o.repeats)
+        prof = _measure_local(o, col, name, say) if edist.get_rank() == 0 else None
+        return edist.broadcast_object(prof, 0)
+    if collective_world >= 2:
+        from elixir.testing.dist import run_distributed
+
+        col = run_distributed(_collectives_worker, collective_world, o.sizes, o.repeats, timeout=600)[0]
+    return _measure_local(o, col, name, say)
+
+
+def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
+                   say: Callable[[str], None]) -> HardwareProfile:
+    from elixir import device as dev
+
     d = dev.default_device()
     cpu_only = d.type == "cpu"
     label = "memcpy in host RAM (no accelerator: host and device are the same memory)" if cpu_only else "measured"
@@ -622,16 +640,8 @@ def measure(
             curves[key] = measure_copy_curve(o.sizes, s, t, pinned, d, o.repeats)
         src[key] = label if key != "device_copy" else ("memcpy in RAM" if cpu_only else "measured")
 
-    say("collectives")
     ag = rs = None
     world, backend = 0, ""
-    col = None
-    if edist.get_world_size() >= 2:
-        col = measure_collectives(o.sizes, o.repeats)
-    elif collective_world >= 2:
-        from elixir.testing.dist import run_distributed
-
-        col = run_distributed(_collectives_worker, collective_world, o.sizes, o.repeats, timeout=600)[0]
     if col is not None:
         ag = BandwidthCurve(col["sizes"], col["all_gather"])
         rs = BandwidthCurve(col["sizes"], col["reduce_scatter"])

@@ -55,23 +55,29 @@ def render(profile, console=None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import os
+
     from rich.console import Console
 
     from elixir import hardware
+    from elixir.distributed import init_distributed
 
     console = Console()
     if args.show:
         render(hardware.load_profile(args.show), console)
         return 0
+    rank = init_distributed().rank if "RANK" in os.environ else 0  # under torchrun: all ranks measure collectives
     opts = hardware.MeasureOptions.quick(args.dir) if args.quick else hardware.MeasureOptions(
         offload_dir=args.dir or hardware.MeasureOptions().offload_dir
     )
     t0 = time.perf_counter()
-    with console.status("measuring") as status:
+    with console.status("measuring", disable=rank != 0) as status:
         prof = hardware.measure(
             opts, collective_world=args.world_size, name=args.name,
             progress=lambda s: status.update(f"measuring {s}"),
         )
+    if rank != 0:
+        return 0
     prof.save(args.out)
     render(prof, console)
     console.print(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")
