@@ -144,3 +144,49 @@ def test_order_helper_fires_at_the_traced_granularity():
         finally:
             hooks.remove()
         assert seen == [(s.kind, s.module) for s in traced], name
+
+
+class _Blk(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class _Nested(torch.nn.Module):
+    """Hand-written checkpointing: blocks 0-1 in one region (block 0 nested in its own), block 2 alone."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.blks = torch.nn.ModuleList(_Blk() for _ in range(3))
+        self.head = torch.nn.Linear(8, 2)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        def two(h):
+            return self.blks[1](checkpoint(self.blks[0], h, use_reentrant=self.reentrant))
+
+        x = checkpoint(two, x, use_reentrant=self.reentrant)
+        return self.head(checkpoint(self.blks[2], x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_nested_manual_checkpoints(reentrant):
+    batch = {"x": torch.randn(4, 8, requires_grad=True)}
+
+    def step(m, b):
+        m(b["x"]).sum().backward()
+
+    pm, _ = _compare(_Nested(reentrant), batch, step)
+    steps = pm.order.steps
+    assert pm.order.checkpoint_info == ((0, 4), (4, 6))  # outermost regions only
+    # blocks 2, 0-1 and (nested) 0 again are recomputed: 2 + 4 + 2 module calls
+    assert sum(s.kind.value == "recompute" for s in steps) == 8
+    first_bwd = next(i for i, s in enumerate(steps) if s.kind.value == "backward")
+    assert all(s.kind.value == "forward" for s in steps[:first_bwd])
+    assert all(s.kind.value != "forward" for s in steps[first_bwd:])

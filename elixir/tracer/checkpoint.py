@@ -3,7 +3,8 @@
 Both flavours of ``torch.utils.checkpoint.checkpoint`` are observed by temporarily wrapping the two
 entry points they go through (``CheckpointFunction.forward`` for reentrant,
 ``_checkpoint_without_reentrant_generator`` for non-reentrant). The wrappers only count depth and
-call back on entering/leaving the outermost region; they are removed on exit. Not thread-safe:
+call back on entering/leaving the outermost region, and mark a checkpoint entered during backward
+(nested in a recomputed region) as recomputation; they are removed on exit. Not thread-safe:
 trace one step at a time.
 """
 
@@ -12,7 +13,10 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator
 
+import torch
 import torch.utils.checkpoint as ckpt
+
+from .hooks import recomputing
 
 __all__ = ["watch_checkpoints"]
 
@@ -35,17 +39,22 @@ def watch_checkpoints(on_enter: Callable[[], None], on_exit: Callable[[], None])
     orig_gen = ckpt._checkpoint_without_reentrant_generator
     orig_fwd = ckpt.CheckpointFunction.__dict__["forward"]
 
+    def _mark():  # a checkpoint entered during backward is part of a recomputation
+        return recomputing() if torch._C._current_graph_task_id() != -1 else contextlib.nullcontext()
+
     def gen(*args, **kwargs):
         enter()
         try:
-            yield from orig_gen(*args, **kwargs)
+            with _mark():
+                yield from orig_gen(*args, **kwargs)
         finally:
             leave()
 
     def fwd(ctx, run_function, preserve_rng_state, *args):
         enter()
         try:
-            return orig_fwd.__func__(ctx, run_function, preserve_rng_state, *args)
+            with _mark():
+                return orig_fwd.__func__(ctx, run_function, preserve_rng_state, *args)
         finally:
             leave()
 

@@ -23,7 +23,9 @@ reports them as ``external_params``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional
 
@@ -33,6 +35,7 @@ import torch.nn as nn
 __all__ = [
     "StepKind",
     "current_phase",
+    "recomputing",
     "param_owning_modules",
     "canonical_param_names",
     "tensors_in",
@@ -49,16 +52,33 @@ class StepKind(str, enum.Enum):
     BACKWARD = "backward"
 
 
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Mark code as recomputation even under ``no_grad`` (a reentrant checkpoint nested in a
+    recomputed region runs its forward under ``no_grad``)."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
 def current_phase() -> StepKind:
     """The phase the calling code runs in.
 
-    Inside the autograd engine with grad mode enabled means recomputation (both reentrant and
-    non-reentrant checkpointing recompute under ``enable_grad``); inside the engine otherwise means
-    backward; outside it, forward. (A ``create_graph=True`` backward would read as recompute.)
+    Inside the autograd engine with grad mode enabled (or inside :func:`recomputing`) means
+    recomputation (both reentrant and non-reentrant checkpointing recompute under ``enable_grad``);
+    inside the engine otherwise means backward; outside it, forward. (A ``create_graph=True``
+    backward would read as recompute.)
     """
     if torch._C._current_graph_task_id() == -1:
         return StepKind.FORWARD
-    return StepKind.RECOMPUTE if torch.is_grad_enabled() else StepKind.BACKWARD
+    if torch.is_grad_enabled() or getattr(_state, "depth", 0) > 0:
+        return StepKind.RECOMPUTE
+    return StepKind.BACKWARD
 
 
 def canonical_param_names(model: nn.Module) -> dict[int, str]:
@@ -125,7 +145,9 @@ def install_step_hooks(
     for mname, mod, _ in param_owning_modules(model):
         if on_forward is not None:
             def pre(m, args, _name=mname):
-                on_forward(current_phase(), _name, m)
+                # a module forward inside a backward pass is a recomputation, whatever the grad mode
+                in_bwd = torch._C._current_graph_task_id() != -1
+                on_forward(StepKind.RECOMPUTE if in_bwd else StepKind.FORWARD, _name, m)
 
             handles.append(mod.register_forward_pre_hook(pre))
         if on_backward is not None or on_forward_end is not None:
