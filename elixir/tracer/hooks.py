@@ -13,7 +13,9 @@ one direct parameter (``module.parameters(recurse=False)`` is not empty). A step
   own backward nodes run. A call whose outputs do not require grad has no backward step.
 
 A parameter is named by its canonical name: the first name ``model.named_parameters()`` gives it,
-so a tied parameter has one name wherever it is used.
+so a tied parameter has one name wherever it is used. Frozen parameters count too: a module whose
+direct parameters are all frozen still makes steps (a runtime that keeps frozen parameters out of
+its chunks sees those steps as empty and can skip them, as ``elixir.chunk.Schedule`` does).
 
 The runtime fires its gather/prefetch logic through :func:`install_step_hooks`, so a traced order
 (``elixir.tracer.param_tracer.generate_tf_order``) indexes exactly the steps the runtime sees.
