@@ -74,46 +74,54 @@ def bitwise_diff(a: dict, b: dict) -> list[str]:
 # exact resume and resharding
 
 
-def _train_and_save(root: str) -> dict:
-    em, opt = make(2, groups=True)
-    train(em, opt, range(3))
-    checkpoint.save(os.path.join(root, "sharded"), em, opt, extra={"step": 3, "note": "hi"})
-    checkpoint.save(os.path.join(root, "full"), em, opt, shard=False)
-    at3 = snapshot(em, opt)
-    train(em, opt, range(3, 6))
-    return {"at3": at3, "at6": snapshot(em, opt)}
+def _train_and_save(root: str, names: tuple) -> dict:
+    out = {}
+    for name in names:
+        em, opt = make(2, name, groups=True)
+        train(em, opt, range(3), name)
+        checkpoint.save(os.path.join(root, name, "sharded"), em, opt, extra={"step": 3, "note": "hi"})
+        checkpoint.save(os.path.join(root, name, "full"), em, opt, shard=False)
+        at3 = snapshot(em, opt)
+        train(em, opt, range(3, 6), name)
+        out[name] = {"at3": at3, "at6": snapshot(em, opt)}
+    return out
 
 
-def _load_and_train(root: str, kinds: tuple) -> dict:
+def _load_and_train(root: str, name: str, kinds: tuple) -> dict:
     out = {}
     world = edist.get_world_size()
     for kind in kinds:
-        em, opt = make(world, groups=True)
-        extra = checkpoint.load(os.path.join(root, kind), em, opt)
+        em, opt = make(world, name, groups=True)
+        path = os.path.join(root, name, kind)
+        extra = checkpoint.load(path, em, opt)
         loaded = snapshot(em, opt)
-        train(em, opt, range(3, 6))
-        out[kind] = {"extra": extra, "loaded": loaded, "at6": snapshot(em, opt), "files": sorted(os.listdir(os.path.join(root, kind)))}
+        train(em, opt, range(3, 6), name)
+        out[kind] = {"extra": extra, "loaded": loaded, "at6": snapshot(em, opt), "files": sorted(os.listdir(path))}
     return out
 
 
 @pytest.mark.dist
 def test_exact_resume_in_new_processes_and_resharding(tmp_path):
+    """gpt2 resumes at world 2 in new processes; the toy tied model (a replicated chunk, params
+    split across shards) reshards 2 -> 4 in new processes (no transformers import in 4 ranks) and
+    both reshard 2 -> 1 in this process."""
     root = str(tmp_path)
-    first = run_distributed(_train_and_save, 2, root, timeout=300)[0]
-    resumed = run_distributed(_load_and_train, 2, root, ("sharded", "full"), timeout=300)[0]
+    first = run_distributed(_train_and_save, 2, root, (MODEL, "tied"), timeout=300)[0]
+    resumed = run_distributed(_load_and_train, 2, root, MODEL, ("sharded", "full"), timeout=300)[0]
     assert resumed["sharded"]["files"] == ["extra.pt", "index.json", "rank00000-of-00002.safetensors", "rank00001-of-00002.safetensors"]
     assert resumed["sharded"]["extra"] == {"step": 3, "note": "hi"}
     for kind in ("sharded", "full"):
-        assert bitwise_diff(resumed[kind]["loaded"], first["at3"]) == [], kind
-        assert bitwise_diff(resumed[kind]["at6"], first["at6"]) == [], kind  # exact resume, fp32
+        assert bitwise_diff(resumed[kind]["loaded"], first[MODEL]["at3"]) == [], kind
+        assert bitwise_diff(resumed[kind]["at6"], first[MODEL]["at6"]) == [], kind  # exact resume, fp32
     # 2 -> 4 (new processes) and 2 -> 1 (in this process): the loaded state is bitwise the saved one
-    four = run_distributed(_load_and_train, 4, root, ("sharded",), timeout=300)[0]["sharded"]
-    one = _load_and_train(root, ("sharded", "full"))
-    for got in (four, one["sharded"], one["full"]):
-        assert bitwise_diff(got["loaded"], first["at3"]) == []
-        # training on at another world size sums gradients in another order: close, not bitwise
-        for k, v in first["at6"]["model"].items():
-            assert torch.allclose(got["at6"]["model"][k], v, rtol=1e-3, atol=2e-4), k
+    runs = [("tied", run_distributed(_load_and_train, 4, root, "tied", ("sharded",), timeout=300)[0])]
+    runs += [(name, _load_and_train(root, name, ("sharded", "full"))) for name in (MODEL, "tied")]
+    for name, got_kinds in runs:
+        for kind, got in got_kinds.items():
+            assert bitwise_diff(got["loaded"], first[name]["at3"]) == [], (name, kind)
+            # training on at another world size sums gradients in another order: close, not bitwise
+            for k, v in first[name]["at6"]["model"].items():
+                assert torch.allclose(got["at6"]["model"][k], v, rtol=1e-3, atol=2e-4), (name, kind, k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,6 +241,12 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match="param groups"):
         checkpoint.load(good, g_em, g_opt)
     assert all(torch.equal(a, b) for a, b in zip(before, _state(g_em, g_opt)))
+    # a model-only checkpoint loads into a model, and says so when asked for optimizer state
+    checkpoint.save(str(tmp_path / "model_only"), em)
+    m_only, _ = make()
+    checkpoint.load(str(tmp_path / "model_only"), m_only)
+    assert all(torch.equal(a.master, b.master) for a, b in zip(em.chunks, m_only.chunks))
+    _expect_error(str(tmp_path / "model_only"), target, topt, "no optimizer state")
     # not a checkpoint at all; and save refuses to replace a directory that is not a checkpoint
     os.makedirs(tmp_path / "notckpt")
     (tmp_path / "notckpt" / "keep.txt").write_text("mine")

@@ -45,4 +45,8 @@ def fused_step(eo: ElixirOptimizer, div_scale: float) -> set[int]:
         outs.append(c.shard[f.lo : f.hi] if _lowp_target(c) else None)
     with torch.no_grad():
         eo.optim.step_params(params, grads, div_scale=float(div_scale), out_lowps=outs)
+    # step() was bypassed: tell an LR scheduler built on the inner optimizer that it stepped
+    # (the flag torch's schedulers set from their wrapper of step()). Step hooks registered on the
+    # inner optimizer do not run on this path.
+    eo.optim._opt_called = True
     return {c.index for c in em.chunks if c.shard is c.master or _lowp_target(c)}
