@@ -38,11 +38,11 @@ class DemoConfig:
     """Everything a demo run depends on (the same on every rank)."""
 
     preset: str = "small"
-    steps: int = 100
+    steps: int = 200
     batch: int = 8
     seq: int = 128
     world_size: int = 2
-    dtype: str = "fp32"
+    dtype: str = "bf16"
     lr: float = 3e-3
     warmup: int = 10
     seed: int = 0
@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=d.seq, help=f"sequence length in bytes (default {d.seq})")
     p.add_argument("--world-size", "--nproc", dest="world_size", type=int, default=d.world_size,
                    help=f"local ranks to launch with torchrun (default {d.world_size})")
-    p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"compute dtype (default {d.dtype})")
+    p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"compute dtype; bf16 keeps fp32 master weights (default {d.dtype})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default {d.lr})")
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"linear warm-up steps (default {d.warmup})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed for weights and batches (default {d.seed})")
