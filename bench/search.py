@@ -62,9 +62,9 @@ def build(name: str):
     raise KeyError(name)
 
 
-def make_batch(step: int, batch: int = BATCH) -> dict:
+def make_batch(step: int, batch: int = BATCH, seq: int = SEQ) -> dict:
     g = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
     return {"input_ids": ids, "labels": ids}
 
 
@@ -85,7 +85,7 @@ def runtime_share(plan) -> int:
     return mem.get("activations", 0) + mem.get("buffers", 0) + mv
 
 
-def train_worker(model_name: str, plan_json: dict, steps: int, memory_limit) -> dict:
+def train_worker(model_name: str, plan_json: dict, steps: int, memory_limit, batch: int, seq: int) -> dict:
     from elixir.optim import CPUAdam
     from elixir.search.plan import SearchResult
     from elixir.wrapper import ElixirModule, ElixirOptimizer
@@ -97,12 +97,12 @@ def train_worker(model_name: str, plan_json: dict, steps: int, memory_limit) -> 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     times, gathers = [], []
     for s in range(steps):
-        batch = make_batch(1000 * rank + s)
+        inp = make_batch(1000 * rank + s, batch, seq)
         if s == 1:
             em.reset_peak_memory()
         g0 = em.cache.gathers
         t0 = time.perf_counter()
-        loss = em(**batch).loss
+        loss = em(**inp).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -112,14 +112,15 @@ def train_worker(model_name: str, plan_json: dict, steps: int, memory_limit) -> 
     return {"times": times, "gathers": gathers, "report": rep}
 
 
-def run_plan(model_name: str, plan, steps: int, enforce: bool = True) -> dict:
+def run_plan(model_name: str, plan, steps: int, batch: int, seq: int, enforce: bool = True) -> dict:
     from elixir.testing.dist import run_distributed
 
     limit = None
     if enforce:
         usable = plan.info["usable_after_margins"]["device"]
         limit = max(0, usable - runtime_share(plan))
-    res = run_distributed(train_worker, plan.world_size, model_name, plan.to_json(), steps, limit, timeout=900)
+    res = run_distributed(train_worker, plan.world_size, model_name, plan.to_json(), steps, limit, batch, seq,
+                          timeout=900)
     times = [max(r["times"][i] for r in res) for i in range(steps)]  # the slowest rank sets the pace
     r0 = res[0]
     return {
@@ -149,19 +150,19 @@ def predictions_table(hw, steps: int, console) -> None:
     from elixir.search.step_profile import profile_step
 
     MiB = 1 << 20
-    # (model, world, device budget in MiB or None for "everything fits")
+    # (model, world, device budget in MiB or None for "everything fits", batch, seq)
     configs = [
-        ("gpt2-s", 1, None),
-        ("gpt2-s", 1, 120),
-        ("gpt2-s", 2, None),
-        ("gpt2-s", 2, 120),
-        ("opt-s", 2, 100),
-        ("llama-s", 2, 150),
-        ("llama-s", 1, 120),
-        ("gpt2-m", 2, None),
+        ("gpt2-s", 1, None, BATCH, SEQ),
+        ("gpt2-s", 1, 120, BATCH, SEQ),
+        ("gpt2-s", 2, None, BATCH, SEQ),
+        ("gpt2-s", 2, 120, BATCH, SEQ),
+        ("opt-s", 2, 100, BATCH, SEQ),
+        ("llama-s", 2, 150, BATCH, SEQ),
+        ("llama-s", 1, 120, BATCH, SEQ),
+        ("gpt2-m", 2, None, 1, 32),  # communication-bound: where caching pays
     ]
     t = Table(title=f"optimal_search: predicted vs measured (hardware {hw.name}; {steps} steps, median of steps 2..)")
-    for c in ("model", "world", "budget MiB", "chunk", "blocks", "placements", "gathered+shard pred MiB",
+    for c in ("model", "world", "batch x seq", "budget MiB", "chunk", "blocks", "placements", "gathered+shard pred MiB",
               "measured MiB", "meas/pred", "gathers pred", "meas", "step pred s", "meas s", "meas/pred"):
         t.add_column(c, justify="right")
     side = Table(title="same budget: minimum_waste_search(prefetch=True) vs optimal_search")
@@ -169,14 +170,14 @@ def predictions_table(hw, steps: int, console) -> None:
         side.add_column(c, justify="right")
     profiles = {}
     rows = []
-    for name, world, budget in configs:
+    for name, world, budget, batch, seq in configs:
         model = build(name)
-        if name not in profiles:
-            profiles[name] = profile_step(model, make_batch(0), step_fn, torch.float32)
-        prof = profiles[name]
+        if (name, batch, seq) not in profiles:
+            profiles[name, batch, seq] = profile_step(model, make_batch(0, batch, seq), step_fn, torch.float32)
+        prof = profiles[name, batch, seq]
         dev = (budget * MiB) if budget else (8 << 30)
         plan = search_profile(prof, world, hardware=hw, device_memory=dev, host_memory=4 << 30, overlap=True)
-        m = run_plan(name, plan, steps)
+        m = run_plan(name, plan, steps, batch, seq)
         p = plan.prediction
         pg = predicted_gathered_shard(plan)
         from collections import Counter
@@ -185,20 +186,20 @@ def predictions_table(hw, steps: int, console) -> None:
                       for c in plan.chunks)
         pl = " ".join(f"{k}x{v}" for k, v in sorted(cnt.items()))
         rows.append((name, world, budget, plan, m))
-        t.add_row(name, str(world), str(budget or "8192"), f"{plan.chunk_size:,}", str(plan.cache_blocks), pl,
+        t.add_row(name, str(world), f"{batch}x{seq}", str(budget or "8192"), f"{plan.chunk_size:,}", str(plan.cache_blocks), pl,
                   f"{pg / MiB:.1f}", f"{m['gathered_shard'] / MiB:.1f}", f"{m['gathered_shard'] / pg:.3f}",
                   str(plan.info["gathers_per_step"]), f"{m['gathers']:.0f}", f"{p.step_time_s:.3f}",
                   f"{m['step_s']:.3f}", f"{m['step_s'] / p.step_time_s:.2f}")
         console.print(f"[dim]{name} w{world} budget {budget}: pred {p.step_time_s:.3f} s, meas {m['step_s']:.3f} s, "
                       f"gathered+shard {m['gathered_shard'] / MiB:.1f}/{pg / MiB:.1f} MiB[/dim]")
         if world > 1:
-            mw = minimum_waste_search(model, world, prefetch=True, inp=make_batch(0), step_fn=step_fn)
+            mw = minimum_waste_search(model, world, prefetch=True, inp=make_batch(0, batch, seq), step_fn=step_fn)
             st = Setting(world=world, elem=4, reduce_elem=4, opt_bytes=8,
                          hardware=hw.per_rank(hw.ranks_per_node(world)), dtype="float32")
             ev = evaluate_plan(prof, mw, st)
             usable = MemoryPolicy().usable(dev, 4 << 30, 0)[0]
             if ev.device_bytes <= usable:
-                mm = run_plan(name, mw, steps, enforce=False)
+                mm = run_plan(name, mw, steps, batch, seq, enforce=False)
                 side.add_row(name, str(world), str(budget or "8192"), "minimum_waste", str(mw.cache_blocks),
                              f"{ev.gathers} / {mm['gathers']:.0f}", f"{ev.step_time:.3f}", f"{mm['step_s']:.3f}", "")
                 side.add_row("", "", "", "optimal", str(plan.cache_blocks),

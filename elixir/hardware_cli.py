@@ -71,10 +71,13 @@ def main(args: argparse.Namespace) -> int:
         offload_dir=args.dir or hardware.MeasureOptions().offload_dir
     )
     t0 = time.perf_counter()
-    with console.status("measuring", disable=rank != 0) as status:
+    import contextlib
+
+    status_cm = console.status("measuring") if rank == 0 else contextlib.nullcontext()
+    with status_cm as status:
         prof = hardware.measure(
             opts, collective_world=args.world_size, name=args.name,
-            progress=lambda s: status.update(f"measuring {s}"),
+            progress=(lambda s: status.update(f"measuring {s}")) if status is not None else None,
         )
     if rank != 0:
         return 0
