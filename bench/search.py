@@ -221,11 +221,18 @@ def scale(console) -> None:
     cmd = [sys.executable, "-m", "elixir", "plan", "opt-175b", "--world-size", "8", "--hardware", "8xA100-40GB",
            "--device-memory", "80GiB", "--host-memory", "2TiB", "--disk", "30TB", "--batch", "1", "--seq", "2048",
            "--dtype", "bf16", "--checkpointing", "--out", os.devnull]
+    import resource
+
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    load = os.getloadavg()[0]
     last = [ln for ln in out.stdout.splitlines() if "total" in ln]
-    console.print(f"`{' '.join(cmd[1:])}`: exit {out.returncode}, wall {wall:.2f} s (process start and imports included)")
+    console.print(f"`{' '.join(cmd[1:])}`: exit {out.returncode}, wall {wall:.2f} s, CPU {cpu:.2f} s "
+                  f"(process start and imports included; load average {load:.1f} on {os.cpu_count()} cores)")
     if last:
         console.print("  " + last[-1].strip())
 
