@@ -30,7 +30,7 @@ class BlockCache:
     def __init__(self, capacity: int, strict: bool = False) -> None:
         self.capacity = max(int(capacity), 0)
         self.strict = strict
-        self.resident: "OrderedDict[int, Chunk]" = OrderedDict()  # LRU order: oldest first
+        self.resident: OrderedDict[int, Chunk] = OrderedDict()  # LRU order: oldest first
         self.peak_resident = 0
         self.gathers = 0
         self.evictions = 0

@@ -429,13 +429,33 @@ class ElixirModule(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (no collective) until a backward outside the block."""
-        old = self._no_sync
+        """Accumulate gradients locally until a backward outside the block.
+
+        On entry every sharded chunk is gathered and kept (one all-gather each, issued here), so
+        forward and backward inside the block issue no collective at all; gradients stay in
+        full-size per-chunk buffers (see ``memory_report()['peak_grad_buffer_bytes']``) and are
+        reduced by the next backward outside the block.
+        """
+        if self._no_sync:
+            yield
+            return
         self._no_sync = True
+        held = []
         try:
+            for c in self.chunks:
+                if c.spec.sharded:
+                    if c not in self.cache:
+                        c.gather()
+                        self.cache._add(c)
+                    c.pin()
+                    held.append(c)
             yield
         finally:
-            self._no_sync = old
+            self._no_sync = False
+            for c in held:
+                c.unpin()
+            if not self._in_backward:
+                self.cache.release_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the reduced gradients (the shard gradients), as ``optimizer.zero_grad()`` does."""

@@ -22,7 +22,7 @@ class StateDictMismatch(RuntimeError):
     """A state dict's keys or shapes do not match the wrapped model."""
 
 
-def _chunk_values(em: "ElixirModule", chunk) -> torch.Tensor:
+def _chunk_values(em: ElixirModule, chunk) -> torch.Tensor:
     """The full fp32 values of ``chunk`` (gathered from the masters), on CPU."""
     full = torch.empty(chunk.spec.capacity, dtype=torch.float32, device=em.device)
     if chunk.spec.sharded:
@@ -32,7 +32,7 @@ def _chunk_values(em: "ElixirModule", chunk) -> torch.Tensor:
     return full.cpu()
 
 
-def full_state_dict(em: "ElixirModule", rank0_only: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(em: ElixirModule, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     keep = not rank0_only or em.rank == 0
     values: dict[int, torch.Tensor] = {}  # id(param) -> full value
     for chunk in em.chunks:
@@ -50,7 +50,7 @@ def full_state_dict(em: "ElixirModule", rank0_only: bool = False) -> dict[str, t
     return out
 
 
-def load_full_state_dict(em: "ElixirModule", state_dict: dict, strict: bool = True):
+def load_full_state_dict(em: ElixirModule, state_dict: dict, strict: bool = True):
     expected = em.module.state_dict(keep_vars=True)
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
