@@ -272,6 +272,14 @@ def _opt_name(opt_bytes: int) -> str:
     return {8: "adam", 4: "sgd", 0: "none"}[opt_bytes]
 
 
+def _count(n: int) -> str:
+    """Elements, short: 531.5M, 12.3k."""
+    for unit, k in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= k:
+            return f"{n / k:.1f}{unit}"
+    return str(n)
+
+
 def _fmt(n: int) -> str:
     if n >= INF // 2:
         return "unlimited"
@@ -367,8 +375,24 @@ def search_profile(
     }
     result = to_search_result(profile, world, best, layout, info)
     if verbose:
-        print_report(result, runners, console)
+        why = _explain(s, best)
+        print_report(result, runners, console, why)
     return result
+
+
+def _explain(s: _Searcher, best: Evaluation) -> str:
+    """Why this plan: is memory binding, and what would the fastest unconstrained plan need?"""
+    free = _Searcher(s.profile, s.world, s.hw, Budgets(INF, INF, INF if s.budgets.disk else 0), "adam", s.overlap,
+                     MemoryPolicy(0.0, 0.0, 0.0), None)
+    free.setting = s.setting
+    fbest, _, _ = free.run()
+    if fbest.step_time >= best.step_time * (1 - 1e-9):
+        return "memory does not bind: this is the fastest configuration considered."
+    return (
+        f"memory binds: the fastest configuration considered (chunk {fbest.chunk_size:,}, {fbest.blocks} blocks, "
+        f"{_summary(fbest)}) would take {fbest.step_time:.4f} s but needs {_fmt(fbest.device_bytes)} device and "
+        f"{_fmt(fbest.host_bytes)} host per rank; this plan is {best.step_time / fbest.step_time:.2f}x its time."
+    )
 
 
 def _runner_ups(results: list[Evaluation], k: int) -> list[Evaluation]:
@@ -384,7 +408,7 @@ def _runner_ups(results: list[Evaluation], k: int) -> list[Evaluation]:
     return out
 
 
-def print_report(result: SearchResult, runners: list[Evaluation], console=None) -> None:
+def print_report(result: SearchResult, runners: list[Evaluation], console=None, why: str = "") -> None:
     """Rich report: the chosen plan, its predicted memory and time, and the runner-ups."""
     from rich.console import Console
     from rich.table import Table
@@ -414,16 +438,18 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None) 
         t.add_row(f"  {k}", f"{v:.4f} s")
     t.add_row("search time", f"{info.get('search_time_s', 0):.2f} s ({info.get('candidates_scored')} candidates)")
     console.print(t)
-    r = Table(title="runner-ups (best per chunk size)")
-    for col in ("chunk size", "blocks", "depth", "placements", "device", "host", "step s", "vs best"):
-        r.add_column(col, justify="right")
+    r = Table(title="runner-ups (best per chunk size)", expand=False)
+    for col in ("chunk", "blocks", "depth", "placements", "device", "host", "step s", "vs best"):
+        r.add_column(col, justify="right", no_wrap=col != "placements")
     best = runners[0].step_time if runners else 0
     for e in runners:
-        r.add_row(f"{e.chunk_size:,}", str(e.blocks), str(e.prefetch_depth), _summary(e), _fmt(e.device_bytes),
+        r.add_row(_count(e.chunk_size), str(e.blocks), str(e.prefetch_depth), _summary(e), _fmt(e.device_bytes),
                   _fmt(e.host_bytes), f"{e.step_time:.4f}", f"{e.step_time / best:.3f}x" if best else "")
     console.print(r)
     console.print("placements: DD shard+optimizer on device, DH shard on device / optimizer on host, HH both on host, "
                   "DK/HK optimizer on disk, R* replicated chunk (optimizer on D/H)")
+    if why:
+        console.print(f"why: {why}")
 
 
 def optimal_search(
