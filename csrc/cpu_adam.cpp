@@ -382,6 +382,48 @@ ELIXIR_AVX512BF16 void range_avx512bf16(const Consts& c, const Span& s, int64_t 
 #endif  // ELIXIR_ADAM_X86
 
 // ---------------------------------------------------------------------------------------------
+// Bandwidth probe (benchmarks): the update's memory traffic, read p g m v and write p m v (fp32),
+// with one add per stream instead of Adam's arithmetic. Its GB/s is the roofline of the update.
+
+void probe_scalar(const Consts&, const Span& s, int64_t b, int64_t e) {
+  float* __restrict p = s.p;
+  float* __restrict m = s.m;
+  float* __restrict v = s.v;
+  const float* __restrict g = static_cast<const float*>(s.g);
+  for (int64_t i = b; i < e; ++i) {
+    p[i] += g[i];
+    m[i] += g[i];
+    v[i] += g[i];
+  }
+}
+
+#ifdef ELIXIR_ADAM_X86
+ELIXIR_AVX512 void probe_avx512(const Consts& c, const Span& s, int64_t b, int64_t e) {
+  const float* g = static_cast<const float*>(s.g);
+  int64_t i = b;
+  for (; i + 16 <= e; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    _mm512_storeu_ps(s.p + i, _mm512_add_ps(_mm512_loadu_ps(s.p + i), x));
+    _mm512_storeu_ps(s.m + i, _mm512_add_ps(_mm512_loadu_ps(s.m + i), x));
+    _mm512_storeu_ps(s.v + i, _mm512_add_ps(_mm512_loadu_ps(s.v + i), x));
+  }
+  probe_scalar(c, s, i, e);
+}
+
+ELIXIR_AVX2 void probe_avx2(const Consts& c, const Span& s, int64_t b, int64_t e) {
+  const float* g = static_cast<const float*>(s.g);
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    _mm256_storeu_ps(s.p + i, _mm256_add_ps(_mm256_loadu_ps(s.p + i), x));
+    _mm256_storeu_ps(s.m + i, _mm256_add_ps(_mm256_loadu_ps(s.m + i), x));
+    _mm256_storeu_ps(s.v + i, _mm256_add_ps(_mm256_loadu_ps(s.v + i), x));
+  }
+  probe_scalar(c, s, i, e);
+}
+#endif  // ELIXIR_ADAM_X86
+
+// ---------------------------------------------------------------------------------------------
 // Dispatch.
 
 using RangeFn = void (*)(const Consts&, const Span&, int64_t, int64_t);
@@ -415,6 +457,15 @@ RangeFn pick_fn(int level, int grad, int out) {
     case kBF16: return pick_out<kBF16>(level, out);
     default: return pick_out<kF32>(level, out);
   }
+}
+
+RangeFn pick_probe(int level) {
+#ifdef ELIXIR_ADAM_X86
+  if (level >= kLAVX512) return &probe_avx512;
+  if (level == kLAVX2) return &probe_avx2;
+#endif
+  (void)level;
+  return &probe_scalar;
 }
 
 // The best variant this CPU can run, ignoring ELIXIR_SIMD.
@@ -504,6 +555,21 @@ void run_all(RangeFn fn, const Consts& c, const std::vector<Span>& spans, int nu
 
 using SpanTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t>;
 
+std::vector<Span> to_spans(const std::vector<SpanTuple>& spans, bool need_out) {
+  std::vector<Span> list;
+  list.reserve(spans.size());
+  for (const SpanTuple& t : spans) {
+    Span s{reinterpret_cast<float*>(std::get<0>(t)), reinterpret_cast<const void*>(std::get<1>(t)),
+           reinterpret_cast<float*>(std::get<2>(t)), reinterpret_cast<float*>(std::get<3>(t)),
+           reinterpret_cast<void*>(std::get<4>(t)), std::get<5>(t)};
+    if (s.n < 0) throw std::invalid_argument("negative span length");
+    if (s.n > 0 && (!s.p || !s.g || !s.m || !s.v || (need_out && !s.out)))
+      throw std::invalid_argument("null pointer in a non-empty span");
+    list.push_back(s);
+  }
+  return list;
+}
+
 }  // namespace
 
 void register_cpu_adam(py::module_& m) {
@@ -514,17 +580,7 @@ void register_cpu_adam(py::module_& m) {
          double div_scale, int num_threads, const std::string& simd) {
         if (grad_dtype < kF32 || grad_dtype > kBF16) throw std::invalid_argument("grad_dtype must be 0, 1 or 2");
         if (out_dtype < kF32 + 1 || out_dtype > kNone) throw std::invalid_argument("out_dtype must be 1, 2 or 3");
-        std::vector<Span> list;
-        list.reserve(spans.size());
-        for (const SpanTuple& t : spans) {
-          Span s{reinterpret_cast<float*>(std::get<0>(t)), reinterpret_cast<const void*>(std::get<1>(t)),
-                 reinterpret_cast<float*>(std::get<2>(t)), reinterpret_cast<float*>(std::get<3>(t)),
-                 reinterpret_cast<void*>(std::get<4>(t)), std::get<5>(t)};
-          if (s.n < 0) throw std::invalid_argument("negative span length");
-          if (s.n > 0 && (!s.p || !s.g || !s.m || !s.v || (out_dtype != kNone && !s.out)))
-            throw std::invalid_argument("null pointer in a non-empty span");
-          list.push_back(s);
-        }
+        const std::vector<Span> list = to_spans(spans, out_dtype != kNone);
         const RangeFn fn = pick_fn(resolve_level(simd), grad_dtype, out_dtype);
         const Consts c = make_consts(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, div_scale);
         py::gil_scoped_release release;
@@ -536,6 +592,17 @@ void register_cpu_adam(py::module_& m) {
       "Adam/AdamW step over spans (p, g, m, v, out, n) of raw addresses: p, m, v fp32; g of grad_dtype "
       "(0 fp32, 1 fp16, 2 bf16); out of out_dtype (1 fp16, 2 bf16, 3 none). Releases the GIL. `simd` "
       "forces a kernel variant (tests), capped at what the CPU supports.");
+  m.def(
+      "adam_bandwidth_probe",
+      [](const std::vector<SpanTuple>& spans, int num_threads) {
+        const std::vector<Span> list = to_spans(spans, false);
+        const RangeFn fn = pick_probe(resolve_level(""));
+        py::gil_scoped_release release;
+        run_all(fn, Consts{}, list, num_threads);
+      },
+      py::arg("spans"), py::arg("num_threads"),
+      "Benchmarks: p += g; m += g; v += g over fp32 spans, split as adam_update splits them: the "
+      "update's memory traffic without its arithmetic (its roofline).");
   m.def(
       "adam_kernel_level", [](const std::string& simd) { return std::string(kLevelNames[resolve_level(simd)]); },
       py::arg("simd") = "", "The kernel variant adam_update runs for this `simd` request.");

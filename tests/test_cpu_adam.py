@@ -244,6 +244,16 @@ def test_one_openmp_runtime_shared_with_torch():
     assert len(runtimes) <= 1, runtimes
 
 
+def test_bandwidth_probe_touches_what_the_update_touches():
+    """The benchmark's roofline probe reads p g m v and writes p m v (here: adds g to each)."""
+    n = 70_001
+    p, g, m, v = (torch.randn(n) for _ in range(4))
+    want = (p + g, m + g, v + g)
+    F.get_native().adam_bandwidth_probe([(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0, n)], 2)
+    for got, w in zip((p, m, v), want):
+        assert torch.equal(got, w)
+
+
 def special_values(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen)
