@@ -153,12 +153,21 @@ def worker(system: str, cfg: BenchConfig, out: str, profile: Optional[str]) -> N
     params = sum(p.numel() for p in model.parameters())
     model, optim, extra = wrap(system, model, cfg, world)
 
+    comm = _time_collectives(edist) if system.startswith("elixir") else None
+    phases: list[tuple[float, float, float, float]] = []  # forward, backward, optimizer, collectives
+
     def step(i: int) -> float:
         ids = make_batch(cfg, i, rank, world)
+        c0 = comm.total if comm else 0.0
+        t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         optim.step()
         optim.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        phases.append((t1 - t0, t2 - t1, t3 - t2, (comm.total - c0) if comm else float("nan")))
         return float(loss.detach())
 
     losses, times = [], []
@@ -182,6 +191,10 @@ def worker(system: str, cfg: BenchConfig, out: str, profile: Optional[str]) -> N
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if system.startswith("elixir"):
         extra["memory"] = model.memory_report()
+        extra["collectives"] = dict(comm.seconds)
+    timed_phases = phases[cfg.warmup :]
+    extra["phases"] = {k: statistics.median(p[j] for p in timed_phases)
+                       for j, k in enumerate(("forward", "backward", "optimizer", "collectives"))}
     rss_all = edist.all_gather_object(rss)
     if rank == 0:
         timed = times[cfg.warmup :]
@@ -190,6 +203,31 @@ def worker(system: str, cfg: BenchConfig, out: str, profile: Optional[str]) -> N
             json.dump(asdict(res), f)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class _CollectiveTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.total = 0.0
+
+
+def _time_collectives(edist) -> _CollectiveTimer:
+    """Wrap elixir's collectives (all issued through ``elixir.distributed``) with wall-clock timers."""
+    timer = _CollectiveTimer()
+    for name in ("all_gather_into", "reduce_scatter_into", "all_reduce", "broadcast"):
+        fn = getattr(edist, name)
+
+        def timed(*a, _fn=fn, _name=name, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                timer.seconds[_name] = timer.seconds.get(_name, 0.0) + dt
+                timer.total += dt
+
+        setattr(edist, name, timed)
+    return timer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,10 +279,15 @@ def print_results(results: dict[str, LineResult], cfg: BenchConfig, wall: float)
     any_r = next(iter(results.values()))
     t = Table(title=f"step time: GPT-2 {any_r.params / 1e6:.1f}M, batch {cfg.batch}/rank, seq {cfg.seq}, "
                     f"median of {cfg.steps} steps after {cfg.warmup} warm-up")
-    for col in ("line", "step (s)", "min..max (s)", "peak RSS/rank (GiB)", "first losses"):
+    for col in ("line", "step (s)", "min..max (s)", "fwd / bwd / opt (s)", "elixir comm (s)",
+                "peak RSS/rank (GiB)", "first losses"):
         t.add_column(col, justify="right")
     for key, r in results.items():
+        ph = r.extra.get("phases", {})
+        comm = ph.get("collectives", float("nan"))
         t.add_row(key, f"{r.step_s:.3f}", f"{min(r.step_times):.2f}..{max(r.step_times):.2f}",
+                  " / ".join(f"{ph.get(k, float('nan')):.2f}" for k in ("forward", "backward", "optimizer")),
+                  "-" if comm != comm else f"{comm:.2f}",
                   " / ".join(f"{b / 2**30:.2f}" for b in r.peak_rss), " ".join(f"{x:.3f}" for x in r.losses[:2]))
     console.print(t)
     rt = Table(title="ratios (same invocation)")
