@@ -5,9 +5,9 @@ gradient belongs to one rank only; a replicated chunk is held whole (and identic
 so for p-norms only rank 0 counts it (for the inf-norm every rank may). Tied parameters are one
 parameter in one chunk, so they count once by construction. Padding holds zeros.
 
-The partial sums are taken in float64 (no overflow for finite fp32 gradients, and the rounding of
-the sum stays far below fp32's), then one all-reduce carries the partial norm and the inf/NaN
-flags together, so the overflow decision comes for free and is identical on every rank.
+Each chunk's norm is taken in fp32 (as torch takes each tensor's), then squared and summed across
+chunks and ranks in float64; one all-reduce carries the partial sum and the inf/NaN flags
+together, so the overflow decision comes for free and is identical on every rank.
 """
 
 from __future__ import annotations
@@ -56,10 +56,11 @@ def global_grad_norm(em: ElixirModule, norm_type: float = 2.0) -> GradNorm:
         if g.numel() == 0:
             continue
         if is_inf:
-            v = g.abs().max().double().cpu()
+            lo, hi = torch.aminmax(g)  # one pass, no |g| temporary; NaN propagates
+            v = torch.maximum(-lo, hi).double().cpu()
             partial = torch.maximum(partial, v)
         else:
-            v = torch.linalg.vector_norm(g, p, dtype=torch.float64).cpu()
+            v = torch.linalg.vector_norm(g, p).double().cpu()  # fp32 per chunk, as torch's per tensor
             partial = partial + (v * v if p == 2.0 else v**p)
         if not torch.isfinite(v):
             # find out which (the partial goes to 0 so MAX/SUM across ranks stay well defined)
