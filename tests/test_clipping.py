@@ -80,6 +80,12 @@ def _run_case(case: Case) -> dict:
     return {"norms": norms, "state": em.state_dict(rank0_only=True), "replicated": replicated}
 
 
+def cases_for(world: int) -> list[Case]:
+    """Hugging Face models up to world 2 (importing transformers in 4 ranks on 2 cores costs more
+    than the cases are worth); the toys, which carry the tied/replicated/unused cases, everywhere."""
+    return [c for c in CASES if world <= 2 or c.model not in ("gpt2", "llama")]
+
+
 def _worker(cases):
     return [_run_case(c) for c in cases]
 
@@ -102,7 +108,7 @@ def _reference(case: Case, world: int) -> dict:
 
 def _check(results, world: int) -> list[str]:
     errs = []
-    for case, got in zip(CASES, results):
+    for case, got in zip(cases_for(world), results):
         ref = _reference(case, world)
         if not all(n > MAX_NORM[case.norm_type] for n in ref["norms"]):
             errs.append(f"{case.label}: reference norms {ref['norms']} do not all trigger clipping")
@@ -120,24 +126,25 @@ def _check(results, world: int) -> list[str]:
 
 
 def test_clip_world1():
-    errs = _check(_worker(CASES), 1)
+    errs = _check(_worker(cases_for(1)), 1)
     assert not errs, "\n".join(errs)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_clip_multi_rank(world):
-    res = run_distributed(_worker, world, CASES, timeout=300)
+    cases = cases_for(world)
+    res = run_distributed(_worker, world, cases, timeout=300)
     errs = _check(res[0], world)
     for r in range(1, world):
-        for case, a, b in zip(CASES, res[0], res[r]):
+        for case, a, b in zip(cases, res[0], res[r]):
             if a["norms"] != b["norms"]:
                 errs.append(f"{case.label}: rank {r} norms {b['norms']} != rank 0 {a['norms']}")
     assert not errs, "\n".join(errs)
 
 
 def test_bad_norm_type():
-    model = build_model("toy" if "toy" in ZOO else "shared")
+    model = build_model("shared")
     em = ElixirModule(model, minimum_waste_search(model, 1))
     opt = ElixirOptimizer(em, sgd(em.parameters()))
     with pytest.raises(ValueError, match="norm_type"):
