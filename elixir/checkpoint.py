@@ -230,8 +230,11 @@ def save(
                     "choose another path or remove it yourself"
                 )
             os.makedirs(parent, exist_ok=True)
-            for stale in glob.glob(os.path.join(parent, f".{name}.tmp-*")):
-                shutil.rmtree(stale, ignore_errors=True)  # left by a save that crashed
+            debris = glob.glob(os.path.join(parent, f".{name}.tmp-*"))  # left by a save that crashed
+            if os.path.isfile(os.path.join(target, INDEX)):  # the target is whole: older copies are debris too
+                debris += glob.glob(os.path.join(parent, f".{name}.old-*"))
+            for stale in debris:
+                shutil.rmtree(stale, ignore_errors=True)
             tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
             os.mkdir(tmp)
         except (OSError, CheckpointError) as e:
