@@ -219,7 +219,7 @@ def run_worker(cfg: DemoConfig) -> int:
     from rich.console import Console
 
     from elixir import distributed as edist
-    from elixir.data import eval_batches, load_corpus, sample_batch
+    from elixir.data import eval_batches, load_corpus
 
     t_start = time.perf_counter()
     # The scheduler drives the inner optimizer, whose step ElixirOptimizer may run through its own
@@ -245,12 +245,12 @@ def run_worker(cfg: DemoConfig) -> int:
 
     sched = torch.optim.lr_scheduler.LambdaLR(trainer.inner_optimizer, lr_lambda(cfg))
     val_set = eval_batches(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, world)
-    val_before = _evaluate(trainer.model, val_set, edist)
+    val_before = _evaluate(trainer.model, val_set)
     say(f"val loss before training: {val_before:.4f} (uniform guess: {math.log(256):.4f})")
 
     setup_s = time.perf_counter() - t_start
-    losses, step_times = _train(cfg, trainer, sched, corpus.train, rank, world, console, edist, sample_batch)
-    val_after = _evaluate(trainer.model, val_set, edist)
+    losses, step_times = _train(cfg, trainer, sched, corpus.train, rank, world, console)
+    val_after = _evaluate(trainer.model, val_set)
 
     per_rank = edist.all_gather_object(trainer.memory())
     summary = {
@@ -278,8 +278,11 @@ def run_worker(cfg: DemoConfig) -> int:
     return 0
 
 
-def _evaluate(model, val_set, edist) -> float:
+def _evaluate(model, val_set) -> float:
+    """Mean validation loss per byte over every rank's slice of the fixed validation set."""
     import torch
+
+    from elixir import distributed as edist
 
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
@@ -292,7 +295,8 @@ def _evaluate(model, val_set, edist) -> float:
     return float(total[0] / total[1])
 
 
-def _train(cfg, trainer, sched, train_data, rank, world, console, edist, sample_batch):
+def _train(cfg: DemoConfig, trainer: Trainer, sched, train_data, rank: int, world: int, console):
+    """The training loop; returns the rank-averaged loss and the wall time of every step."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -301,6 +305,9 @@ def _train(cfg, trainer, sched, train_data, rank, world, console, edist, sample_
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
+
+    from elixir import distributed as edist
+    from elixir.data import sample_batch
 
     losses: list[float] = []
     step_times: list[float] = []
