@@ -163,6 +163,7 @@ def compare(case: Case, got: dict, world: int) -> list[str]:
     model = build(case)
     canonical = {id(p): n for n, p in model.named_parameters()}
     alias = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    grad_scale = max(g.abs().max().item() for g in ref.first_grads.values() if g is not None)
     errs = []
     if not all(abs(a - b) <= 1e-5 * abs(b) + 1e-7 for a, b in zip(got["losses"], ref.losses)):
         errs.append(f"losses {got['losses']} vs reference {ref.losses}")
@@ -182,16 +183,14 @@ def compare(case: Case, got: dict, world: int) -> list[str]:
         mine = got["state"][k].to(v.dtype)
         tol = 1e-5 * v.abs() + 1e-6
         g = ref.first_grads.get(alias.get(k, k))
-        mg = got["grads"].get(alias.get(k, k))
-        if g is not None and mg is not None and world > 1 and case.optim == "adamw":
-            # Adam divides by |g|: a gradient rounding error e (another reduction order) moves each
-            # step by about lr * e / |g|. Allow that, with e 10x the rounding measured on the first
-            # step's gradients (which are themselves checked at rtol 1e-5). Elements whose gradient
-            # matches exactly get no allowance; those whose true gradient is 0 (attention key
-            # biases: the reference's is rounding noise) may differ by up to lr per step, in any
-            # data-parallel system.
-            rel = 10 * (mg - g).abs() / g.abs().clamp_min(1e-30)
-            tol = tol + LR * STEPS * torch.clamp(rel, max=1.0)
+        if g is not None and world > 1 and case.optim == "adamw":
+            # Adam divides by |g|, so a gradient rounding difference e (another reduction order;
+            # the first step's gradients are checked at rtol 1e-5 above) moves a step by about
+            # lr * e / |g|, and the difference compounds over the steps. Allow that with e = 1e-6
+            # of the model's largest gradient: elements with ordinary gradients get a negligible
+            # allowance; those whose true gradient is 0 (attention key biases: the reference's is
+            # rounding noise) may differ by up to lr per step, in any data-parallel system.
+            tol = tol + LR * STEPS * torch.clamp(1e-6 * grad_scale / g.abs().clamp_min(1e-30), max=1.0)
         bad = (mine - v).abs() > tol
         if bad.any():
             errs.append(f"final {k} differs by {(mine - v)[bad].abs().max().item():.3g} (beyond tolerance)")

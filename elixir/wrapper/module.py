@@ -184,16 +184,19 @@ class ElixirModule(nn.Module):
     def _build_chunks(self, named: dict, sync: bool) -> None:
         plan = self.plan
         for ci, cp in enumerate(plan.chunks):
+            # At world size 1 a device shard is the whole chunk: keep it resident (gathering would
+            # only copy it), exactly like a replicated chunk.
+            sharded = cp.sharded and not (self.world_size == 1 and cp.shard_placement is Placement.DEVICE)
             spec = ChunkSpec(
                 index=ci,
                 capacity=cp.chunk_size,
-                sharded=cp.sharded,
+                sharded=sharded,
                 world_size=self.world_size,
                 rank=self.rank,
                 dtype=self.dtype,
                 reduce_dtype=self.reduce_dtype,
                 device=self.device,
-                shard_on_host=cp.sharded and cp.shard_placement is Placement.HOST,
+                shard_on_host=sharded and cp.shard_placement is Placement.HOST,
                 master_on_host=cp.optim_placement is not Placement.DEVICE,
                 pin_memory=bool(plan.info.get("pin_memory", True)),
             )
@@ -217,7 +220,7 @@ class ElixirModule(nn.Module):
             del flat
             for p, slot in members:
                 p.data = payload[slot.offset : slot.offset + slot.numel].view(slot.shape)
-            if cp.sharded:
+            if sharded:
                 chunk.release()
             self.chunks.append(chunk)
         if self.dtype != torch.float32:
