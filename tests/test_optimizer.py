@@ -282,3 +282,14 @@ def test_fused_unscale_and_clip_match_separate_passes():
         out[label] = torch.cat(masters(em))
     diff = (out["fused"] - out["plain"]).abs()
     assert diff.max().item() <= 3e-3 and diff.mean().item() < 1e-5, (diff.max().item(), diff.mean().item())
+
+
+def test_wrapping_a_trained_optimizer_keeps_its_state():
+    """State the optimizer already holds is cut into the fragments (and init_step leaves it be)."""
+    model, plain = _ref_model_and_opt("gpt2", adamw, range(2))
+    want = plain.state_dict()
+    em = ElixirModule(model, minimum_waste_search(model, 1))
+    opt = ElixirOptimizer(em, plain, init_step=True)
+    assert _sd_errors(opt.state_dict(), want, 0.0, "wrapped") == []
+    for st in want["state"].values():
+        assert float(st["step"]) == 2.0

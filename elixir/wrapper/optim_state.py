@@ -258,11 +258,15 @@ def init_state(eo: ElixirOptimizer) -> None:
     Runs one step with zero gradients and ``lr = weight_decay = 0`` (so elementwise optimizers
     leave parameters and zero-initialised moments as they are), restores the hyper-parameters,
     and resets every ``step`` counter to 0. SGD with ``dampening != 0`` would treat the created
-    momentum buffer differently from a fresh one, so its buffer is dropped again.
+    momentum buffer differently from a fresh one, so its buffer is dropped again. Fragments that
+    already have state (loaded, or made by the optimizer's constructor) are left alone.
     """
     opt = eo.optim
+    fresh = [f for f in eo.fragments if not opt.state.get(f.tensor)]
+    if not fresh:
+        return
     zeros: dict[torch.device, torch.Tensor] = {}
-    for f in eo.fragments:
+    for f in fresh:
         n = f.tensor.numel()
         z = zeros.get(f.tensor.device)
         if z is None or z.numel() < n:
@@ -281,7 +285,7 @@ def init_state(eo: ElixirOptimizer) -> None:
             g.update(old)
         for f in eo.fragments:
             f.tensor.grad = None
-    frag_ids = {id(f.tensor) for f in eo.fragments}
+    frag_ids = {id(f.tensor) for f in fresh}
     for g in opt.param_groups:
         for p in g["params"]:
             if id(p) not in frag_ids:
