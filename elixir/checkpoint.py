@@ -137,11 +137,41 @@ def _write_json(path: str, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
-    from safetensors.torch import save_file
+_ST_CODES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
-    save_file(tensors, path, metadata={"format": "pt"})
-    _fsync_file(path)
+
+def _write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
+    """Write ``tensors`` as a safetensors file straight from their memory (views included: no
+    staging copy), fsync it, and return its size. The layout is the safetensors format: an 8-byte
+    little-endian header length, the JSON header (padded to 8 bytes), then the raw data."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    blobs = []
+    offset = 0
+    for name, t in tensors.items():
+        code = _ST_CODES.get(t.dtype)
+        if code is None:
+            raise CheckpointError(f"cannot store {name!r} of dtype {t.dtype} in safetensors")
+        t = t.detach()
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.to("cpu").contiguous()
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        blobs.append(t)
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for t in blobs:
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
     return os.path.getsize(path)
 
 
@@ -286,13 +316,13 @@ def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], ext
                 continue
             pname, start, end = _frag_range(em, f)
             key = f"param/{pname}/{start}"
-            tensors[key] = em.chunks[f.chunk].master[f.lo : f.hi].detach().to("cpu", copy=True)
+            tensors[key] = em.chunks[f.chunk].master[f.lo : f.hi]  # written from the master's memory
             entries.append({"kind": "param", "name": pname, "start": start, "end": end, "key": key, "dtype": "float32"})
             st = state.get(f.tensor) or {}
             for k, v in st.items():
                 if optim_state._elementwise(v, f.hi - f.lo):
                     skey = f"state/{k}/{pname}/{start}"
-                    tensors[skey] = v.detach().reshape(-1).to("cpu", copy=True)
+                    tensors[skey] = v.detach().reshape(-1)
                     entries.append({"kind": "state", "state_key": k, "name": pname, "start": start, "end": end,
                                     "key": skey, "dtype": _dtype_str(v.dtype)})
                 else:
@@ -303,7 +333,7 @@ def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], ext
         if em.rank == 0:
             for k, t in _module_tensors(em).items():
                 key = f"module/{k}"
-                tensors[key] = t.detach().to("cpu", copy=True).contiguous()
+                tensors[key] = t.detach()
                 entries.append({"kind": "module", "name": k, "key": key, "dtype": _dtype_str(t.dtype), "shape": list(t.shape)})
         size = _write_tensors(os.path.join(tmp, fname), tensors)
         for e in entries:
@@ -529,6 +559,9 @@ _SAFETENSORS_DTYPES = {
 
 def _assemble(reader: _Reader, pieces: list[dict], start: int, end: int, dtype: torch.dtype, what: str) -> torch.Tensor:
     """Values ``[start, end)`` of a flattened tensor from saved ``pieces`` (global ranges)."""
+    for e in pieces:  # the common case, same layout as saved: one piece, no staging copy
+        if e["start"] == start and e["end"] == end and _dtype(e["dtype"]) == dtype:
+            return reader.read(e["file"], e["key"], dtype)
     out = torch.empty(end - start, dtype=dtype)
     covered = 0
     for e in pieces:
