@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from elixir.optim.loss_scaler import DynamicLossScaler, LossScalePolicy, found_inf_across_ranks
+from elixir.optim.loss_scaler import DynamicLossScaler, LossScalePolicy
 from elixir.wrapper import optim_state
 from elixir.wrapper.clipping import clip_coefficient, global_grad_norm
 from elixir.wrapper.fused_step import fused_step, uses_fused_path
@@ -171,11 +171,8 @@ class ElixirOptimizer:
             skip = False
             if self.scaler is not None:
                 found_inf = self._found_inf
-                if found_inf is None:
-                    found_inf = found_inf_across_ranks(
-                        (c.shard_grad for c in self.module.chunks if c.grad_valid and c.shard_grad is not None),
-                        self.module.group,
-                    )
+                if found_inf is None:  # no norm taken this step: one pass (aminmax) and one all-reduce
+                    found_inf = global_grad_norm(self.module, float("inf")).found_inf
                 self.scaler.update(found_inf)
                 skip = found_inf
             self.last_step_skipped = skip
