@@ -157,9 +157,29 @@ def reference(case: Case):
     return train_reference(CASES[case.model], steps=STEPS, batch_size=BATCH, optimizer_fn=opt_fn(case), model=build(case))
 
 
+def train_dp_emulation(case: Case, world: int) -> dict[str, torch.Tensor]:
+    """Single process, but each step sums the per-rank slices' gradients (each loss scaled by
+    1/world, exact for powers of two) in rank order, as data-parallel ranks do: the wrapped run's
+    per-rank arithmetic, so AdamW's amplification of reduction-order rounding mostly cancels."""
+    zc = CASES[case.model]
+    model = build(case)
+    model.train()
+    opt = opt_fn(case)([p for p in model.parameters() if p.requires_grad])
+    torch.manual_seed(1)
+    for step in range(STEPS):
+        batch = zc.make_batch(BATCH, step)
+        opt.zero_grad(set_to_none=True)
+        for r in range(world):
+            (zc.loss(model, shard_batch(batch, r, world)) / world).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def compare(case: Case, got: dict, world: int) -> list[str]:
     ref = reference(case)
-    final = ref.state_dict
+    # losses and first gradients: against the plain full-batch reference. Final parameters after
+    # AdamW: against the same training with the data-parallel summation order (see below).
+    final = ref.state_dict if world == 1 or case.optim != "adamw" else train_dp_emulation(case, world)
     model = build(case)
     canonical = {id(p): n for n, p in model.named_parameters()}
     alias = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
@@ -216,4 +236,5 @@ def test_matrix_matches_reference(world):
     # the routed model takes another branch on odd steps than the traced step 0: prefetch must
     # have noticed the drift and stayed correct (checked above)
     drift = [got["drifted"] for case, got in zip(cases, results[0]) if case.model == "routed" and case.prefetch]
-    assert drift and all(drift)
+    if world > 1:  # at world 1 device chunks stay resident: nothing to prefetch
+        assert drift and all(drift)
