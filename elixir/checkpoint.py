@@ -44,7 +44,7 @@ from elixir.wrapper import optim_state
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer
 
-__all__ = ["CheckpointError", "save", "load", "FORMAT", "VERSION"]
+__all__ = ["CheckpointError", "save", "load", "consolidate", "FORMAT", "VERSION"]
 
 FORMAT = "elixir-checkpoint"
 VERSION = 1
@@ -731,3 +731,65 @@ def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict) ->
         if eo.scaler is not None and plan["scaler"] is not None:
             eo.scaler.load_state_dict(plan["scaler"])
         eo.zero_grad()
+
+
+# --------------------------------------------------------------------------------------------
+# offline consolidation
+
+
+def consolidate(path: str) -> dict[str, Any]:
+    """Read a checkpoint (sharded or full) into full tensors in this process, with no model and no
+    process group: ``{"model": state dict (canonical names; fp32 params, buffers, frozen params),
+    "optimizer": torch-format state dict or None, "loss_scaler": ..., "extra": ...}``. The
+    optimizer dict is indexed like the optimizer that was saved, so it loads into a plain torch
+    optimizer built the same way on the unwrapped model."""
+    root = _resolve(path)
+    index = _read_index(root)
+    reader = _Reader(root)
+    if index["kind"] == "full":
+        h = reader.handle("model.safetensors")
+        model = {k: h.get_tensor(k) for k in h.keys()}
+        optim = None
+        if index["optimizer"] is not None:
+            optim = torch.load(os.path.join(root, "optimizer.pt"), map_location="cpu", weights_only=True)
+        return {"model": model, "optimizer": optim, "loss_scaler": index.get("loss_scaler"), "extra": _load_extra(root, index)}
+    by_name: dict[tuple, list] = defaultdict(list)
+    model: dict[str, torch.Tensor] = {}
+    for e in index["entries"]:
+        if e["kind"] == "param":
+            by_name[("param", e["name"])].append(e)
+        elif e["kind"] == "state":
+            by_name[(e["state_key"], e["name"])].append(e)
+    shapes = index["model"]["params"]
+    for name, shape in shapes.items():
+        numel = int(torch.Size(shape).numel())
+        model[name] = _assemble(reader, by_name[("param", name)], 0, numel, torch.float32, f"parameter {name}").view(shape)
+    for e in index["entries"]:
+        if e["kind"] == "module":
+            model[e["name"]] = reader.read(e["file"], e["key"], _dtype(e["dtype"])).view(e["shape"])
+    optim = None
+    if index["optimizer"] is not None:
+        meta = index["optimizer"]
+        state: dict[int, dict] = {}
+        groups = []
+        idx = 0
+        for g in meta["param_groups"]:
+            ids = []
+            for name in g["params"]:
+                sc = meta["scalars"].get(name)
+                if sc:
+                    numel = int(torch.Size(shapes[name]).numel())
+                    st = {}
+                    for k in sc["__order__"]:
+                        if k in sc:
+                            st[k] = _decode(sc[k])
+                        else:
+                            pieces = by_name[(k, name)]
+                            full = _assemble(reader, pieces, 0, numel, _dtype(pieces[0]["dtype"]), f"state {k} of {name}")
+                            st[k] = full.view(shapes[name])
+                    state[idx] = st
+                ids.append(idx)
+                idx += 1
+            groups.append({**{k: _decode(v) for k, v in g.items() if k != "params"}, "params": ids})
+        optim = {"state": state, "param_groups": groups}
+    return {"model": model, "optimizer": optim, "loss_scaler": index.get("loss_scaler"), "extra": _load_extra(root, index)}

@@ -113,6 +113,13 @@ def test_exact_resume_in_new_processes_and_resharding(tmp_path):
     for kind in ("sharded", "full"):
         assert bitwise_diff(resumed[kind]["loaded"], first[MODEL]["at3"]) == [], kind
         assert bitwise_diff(resumed[kind]["at6"], first[MODEL]["at6"]) == [], kind  # exact resume, fp32
+    # offline consolidation of the world-2 shards (no model, no process group) gives the same state
+    for kind in ("sharded", "full"):
+        full = checkpoint.consolidate(os.path.join(root, MODEL, kind))
+        assert full["model"].keys() <= first[MODEL]["at3"]["model"].keys()
+        assert "transformer.wte.weight" in full["model"]
+        merged = {**first[MODEL]["at3"]["model"], **full["model"]}
+        assert bitwise_diff({"model": merged, "optim": full["optimizer"]}, first[MODEL]["at3"]) == [], kind
     # 2 -> 4 (new processes) and 2 -> 1 (in this process): the loaded state is bitwise the saved one
     runs = [("tied", run_distributed(_load_and_train, 4, root, "tied", ("sharded",), timeout=300)[0])]
     runs += [(name, _load_and_train(root, name, ("sharded", "full"))) for name in (MODEL, "tied")]
