@@ -140,6 +140,9 @@ class HardwareProfile:
             against the FLOPs of one step (``6 * matmul weights * tokens``, as the cost model counts
             them): it includes attention, elementwise ops and framework overhead that a bare matmul
             does not. Empty in reference profiles (``matmul_flops`` is used then).
+        compute_threads: CPU threads the compute figures were timed on (0: the whole device);
+            a CPU-only profile is timed on 1 thread and scaled by the cores each rank gets.
+        cores: CPU cores of the node.
         disk_read_bytes_per_s, disk_write_bytes_per_s: sequential bandwidth of the offload dir.
         overlap: whether transfers and collectives run concurrently with compute (separate copy
             engines / NIC); False on a CPU-only machine, where they share the cores.
@@ -171,6 +174,8 @@ class HardwareProfile:
     disk_write_bytes_per_s: float
     overlap: bool
     train_flops: dict[str, BandwidthCurve] = field(default_factory=dict)
+    compute_threads: int = 0
+    cores: int = 0
     measured: bool = False
     source: dict[str, str] = field(default_factory=dict)
     host: str = "reference"
@@ -192,10 +197,12 @@ class HardwareProfile:
         Collective curves are measured across ranks already and are kept.
         """
         k = max(1, int(ranks_per_node))
-        if k == 1:
+        cpu = self.device_type == "cpu"
+        # compute figures timed on `compute_threads` threads: scale to the cores of one rank
+        fc = (max(1, self.cores // k) / self.compute_threads) if (cpu and self.compute_threads) else (1.0 / k if cpu else 1.0)
+        if k == 1 and fc == 1.0:
             return self
         f = 1.0 / k
-        cpu = self.device_type == "cpu"
         rates = dict(self.optimizer_params_per_s)
         rates["host"] = rates.get("host", 0.0) * f
         if cpu:
@@ -208,8 +215,8 @@ class HardwareProfile:
             d2h_pageable=self.d2h_pageable.scaled(f),
             device_copy=self.device_copy.scaled(f) if cpu else self.device_copy,
             optimizer_params_per_s=rates,
-            matmul_flops={d: v * f for d, v in self.matmul_flops.items()} if cpu else self.matmul_flops,
-            train_flops={d: c.scaled(f) for d, c in self.train_flops.items()} if cpu else self.train_flops,
+            matmul_flops={d: v * fc for d, v in self.matmul_flops.items()},
+            train_flops={d: c.scaled(fc) for d, c in self.train_flops.items()},
             disk_read_bytes_per_s=self.disk_read_bytes_per_s * f,
             disk_write_bytes_per_s=self.disk_write_bytes_per_s * f,
             notes=(self.notes + f" [per-rank share of {k} ranks per node]").strip(),
@@ -658,15 +665,24 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
     src["optimizer_params_per_s"] = f"measured: fp32 Adam over {o.optimizer_params} params ({opt_impl})"
 
     say("matmul")
-    flops = {}
-    for dt in (torch.float32, torch.bfloat16) + (() if cpu_only else (torch.float16,)):
-        flops[str(dt).split(".")[-1]] = measure_matmul(o.matmul_n, dt, d, o.repeats)
-    src["matmul_flops"] = f"measured: {o.matmul_n}x{o.matmul_n} torch.mm"
-    say("training throughput")
-    train = {name: measure_train_flops(o.train_widths, getattr(torch, name), d, o.repeats)
-             for name in ("float32", "bfloat16")}
+    # On a CPU-only machine compute is timed on one thread and scaled by the cores each rank gets
+    # (see per_rank): one-thread figures do not depend on how busy the other cores are.
+    saved_threads = torch.get_num_threads()
+    if cpu_only:
+        torch.set_num_threads(1)
+    try:
+        flops = {}
+        for dt in (torch.float32, torch.bfloat16) + (() if cpu_only else (torch.float16,)):
+            flops[str(dt).split(".")[-1]] = measure_matmul(o.matmul_n, dt, d, o.repeats)
+        say("training throughput")
+        train = {name: measure_train_flops(o.train_widths, getattr(torch, name), d, o.repeats)
+                 for name in ("float32", "bfloat16")}
+    finally:
+        torch.set_num_threads(saved_threads)
+    one = " on 1 thread (scaled by the cores per rank)" if cpu_only else ""
+    src["matmul_flops"] = f"measured: {o.matmul_n}x{o.matmul_n} torch.mm{one}"
     src["train_flops"] = (f"measured: 2-layer pre-norm transformer stacks of widths {list(o.train_widths)}, "
-                          "batch 2, seq 128, forward+backward")
+                          f"batch 2, seq 128, forward+backward{one}")
 
     say("disk")
     if o.disk_bytes > 0:
@@ -695,6 +711,8 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
         optimizer_impl=opt_impl,
         matmul_flops=flops,
         train_flops=train,
+        compute_threads=1 if cpu_only else 0,
+        cores=os.cpu_count() or 1,
         disk_read_bytes_per_s=rd,
         disk_write_bytes_per_s=wr,
         overlap=not cpu_only,

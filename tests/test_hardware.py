@@ -79,8 +79,11 @@ def test_per_rank_share_divides_node_quantities():
     assert q.optimizer_params_per_s["host"] == pytest.approx(p.optimizer_params_per_s["host"] / 8)
     assert q.optimizer_params_per_s["device"] == p.optimizer_params_per_s["device"]  # one GPU each
     assert q.disk_read_bytes_per_s == pytest.approx(p.disk_read_bytes_per_s / 8)
-    cpu = load_profile("cpu-box").per_rank(2)
-    assert cpu.matmul_flops["float32"] == pytest.approx(load_profile("cpu-box").matmul_flops["float32"] / 2)
+    base = load_profile("cpu-box")
+    one, two = base.per_rank(1), base.per_rank(2)
+    assert one.optimizer_params_per_s["host"] == pytest.approx(2 * two.optimizer_params_per_s["host"])
+    # two ranks on a CPU box get half the cores each: half the compute of one rank with all of them
+    assert two.matmul_flops["float32"] == pytest.approx(one.matmul_flops["float32"] / 2)
 
 
 def test_measure_tiny_on_this_machine(tmp_path):

@@ -367,6 +367,11 @@ def place(
     suffix = np.concatenate([np.cumsum(g_sorted[::-1])[::-1], [0]]) if n else np.zeros(1)
     gathers = int(per_chunk_gathers.sum())
     comm = comm_times(profile, layout, st, gathers)
+    # At world size 1 the runtime keeps device-placed chunks whole and resident (no cache block,
+    # no gather, no reduction copy); only host-placed shards go through the rCache.
+    solo = st.world == 1
+    t_gather = hw.all_gather_time(layout.chunk_size * st.elem, 1) if (solo and n) else 0.0
+    t_rs = hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1) if (solo and n) else 0.0
     best: Optional[Evaluation] = None
     repl_any = any(not s for s in layout.sharded)
     for rwhere in ("D", "H") if repl_any else ("D",):
@@ -403,6 +408,8 @@ def place(
             z = np.where(over > 0, n + 1, 0)
         ok &= z <= n - y
         ok &= z * cb["DK"][2] <= disk_budget
+        if solo:  # blocks only for host shards: none iff every shard is on the device
+            ok &= (x == n) if blocks == 0 else (x < n)
         if not ok.any():
             continue
         zc = np.minimum(z, n - y)
@@ -413,6 +420,8 @@ def place(
             y * ct["DD"] + (x - y - dk) * ct["DH"] + dk * ct["DK"] + (n - x - hk) * ct["HH"] + hk * ct["HK"]
         )
         t_h2d = suffix[x] * h2d_gather
+        if solo:
+            t_h2d = t_h2d + suffix[x] * t_gather + (n - x) * t_rs
         total = t_opt + t_h2d
         total = np.where(ok, total, np.inf)
         yi = int(np.argmin(total))
@@ -434,9 +443,13 @@ def place(
         dev = sum(cb[k][0] for k in kinds)
         host = sum(cb[k][1] for k in kinds) + (shard * (4 + st.opt_bytes) if zi else 0)
         disk = sum(cb[k][2] for k in kinds)
+        c_comm, c_gathers = comm, gathers
+        if solo:
+            c_comm = dict(comm, all_gather=0.0, reduce_scatter=0.0)  # counted in t_h2d above
+            c_gathers = int(suffix[xi])
         cand = _finish(
-            layout, st, blocks, depth, tuple(kinds), fixed, rd + dev, rh + host, disk, comm,
-            t_repl_opt + float(t_opt[yi]), float(t_h2d[yi]), gathers, rwhere,
+            layout, st, blocks, depth, tuple(kinds), fixed, rd + dev, rh + host, disk, c_comm,
+            t_repl_opt + float(t_opt[yi]), float(t_h2d[yi]), c_gathers, rwhere,
         )
         if cand.device_bytes > dev_budget or cand.host_bytes > host_budget or cand.disk_bytes > disk_budget:
             continue  # pragma: no cover - guarded by construction
@@ -504,11 +517,18 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     kinds = tuple(_CODE[c.shard_placement.value] + _CODE[c.optim_placement.value] for c in order if c.sharded)
     repl = [c for c in order if not c.sharded]
     rwhere = "D" if all(c.optim_placement.value == "device" for c in repl) else "H"
-    g = simulate_layout(lay, plan.cache_blocks)
     n = lay.n_sharded
+    solo = st.world == 1
+    blocks = plan.cache_blocks
+    if solo and all(k[0] == "D" for k in kinds):
+        g, blocks = np.zeros(n, dtype=np.int64), 0  # nothing goes through the cache
+    else:
+        g = simulate_layout(lay, plan.cache_blocks)
+    if solo:  # device shards stay whole and resident at world size 1
+        g = np.where(np.asarray([k[0] != "D" for k in kinds], dtype=bool), g, 0) if n else g
     shard = lay.chunk_size // st.world if n else 0
     cb, ct = per_chunk_bytes(st, shard), per_chunk_fixed_time(st, shard)
-    fixed = fixed_device_bytes(profile, lay, st, plan.cache_blocks)
+    fixed = fixed_device_bytes(profile, lay, st, blocks)
     rd, rh = replicated_optimizer_bytes(lay, st, rwhere)
     hw = st.hardware
     repl_numel = sum(c.chunk_size for c in repl)
@@ -520,5 +540,8 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     host = rh + sum(cb[k][1] for k in kinds) + (shard * (4 + st.opt_bytes) if any(k[1] == "K" for k in kinds) else 0)
     disk = sum(cb[k][2] for k in kinds)
     comm = comm_times(profile, lay, st, int(g.sum()))
-    return _finish(lay, st, plan.cache_blocks, plan.prefetch_depth, kinds, fixed, dev, host, disk, comm,
+    if solo and n:
+        n_host = sum(k[0] != "D" for k in kinds)
+        comm = dict(comm, reduce_scatter=n_host * st.hardware.reduce_scatter_time(lay.chunk_size * st.reduce_elem, 1))
+    return _finish(lay, st, blocks, plan.prefetch_depth, kinds, fixed, dev, host, disk, comm,
                    t_opt, t_h2d, int(g.sum()), rwhere)

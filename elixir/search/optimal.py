@@ -91,11 +91,15 @@ def chunk_size_candidates(profile: StepProfile, world: int, points: int = GRID_P
     return sorted(s for s in sizes if s >= lo)
 
 
-def _block_candidates(layout: Layout) -> list[int]:
+def _block_candidates(layout: Layout, world: int = 2) -> list[int]:
+    """Block counts to try, smallest first. At world size 1, 0 blocks (every shard on the device,
+    kept whole by the runtime) comes first."""
     n, lo = layout.n_sharded, layout.min_blocks
     if n == 0:
         return [0]
     lo = max(1, lo)
+    if world == 1:
+        return [0] + _block_candidates(layout, 2)
     out = set(range(lo, min(n, lo + EXTRA_BLOCKS) + 1))
     b = lo + EXTRA_BLOCKS
     while b < n:
@@ -141,8 +145,9 @@ class _Searcher:
         """Whether any candidate fits: the fewest blocks, no prefetch, for every chunk size."""
         for c in chunk_size_candidates(self.profile, self.world):
             lay = self.layout(c)
-            if self.evaluate(lay, _block_candidates(lay)[0], 0, usable) is not None:
-                return True
+            for b in _block_candidates(lay, self.world)[: 2 if self.world == 1 else 1]:
+                if self.evaluate(lay, b, 0, usable) is not None:
+                    return True
         return False
 
     def run(self) -> tuple[Evaluation, list[Evaluation], int]:
@@ -150,8 +155,8 @@ class _Searcher:
         scored = 0
         for c in chunk_size_candidates(self.profile, self.world):
             lay = self.layout(c)
-            for b in _block_candidates(lay):
-                depths = range(0, min(MAX_DEPTH, b - max(1, lay.min_blocks)) + 1) if self.overlap and lay.n_sharded else (0,)
+            for b in _block_candidates(lay, self.world):
+                depths = range(0, min(MAX_DEPTH, b - max(1, lay.min_blocks)) + 1) if self.overlap and lay.n_sharded and b else (0,)
                 ev_any = None
                 for d in depths:
                     scored += 1
@@ -159,7 +164,7 @@ class _Searcher:
                     if ev is not None:
                         results.append(ev)
                         ev_any = ev
-                if ev_any is None:
+                if ev_any is None and b > 0:
                     break  # more blocks only need more memory
         if not results:
             raise self.no_fit_error()
@@ -314,8 +319,12 @@ def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: L
         peak_device_bytes=int(ev.device_bytes), peak_host_bytes=int(ev.host_bytes), peak_disk_bytes=int(ev.disk_bytes),
         step_time_s=float(ev.step_time), breakdown={k: float(v) for k, v in ev.breakdown.items()},
     )
+    info = dict(info, cache_blocks_used=ev.blocks)
+    # The runtime wants >= 1 block whenever a chunk is sharded, even at world size 1 where it keeps
+    # device-placed chunks whole and never uses the block (the prediction counts 0 then).
+    blocks = max(ev.blocks, 1) if any(c.sharded for c in chunks) else ev.blocks
     return SearchResult(
-        chunks=tuple(chunks), world_size=world, cache_blocks=ev.blocks, prefetch_depth=ev.prefetch_depth,
+        chunks=tuple(chunks), world_size=world, cache_blocks=blocks, prefetch_depth=ev.prefetch_depth,
         frozen_params=tuple(profile.frozen), param_order=tuple(tuple(sorted(s)) for s in profile.steps) if traced else None,
         search="optimal", prediction=pred, info=info,
     )
