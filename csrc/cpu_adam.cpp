@@ -5,8 +5,10 @@
 // decoupled weight decay; update m, v and p; optionally write p cast to fp16 or bf16 (round to
 // nearest even, like torch's `.to()`).
 //
-// The arithmetic follows torch's fused CPU Adam kernel (ATen FusedAdamKernel.cpp, vector path)
-// operation by operation, with constants rounded to float the same way:
+// The arithmetic is that of torch's fused CPU Adam kernel as shipped (torch 2.x, vector path),
+// operation by operation, with constants rounded to float the same way. Its source writes
+// v * beta2 + (1 - beta2) * g * g and g + p * wd; its build contracts both into the fmas below,
+// which the tests confirm bit for bit:
 //   g  = g / div_scale                          (only when div_scale != 1)
 //   g  = fma(p, wd, g)                          (Adam, L2 decay)   | p = p * (1 - lr*wd) (AdamW)
 //   m  = fma(w, g - m, m)  if |w| < 0.5 else fma(w - 1, g - m, g),  w = 1 - beta1 (torch's lerp)
