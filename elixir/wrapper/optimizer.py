@@ -184,8 +184,10 @@ class ElixirOptimizer:
             self._found_inf = None
             for f in self.fragments:
                 f.tensor.grad = None
-        if len(fresh) == len(self.module.chunks):
-            self.module.cache.release_all()  # every compute shard is current: only drop stale payloads
+        if self.fused and len(fresh) == len(self.module.chunks):
+            # the kernel wrote every compute shard: skip the master -> shard copies of
+            # after_optimizer_step() and only drop the stale gathered payloads
+            self.module.cache.release_all()
         else:
             self.module.after_optimizer_step()
         return None
@@ -257,7 +259,7 @@ class ElixirOptimizer:
                 if c.grad_valid and c.shard_grad is not None:
                     c.shard_grad.mul_(factor.to(c.shard_grad.device))
         self.optim.step()
-        return {c.index for c in self.module.chunks if c.shard is c.master}
+        return set()
 
     def state_dict(self, rank0_only: bool = False) -> dict[str, Any]:
         """The full (unsharded) state dict in the inner optimizer's torch format, keyed like the
