@@ -59,12 +59,14 @@ def _inject(em, value: float) -> None:
 def _overflow_worker() -> dict:
     rank, world = edist.get_rank(), edist.get_world_size()
     out = {}
-    for label, kw, bad_rank in (
-        ("h1", dict(hysteresis=1), 1),
-        ("h2", dict(hysteresis=2), 1),
-        ("h1-clip", dict(hysteresis=1, max_norm=1.0), 0),
+    cpuadam = lambda p: CPUAdam(p, lr=1e-2)  # noqa: E731
+    for label, kw, bad_rank, make_opt in (
+        ("h1", dict(hysteresis=1), 1, adamw),
+        ("h2", dict(hysteresis=2), 1, adamw),
+        ("h1-clip", dict(hysteresis=1, max_norm=1.0), 0, adamw),
+        ("h1-fused", dict(hysteresis=1), 0, cpuadam),
     ):
-        em, opt = wrap("gpt2", adamw, torch.float16, world, initial_scale=2.0**12, growth_interval=3, **kw)
+        em, opt = wrap("gpt2", make_opt, torch.float16, world, initial_scale=2.0**12, growth_interval=3, **kw)
         events = []
         zc = ZOO["gpt2"]
         for step in range(6):
@@ -77,6 +79,8 @@ def _overflow_worker() -> dict:
             changed = any(not torch.equal(a, c.master) for a, c in zip(before, em.chunks))
             events.append((opt.last_step_skipped, opt.loss_scale, changed))
         out[label] = events
+        if label == "h1-fused":  # the kernel kept every compute shard equal to its master, cast
+            out["fused_shards_ok"] = all(torch.equal(c.shard, c.master.to(torch.float16)) for c in em.chunks)
     # scaled gradients are unscaled exactly once: fp16 first-step gradients track fp32's
     zc = ZOO["gpt2"]
     grads = {}
@@ -100,9 +104,11 @@ def _overflow_worker() -> dict:
 @pytest.mark.dist
 def test_fp16_overflow_on_one_rank_skips_everywhere():
     res = run_distributed(_overflow_worker, 2, timeout=300)
-    assert res[0]["h1"] == res[1]["h1"] and res[0]["h2"] == res[1]["h2"] and res[0]["h1-clip"] == res[1]["h1-clip"]
+    for label in ("h1", "h2", "h1-clip", "h1-fused"):
+        assert res[0][label] == res[1][label], label
+    assert res[0]["fused_shards_ok"] and res[1]["fused_shards_ok"]
     s0 = 2.0**12
-    for label in ("h1", "h1-clip"):
+    for label in ("h1", "h1-clip", "h1-fused"):
         ev = res[0][label]
         # clean, inf (one rank) -> skip + halve, nan (one rank) -> skip + halve, then clean steps
         assert [e[0] for e in ev] == [False, True, True, False, False, False], (label, ev)
