@@ -221,19 +221,28 @@ class Chunk:
         if self.grad_state is not GradState.ACCUMULATING:
             return
         spec = self.spec
-        world = edist.get_world_size(self.group)
+        world = spec.world_size
         buf = self.grad_buffer
-        if spec.sharded:
-            out = buf[spec.shard_offset : spec.shard_offset + spec.shard_numel] if world == 1 else torch.empty(
-                spec.shard_numel, dtype=buf.dtype, device=buf.device
-            )
-            edist.reduce_scatter_into(out, buf, self.group)
+        direct = (
+            spec.sharded and world > 1 and not self.grad_valid and self.shard_grad is not None
+            and self.shard_grad.dtype == buf.dtype and self.shard_grad.device == buf.device
+        )
+        if direct:  # reduce-scatter straight into the (empty) shard gradient
+            edist.reduce_scatter_into(self.shard_grad, buf, self.group)
+            self.shard_grad.div_(world)
+            self.grad_valid = True
         else:
-            edist.all_reduce(buf, self.group)
-            out = buf
-        if world > 1:
-            out.div_(world)
-        self._accumulate_shard_grad(out)
+            if spec.sharded:
+                out = buf[spec.shard_offset : spec.shard_offset + spec.shard_numel] if world == 1 else torch.empty(
+                    spec.shard_numel, dtype=buf.dtype, device=buf.device
+                )
+                edist.reduce_scatter_into(out, buf, self.group)
+            else:
+                edist.all_reduce(buf, self.group)
+                out = buf
+            if world > 1:
+                out.div_(world)
+            self._accumulate_shard_grad(out)
         self.grad_buffer = None
         self.ledger.free("grad_buffer", "device", _nbytes(spec.capacity, spec.reduce_dtype))
         self._grad_move(GradState.REDUCED)
