@@ -603,6 +603,14 @@ def load(path: str, model: ElixirModule, optimizer: Optional[ElixirOptimizer] = 
 
 
 def _group_check(index: dict, eo: ElixirOptimizer, em: ElixirModule) -> list[dict]:
+    saved_cls, cls = index["optimizer"].get("class"), type(eo.optim).__name__
+    if saved_cls != cls:
+        import warnings
+
+        warnings.warn(
+            f"elixir: optimizer state saved by {saved_cls} is loaded into {cls}; its state keys must mean the "
+            "same (e.g. CPUAdam <-> AdamW)", stacklevel=4,
+        )
     saved = index["optimizer"]["param_groups"]
     current = _optimizer_meta(eo, em)["param_groups"]
     if len(saved) != len(current):
