@@ -1,10 +1,9 @@
-import os
-
 import pytest
 import torch
 
-# Tests are deterministic and single-threaded per rank unless they say otherwise.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Test models are tiny: one intra-op thread is faster than two (no fork/join per op), and it keeps
+# single-process tests from competing with the ranks that multi-rank tests spawn.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
