@@ -120,7 +120,7 @@ def run_plan(model_name: str, plan, steps: int, batch: int, seq: int, enforce: b
         usable = plan.info["usable_after_margins"]["device"]
         limit = max(0, usable - runtime_share(plan))
     res = run_distributed(train_worker, plan.world_size, model_name, plan.to_json(), steps, limit, batch, seq,
-                          timeout=900)
+                          timeout=900, threads_per_rank=1)
     times = [max(r["times"][i] for r in res) for i in range(steps)]  # the slowest rank sets the pace
     r0 = res[0]
     return {
@@ -133,7 +133,7 @@ def run_plan(model_name: str, plan, steps: int, batch: int, seq: int, enforce: b
 
 def predicted_gathered_shard(plan) -> int:
     el = {"float32": 4, "bfloat16": 2, "float16": 2}[plan.chunks[0].dtype]
-    cache = plan.cache_blocks * plan.chunk_size * el
+    cache = plan.info.get("cache_blocks_used", plan.cache_blocks) * plan.chunk_size * el
     shards = sum(
         (c.chunk_size // plan.world_size if c.sharded else c.chunk_size) * el
         for c in plan.chunks if (not c.sharded) or c.shard_placement.value == "device"
@@ -170,13 +170,18 @@ def predictions_table(hw, steps: int, console) -> None:
         side.add_column(c, justify="right")
     profiles = {}
     rows = []
+    # Every rank runs on one thread (2-thread OpenMP runs are erratic on this oversubscribed box);
+    # the cost model is told so: one core per rank.
+    import dataclasses
+
+    hw1 = dataclasses.replace(hw, cores=1) if hw.device_type == "cpu" else hw
     for name, world, budget, batch, seq in configs:
         model = build(name)
         if (name, batch, seq) not in profiles:
             profiles[name, batch, seq] = profile_step(model, make_batch(0, batch, seq), step_fn, torch.float32)
         prof = profiles[name, batch, seq]
         dev = (budget * MiB) if budget else (8 << 30)
-        plan = search_profile(prof, world, hardware=hw, device_memory=dev, host_memory=4 << 30, overlap=True)
+        plan = search_profile(prof, world, hardware=hw1, device_memory=dev, host_memory=4 << 30, overlap=True)
         m = run_plan(name, plan, steps, batch, seq)
         p = plan.prediction
         pg = predicted_gathered_shard(plan)
@@ -195,7 +200,7 @@ def predictions_table(hw, steps: int, console) -> None:
         if world > 1:
             mw = minimum_waste_search(model, world, prefetch=True, inp=make_batch(0, batch, seq), step_fn=step_fn)
             st = Setting(world=world, elem=4, reduce_elem=4, opt_bytes=8,
-                         hardware=hw.per_rank(hw.ranks_per_node(world)), dtype="float32")
+                         hardware=hw1.per_rank(hw1.ranks_per_node(world)), dtype="float32")
             ev = evaluate_plan(prof, mw, st)
             usable = MemoryPolicy().usable(dev, 4 << 30, 0)[0]
             if ev.device_bytes <= usable:
