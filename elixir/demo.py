@@ -3,7 +3,8 @@ byte by byte, sharded across local ranks with a searched plan.
 
 ``elixir demo`` re-launches itself under torchrun (``python -m torch.distributed.run --standalone``)
 with ``--worker``; each worker searches a plan (``minimum_waste_search``), wraps the model
-(``ElixirModule``) and its AdamW (``ElixirOptimizer``), trains, evaluates and reports. Only rank 0
+(``ElixirModule``) and elixir's HybridAdam in AdamW mode (``ElixirOptimizer``), trains, evaluates
+and reports. Only rank 0
 prints; the other ranks send it their memory figures.
 """
 
@@ -122,7 +123,7 @@ def worker_argv(cfg: DemoConfig) -> list[str]:
     argv = ["demo", "--worker"]
     for key, default in asdict(DemoConfig()).items():
         value = getattr(cfg, key)
-        if value is not None and value != default or key == "world_size":
+        if key == "world_size" or (value is not None and value != default):
             argv += ["--" + key.replace("_", "-").replace("json-path", "json"), str(value)]
     return argv
 
@@ -180,8 +181,9 @@ def _lm_loss(model, x, y):
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports kilobytes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set size (``ru_maxrss`` is in kilobytes on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class Trainer:
