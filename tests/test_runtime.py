@@ -139,6 +139,7 @@ def _train_case(case: Case) -> dict:
         "state": sd,
         "memory": em.memory_report(),
         "drifted": bool(em.schedule is not None and em.schedule.drifted),
+        "prefetches": em.cache.prefetches,
         "warnings": sorted({str(w.message)[:80] for w in caught}),
     }
 
@@ -238,3 +239,6 @@ def test_matrix_matches_reference(world):
     drift = [got["drifted"] for case, got in zip(cases, results[0]) if case.model == "routed" and case.prefetch]
     if world > 1:  # at world 1 device chunks stay resident: nothing to prefetch
         assert drift and all(drift)
+        # prefetch with a traced order really gathers ahead (and on-demand never does)
+        for case, got in zip(cases, results[0]):
+            assert (got["prefetches"] > 0) == case.prefetch, (case.label, got["prefetches"])

@@ -34,6 +34,7 @@ class BlockCache:
         self.peak_resident = 0
         self.gathers = 0
         self.evictions = 0
+        self.prefetches = 0  # asynchronous gathers issued ahead of use
         self._warned = False
 
     def __contains__(self, chunk: Chunk) -> bool:
@@ -101,6 +102,7 @@ class BlockCache:
             return False
         chunk.gather(async_op=True)
         self._add(chunk)
+        self.prefetches += 1
         return True
 
     def _add(self, chunk: Chunk) -> None:
