@@ -65,6 +65,9 @@ def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads):
         with open(os.path.join(outdir, f"result_{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
         if dist.is_initialized():
+            # Shut down together: a rank that tears down gloo while a peer still has traffic in
+            # flight can abort the peer ("terminate called without an active exception").
+            dist.barrier()
             dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(outdir, f"error_{rank}.txt"), "w") as f:
