@@ -191,7 +191,8 @@ def predictions_table(hw, steps: int, console) -> None:
                       for c in plan.chunks)
         pl = " ".join(f"{k}x{v}" for k, v in sorted(cnt.items()))
         rows.append((name, world, budget, plan, m))
-        t.add_row(name, str(world), f"{batch}x{seq}", str(budget or "8192"), f"{plan.chunk_size:,}", str(plan.cache_blocks), pl,
+        t.add_row(name, str(world), f"{batch}x{seq}", str(budget or "8192"), f"{plan.chunk_size:,}",
+                  str(plan.info.get("cache_blocks_used", plan.cache_blocks)), pl,
                   f"{pg / MiB:.1f}", f"{m['gathered_shard'] / MiB:.1f}", f"{m['gathered_shard'] / pg:.3f}",
                   str(plan.info["gathers_per_step"]), f"{m['gathers']:.0f}", f"{p.step_time_s:.3f}",
                   f"{m['step_s']:.3f}", f"{m['step_s'] / p.step_time_s:.2f}")
