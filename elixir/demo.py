@@ -39,7 +39,7 @@ class DemoConfig:
     """Everything a demo run depends on (the same on every rank)."""
 
     preset: str = "small"
-    steps: int = 200
+    steps: int = 180
     batch: int = 8
     seq: int = 128
     world_size: int = 2
