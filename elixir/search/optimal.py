@@ -241,7 +241,7 @@ class _Searcher:
         return DoesNotFitError(head, suggestions, needs)
 
     def _min_needed(self, budgets_of: Callable[[int], tuple[int, int, int]], start: int) -> Optional[int]:
-        """Smallest value ``v`` (bytes, to 0.1%) for which ``budgets_of(v)`` fits; None if even INF fails."""
+        """Smallest value ``v`` (bytes, to 0.4%) for which ``budgets_of(v)`` fits; None if even INF fails."""
         if not self.fits(budgets_of(INF)):
             return None
         lo, hi = 0, max(1, start)
@@ -250,7 +250,7 @@ class _Searcher:
             if hi >= INF:
                 hi = INF
                 break
-        while hi - lo > max(1, hi // 1000):
+        while hi - lo > max(1, hi // 256):
             mid = (lo + hi) // 2
             if self.fits(budgets_of(mid)):
                 hi = mid
