@@ -5,7 +5,7 @@ per rank, sequence 128, AdamW. Every system runs in fresh processes (world 2 thr
 world 1 as one plain process), so each peak RSS is its own. Step time is the median over the timed
 steps after warm-up, as seen by rank 0. Ratios compare runs of the same invocation only.
 
-    python bench/step_time.py                      # the default line-up (about 8 minutes on 2 cores)
+    python bench/step_time.py                      # the default line-up (5-6 min on a quiet 2-core box)
     python bench/step_time.py --systems elixir:2 ddp:2 --steps 4
     python bench/step_time.py --json results.json
 
