@@ -91,7 +91,7 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    threads = threads_per_rank or 1  # as torchrun (OMP_NUM_THREADS=1), and as tests/conftest.py
     ctx = mp.get_context("spawn")
     outdir = tempfile.mkdtemp(prefix="elixir_dist_")
     port = free_port()
