@@ -69,3 +69,18 @@ def test_hanging_rank_is_caught():
 def test_init_distributed_single_process():
     info = edist.init_distributed()
     assert (info.rank, info.world_size) == (0, 1) and info.is_main
+
+
+def _abort_on_rank_one():
+    import os
+
+    if edist.get_rank() == 1:
+        os.abort()  # stands in for a crash in native code: no Python exception
+    return "ok"
+
+
+def test_native_abort_is_reported_with_its_stack():
+    with pytest.raises(DistributedFailure) as err:
+        run_distributed(_abort_on_rank_one, 2, timeout=60)
+    msg = str(err.value)
+    assert "rank 1 (exit code -6)" in msg and "_abort_on_rank_one" in msg

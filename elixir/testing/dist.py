@@ -53,6 +53,8 @@ def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads):
     stack_file = open(os.path.join(outdir, f"stack_{rank}.txt"), "w")
     # When the parent gives up on this rank it sends SIGUSR1 first: dump where we are stuck.
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # A fatal signal (an abort in native code, a segfault) also leaves the Python stacks there.
+    faulthandler.enable(file=stack_file, all_threads=True)
     try:
         import torch
         import torch.distributed as dist
@@ -142,7 +144,8 @@ def _kill(procs) -> None:
         if p.is_alive():
             p.kill()
     for p in procs:
-        p.join(timeout=5)
+        if p.pid is not None:  # never started: nothing to join
+            p.join(timeout=5)
 
 
 def _read(path: str) -> str:
@@ -157,5 +160,8 @@ def _failure_message(failed: list[int], procs, outdir: str) -> str:
     parts = []
     for r in failed:
         tb = _read(os.path.join(outdir, f"error_{r}.txt"))
+        if not tb:
+            stacks = _read(os.path.join(outdir, f"stack_{r}.txt"))
+            tb = f"(died without a Python exception; stacks at the fatal signal:)\n{stacks}" if stacks else ""
         parts.append(f"--- rank {r} (exit code {procs[r].exitcode}) ---\n{tb or '(died without a traceback)'}")
     return f"rank(s) {failed} failed:\n" + "\n".join(parts)
