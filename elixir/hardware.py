@@ -15,7 +15,6 @@ profile measured at one world size predict another (within one node's interconne
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import platform
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+
+from elixir.fileio import atomic_write_json, read_json
 
 HARDWARE_SCHEMA_VERSION = 1
 
@@ -305,26 +306,11 @@ class HardwareProfile:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write as JSON, atomically."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".hw-", suffix=".json", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_json(), f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> HardwareProfile:
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not a valid hardware profile JSON file: {e}") from None
-        return cls.from_json(data)
+        return cls.from_json(read_json(path, "hardware profile"))
 
 
 # ---------------------------------------------------------------------------------------------

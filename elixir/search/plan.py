@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+
+from elixir.fileio import atomic_write_json, read_json
 
 PLAN_FORMAT_VERSION = 1
 
@@ -109,7 +109,7 @@ class ChunkPlan:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "ChunkPlan":
+    def from_json(cls, d: dict) -> ChunkPlan:
         return cls(
             params=tuple(d["params"]),
             shapes=tuple(tuple(int(x) for x in s) for s in d["shapes"]),
@@ -200,7 +200,7 @@ class SearchResult:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "SearchResult":
+    def from_json(cls, d: dict) -> SearchResult:
         version = d.get("format_version")
         if version != PLAN_FORMAT_VERSION:
             raise ValueError(
@@ -223,25 +223,8 @@ class SearchResult:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON, atomically (a crash leaves any previous file intact)."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_json(), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write_json(path, self.to_json())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "SearchResult":
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not a valid plan JSON file: {e}") from None
-        return cls.from_json(data)
+    def load(cls, path: str | os.PathLike) -> SearchResult:
+        return cls.from_json(read_json(path, "plan"))

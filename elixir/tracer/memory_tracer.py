@@ -13,13 +13,13 @@ Definitions (all bytes, counted per storage, see :mod:`elixir.tracer.accounting`
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
+
+from elixir.fileio import atomic_write_json
 
 from .accounting import Temporary
 from .hooks import StepKind
@@ -115,10 +115,7 @@ class MemoryProfile:
                 "grad": list(self.timeline_grad),
             }
             d["order"] = self.order.to_dict()
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(d, f, indent=1)
-        os.replace(tmp, path)
+        atomic_write_json(path, d)
 
     def table(self, title: str = "elixir memory profile"):
         """A rich ``Table`` of the figures."""

@@ -1,0 +1,34 @@
+"""Atomic file writes: a reader sees the old file or the new one, never a torn one."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 1) -> None:
+    """Write ``obj`` as JSON to ``path`` via a temp file in the same folder, fsync, then rename."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=indent)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """Load JSON from ``path``; a malformed file raises ValueError naming ``what`` it should be."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not a valid {what} JSON file: {e}") from None
