@@ -115,16 +115,46 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ProcessGro
     return _all_gather_base(output, shard, group=group, async_op=async_op)
 
 
+class _ThenCopy:
+    """A collective's work handle that copies a slice of its result once waited on."""
+
+    def __init__(self, work, dst: torch.Tensor, src: torch.Tensor):
+        self._work, self._dst, self._src = work, dst, src
+
+    def wait(self, timeout=None) -> bool:
+        self._work.wait()
+        self._dst.copy_(self._src)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
 def reduce_scatter_into(
     shard_out: torch.Tensor, full: torch.Tensor, group: ProcessGroup = None, op=None, async_op=False
 ):
-    """Sum (or ``op``) the flat ``full`` tensors across ranks and keep this rank's slice in ``shard_out``."""
+    """Sum (or ``op``) the flat ``full`` tensors across ranks and keep this rank's slice in ``shard_out``.
+
+    ``full`` is scratch: its contents are undefined afterwards. On gloo the reduction is an
+    in-place all-reduce of ``full`` plus a slice copy, which gloo runs 1.5-2x faster than its
+    reduce-scatter at chunk-size messages (27 MiB: 20 vs 30 ms; 100 MiB: 71 vs 133 ms, 2 ranks).
+    """
     _count("reduce_scatter")
-    if get_world_size(group) == 1:
+    world = get_world_size(group)
+    if world == 1:
         if shard_out.data_ptr() != full.data_ptr():
             shard_out.copy_(full)
         return None
-    return _reduce_scatter_base(shard_out, full, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+    op = op or dist.ReduceOp.SUM
+    if dist.get_backend(group) == "gloo":
+        n = shard_out.numel()
+        start = get_rank(group) * n
+        work = dist.all_reduce(full, op=op, group=group, async_op=async_op)
+        if async_op:
+            return _ThenCopy(work, shard_out, full[start : start + n])
+        shard_out.copy_(full[start : start + n])
+        return None
+    return _reduce_scatter_base(shard_out, full, op=op, group=group, async_op=async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, op=None, async_op=False):
