@@ -57,7 +57,7 @@ setup(
         "hf": ["transformers", "safetensors"],
         "plot": ["matplotlib"],
         "bench": ["transformers", "safetensors", "psutil"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "transformers", "safetensors", "psutil"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "transformers", "safetensors", "psutil", "matplotlib"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
