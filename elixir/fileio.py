@@ -8,6 +8,12 @@ import tempfile
 from typing import Any
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 1) -> None:
     """Write ``obj`` as JSON to ``path`` via a temp file in the same folder, fsync, then rename."""
     path = os.fspath(path)
@@ -18,6 +24,7 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 1) -> Non
             json.dump(obj, f, indent=indent)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file normal permissions
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
