@@ -3,17 +3,15 @@ search swapped: each case runs under an ample budget (everything on device, many
 the tightest budget that fits (host placement, fewest blocks), with the budget enforced by the
 runtime's own accounting."""
 
-import warnings
 
 import pytest
-import torch
 from test_runtime import BATCH, CASES, STEPS, Case, build, compare, opt_fn  # noqa: I001
 
 from elixir import distributed as edist
 from elixir.hardware import load_profile
 from elixir.search import DoesNotFitError, optimal_search
 from elixir.testing import run_distributed
-from elixir.testing.reference import shard_batch
+from elixir.testing.reference import train_wrapped
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
 HW = load_profile("cpu-box")
@@ -47,25 +45,12 @@ def _train(case: Case, tight: bool) -> dict:
     em = ElixirModule(model, plan, prefetch=case.prefetch, memory_limit=limit)
     em.train()
     opt = ElixirOptimizer(em, opt_fn(case)([p for p in em.parameters() if p.requires_grad]))
-    torch.manual_seed(1)
-    losses, grads = [], None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(STEPS):
-            batch = shard_batch(zc.make_batch(BATCH, step), rank, world)
-            opt.zero_grad()
-            loss = zc.loss(em, batch)
-            loss.backward()
-            if step == 0:
-                grads = em.full_grads()
-            opt.step()
-            t = loss.detach().clone()
-            edist.all_reduce(t)
-            losses.append(t.item() / world)
+    run = train_wrapped(zc, em, opt, steps=STEPS, batch_size=BATCH)
+    losses, grads = run.losses, run.first_grads
     placements = sorted({(c.shard_placement.value, c.optim_placement.value) for c in plan.chunks if c.sharded})
     return {
         "losses": losses, "grads": grads if rank == 0 else None, "state": em.state_dict(rank0_only=True),
-        "memory": em.memory_report(), "warnings": sorted({str(w.message)[:80] for w in caught}),
+        "memory": em.memory_report(), "warnings": run.warnings,
         "placements": placements, "blocks": plan.cache_blocks,
     }
 

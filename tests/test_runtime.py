@@ -8,7 +8,6 @@ state dict; the parent compares each with ``train_reference`` (rtol 1e-5).
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass, field
 
 import pytest
@@ -18,7 +17,7 @@ import torch.nn as nn
 from elixir import distributed as edist
 from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
-from elixir.testing.reference import default_optimizer, shard_batch, train_reference
+from elixir.testing.reference import default_optimizer, shard_batch, train_reference, train_wrapped
 from elixir.testing.zoo import ZOO, ZooCase, _ce_loss, _vector_batch
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
@@ -117,21 +116,8 @@ def _train_case(case: Case) -> dict:
     em = ElixirModule(model, sr, prefetch=case.prefetch)
     em.train()
     opt = ElixirOptimizer(em, opt_fn(case)([p for p in em.parameters() if p.requires_grad]))
-    torch.manual_seed(1)
-    losses, grads = [], None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(STEPS):
-            batch = shard_batch(zc.make_batch(BATCH, step), rank, world)
-            opt.zero_grad()
-            loss = zc.loss(em, batch)
-            loss.backward()
-            if step == 0:
-                grads = em.full_grads()
-            opt.step()
-            t = loss.detach().clone()
-            edist.all_reduce(t)
-            losses.append(t.item() / world)
+    run = train_wrapped(zc, em, opt, steps=STEPS, batch_size=BATCH)
+    losses, grads = run.losses, run.first_grads
     sd = em.state_dict(rank0_only=True)
     return {
         "losses": losses,
@@ -140,7 +126,7 @@ def _train_case(case: Case) -> dict:
         "memory": em.memory_report(),
         "drifted": bool(em.schedule is not None and em.schedule.drifted),
         "prefetches": em.cache.prefetches,
-        "warnings": sorted({str(w.message)[:80] for w in caught}),
+        "warnings": run.warnings,
     }
 
 

@@ -71,3 +71,39 @@ def train_reference(
         losses.append(loss.item())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return ReferenceRun(losses, state, first_grads)
+
+
+@dataclass
+class WrappedRun:
+    losses: list[float]  # global-batch losses (mean over ranks), as the reference reports them
+    first_grads: Optional[dict]  # ``model.full_grads()`` after the first backward
+    warnings: list[str]
+
+
+def train_wrapped(
+    case: ZooCase | str, model, optimizer, steps: int = 3, batch_size: int = 4, seed: int = 0
+) -> WrappedRun:
+    """The wrapped counterpart of :func:`train_reference`: each rank trains on its slice of the same
+    global batches, with the same dropout seed; warnings raised while training are collected."""
+    import warnings
+
+    from elixir import distributed as edist
+
+    case = get_case(case) if isinstance(case, str) else case
+    rank, world = edist.get_rank(), edist.get_world_size()
+    torch.manual_seed(seed + 1)  # dropout RNG stream, as in train_reference
+    losses, grads = [], None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            batch = shard_batch(case.make_batch(batch_size, step), rank, world)
+            optimizer.zero_grad()
+            loss = case.loss(model, batch)
+            loss.backward()
+            if step == 0:
+                grads = model.full_grads()
+            optimizer.step()
+            t = loss.detach().clone()
+            edist.all_reduce(t)
+            losses.append(t.item() / world)
+    return WrappedRun(losses, grads, sorted({str(w.message)[:80] for w in caught}))
