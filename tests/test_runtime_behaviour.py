@@ -195,7 +195,7 @@ def _behaviour_worker() -> dict:
             lst.append(t.item() / world)
     out["two_losses"] = (la, lb)
 
-    # --- no_sync: no collective while accumulating; k=1 micro-step + 1 sync equals 2x batch ---
+    # --- no_sync: no collective while accumulating; k=2 micro-steps + 1 sync equal 3x batch ---
     torch.manual_seed(0)
     s3 = Stack()
     e3 = ElixirModule(s3, uniform_plan(s3, world, per_chunk=4, cache_blocks=2))
@@ -206,6 +206,7 @@ def _behaviour_worker() -> dict:
         with e3.no_sync():
             with edist.count_collectives() as c:
                 _ce(e3, shard_batch(_vec_batch(10 + step), rank, world)).backward()
+                _ce(e3, shard_batch(_vec_batch(30 + step), rank, world)).backward()
         counts.append(sum(c.values()))
         grad_mem.append(e3.memory_report())
         _ce(e3, shard_batch(_vec_batch(20 + step), rank, world)).backward()
@@ -239,7 +240,7 @@ def _nosync_reference():
     opt = sgd(list(model.parameters()))
     for step in range(2):
         opt.zero_grad()
-        (_ce(model, _vec_batch(10 + step)) + _ce(model, _vec_batch(20 + step))).backward()
+        (_ce(model, _vec_batch(10 + step)) + _ce(model, _vec_batch(30 + step)) + _ce(model, _vec_batch(20 + step))).backward()
         opt.step()
     return model.state_dict()
 
