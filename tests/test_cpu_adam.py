@@ -19,15 +19,6 @@ BIG = 2**24 + 5
 LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: the 2 shared cores are oversubscribed otherwise (OpenMP spin-waits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def levels() -> list[str]:
     return list(F.get_native().adam_kernel_levels())
 

@@ -20,15 +20,6 @@ HERE = Path(__file__).resolve().parent
 needs_kernel = pytest.mark.skipif(not F.kernel_available(), reason="native extension not built")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: the 2 shared cores are oversubscribed otherwise (OpenMP spin-waits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def mlp(dims: tuple[int, ...], seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     layers: list[torch.nn.Module] = []
