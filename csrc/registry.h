@@ -7,4 +7,5 @@ namespace elixir {
 void register_cpu_features(pybind11::module_& m);
 void register_cpu_adam(pybind11::module_& m);
 void register_cache_sim(pybind11::module_& m);
+void register_aio(pybind11::module_& m);
 }  // namespace elixir

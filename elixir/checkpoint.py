@@ -40,6 +40,7 @@ from typing import Any, Optional
 import torch
 
 from elixir import distributed as edist
+from elixir.offload.pipeline import disk_resident
 from elixir.wrapper import optim_state
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer
@@ -273,7 +274,11 @@ def save(
     if error:
         raise CheckpointError(error)
     try:
-        error = (_save_sharded if shard else _save_full)(tmp, em, optimizer, extra)
+        if shard:
+            with disk_resident(em, optimizer, write_back=False):  # disk-placed masters and state
+                error = _save_sharded(tmp, em, optimizer, extra)
+        else:
+            error = _save_full(tmp, em, optimizer, extra)
         if em.rank == 0 and not error:
             try:
                 _fsync_dir(tmp)
@@ -584,6 +589,12 @@ def load(path: str, model: ElixirModule, optimizer: Optional[ElixirOptimizer] = 
     if not isinstance(model, ElixirModule):
         raise TypeError("checkpoint.load needs the ElixirModule")
     em = model
+    with disk_resident(em, optimizer):  # disk-placed masters and state: staged, written back
+        plan = _load_staged(path, em, optimizer, strict)
+    return plan["extra"]
+
+
+def _load_staged(path: str, em: ElixirModule, optimizer: Optional[ElixirOptimizer], strict: bool) -> dict:
     error = None
     plan = None
     try:
@@ -599,7 +610,7 @@ def load(path: str, model: ElixirModule, optimizer: Optional[ElixirOptimizer] = 
         error = f"reading the checkpoint failed: {type(e).__name__}: {e}"
     _agree(em, error)
     _commit_load(em, optimizer, plan)
-    return plan["extra"]
+    return plan
 
 
 def _group_check(index: dict, eo: ElixirOptimizer, em: ElixirModule) -> list[dict]:

@@ -40,6 +40,9 @@ class ChunkSpec:
         device: the compute device.
         shard_on_host: keep the compute shard in host memory between uses.
         master_on_host: keep the fp32 master shard in host memory.
+        master_on_disk: the fp32 master (and the optimizer state) live in an offload file and are
+            staged in host memory only while used (:mod:`elixir.offload`); implies a master
+            separate from the shard, in a resizable host tensor of its own.
         pin_memory: page-lock host tensors (only matters with an accelerator).
     """
 
@@ -53,6 +56,7 @@ class ChunkSpec:
     device: torch.device = torch.device("cpu")
     shard_on_host: bool = False
     master_on_host: bool = False
+    master_on_disk: bool = False
     pin_memory: bool = True
 
     @property
@@ -119,10 +123,12 @@ class Chunk:
         else:
             self.shard = self.payload  # replicated: the payload is the shard, always resident
         same_place = spec.master_on_host == (spec.shard_on_host and spec.sharded)
-        if spec.dtype == torch.float32 and same_place:
+        if spec.dtype == torch.float32 and same_place and not spec.master_on_disk:
             self.master = self.shard
         else:
-            if spec.master_on_host:
+            if spec.master_on_disk:  # plain (resizable) host memory: elixir.offload frees it
+                self.master = src.to(device="cpu", dtype=torch.float32, copy=True)
+            elif spec.master_on_host:
                 self.master = dev.empty_host(n, torch.float32, pin=spec.pin_memory)
                 self.master.copy_(src)
             else:
@@ -192,8 +198,9 @@ class Chunk:
         self.ledger.free("gathered", "device", self.payload_bytes)
 
     def refresh_from_master(self) -> None:
-        """After an optimizer step: copy the fp32 master into the compute shard when they differ."""
-        if self.master is not self.shard:
+        """After an optimizer step: copy the fp32 master into the compute shard when they differ.
+        A disk master is not resident here: the disk path refreshed the shard while it was staged."""
+        if self.master is not self.shard and not self.spec.master_on_disk:
             with torch.no_grad():
                 self.shard.copy_(self.master, non_blocking=dev.non_blocking_ok(self.master, self.shard.device))
 

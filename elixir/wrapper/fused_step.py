@@ -9,7 +9,7 @@ runtime's copy of master into shard is not needed for that chunk.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Container, Optional
 
 import torch
 
@@ -25,28 +25,30 @@ def uses_fused_path(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, CPUAdam)
 
 
-def _lowp_target(chunk) -> bool:
+def lowp_target(chunk) -> bool:
+    """Whether the kernel writes ``chunk``'s low-precision compute shard beside its master."""
     s, m = chunk.shard, chunk.master
     return s is not None and s is not m and s.dtype in LOWP_DTYPES and s.device == m.device and s.is_contiguous()
 
 
-def fused_step(eo: ElixirOptimizer, div_scale: float) -> set[int]:
-    """Step every fragment that has a gradient with ``div_scale``; return the chunks whose compute
-    shard now equals their master cast down (written by the kernel, or the master itself)."""
+def fused_step(eo: ElixirOptimizer, div_scale: float, skip: Container[int] = (), only: Optional[int] = None) -> set[int]:
+    """Step every fragment that has a gradient with ``div_scale`` (of chunk ``only`` when given,
+    none of the chunks in ``skip``); return the chunks whose compute shard now equals their master
+    cast down (written by the kernel, or the master itself)."""
     em = eo.module
     params, grads, outs = [], [], []
-    for f in eo.fragments:
+    for f in eo.fragments if only is None else eo.chunk_fragments(only):
         g = f.tensor.grad
-        if g is None:
+        if g is None or f.chunk in skip:
             continue
         c = em.chunks[f.chunk]
         params.append(f.tensor)
         grads.append(g)
-        outs.append(c.shard[f.lo : f.hi] if _lowp_target(c) else None)
+        outs.append(c.shard[f.lo : f.hi] if lowp_target(c) else None)
     with torch.no_grad():
         eo.optim.step_params(params, grads, div_scale=float(div_scale), out_lowps=outs)
     # step() was bypassed: tell an LR scheduler built on the inner optimizer that it stepped
     # (the flag torch's schedulers set from their wrapper of step()). Step hooks registered on the
     # inner optimizer do not run on this path.
     eo.optim._opt_called = True
-    return {c.index for c in em.chunks if c.shard is c.master or _lowp_target(c)}
+    return {c.index for c in em.chunks if c.shard is c.master or lowp_target(c)}

@@ -27,6 +27,7 @@ import torch.nn as nn
 from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk import BlockCache, Chunk, ChunkSpec, GradState, MemoryLedger, Schedule
+from elixir.offload.store import DiskStore
 from elixir.search.plan import Placement, SearchResult
 from elixir.wrapper.plan_check import validate_plan
 
@@ -103,6 +104,10 @@ class ElixirModule(nn.Module):
             allocation beyond it raises :class:`~elixir.chunk.ElixirMemoryError`.
         strict_cache: raise instead of temporarily exceeding the rCache when every block is pinned.
         sync_module_states: broadcast rank 0's initial values of parameters and buffers.
+        offload_dir: directory for the fp32 masters and optimizer state of chunks the plan puts
+            on disk (``optim_placement == DISK``); default: a per-run directory under
+            ``tempfile.gettempdir()``, removed at exit. Unused when no chunk is on disk. See
+            :mod:`elixir.offload`; ``self.disk_store`` is the :class:`~elixir.offload.DiskStore`.
     """
 
     def __init__(
@@ -118,6 +123,7 @@ class ElixirModule(nn.Module):
         memory_limit: Optional[int] = None,
         strict_cache: bool = False,
         sync_module_states: bool = True,
+        offload_dir: Optional[str] = None,
     ) -> None:
         super().__init__()
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -144,6 +150,8 @@ class ElixirModule(nn.Module):
         self.slots: list[ParamSlot] = []
         self.params: list[nn.Parameter] = []
         self._slot_of: dict[nn.Parameter, ParamSlot] = {}
+        self.offload_dir = offload_dir
+        self.disk_store: Optional[DiskStore] = None
         self._build_chunks(named, sync_module_states)
         self._chunk_params: list[list[int]] = [[] for _ in self.chunks]
         for s in self.slots:
@@ -181,8 +189,17 @@ class ElixirModule(nn.Module):
             for b in self.module.buffers():
                 edist.broadcast(b.data, 0, self.group)
 
+    def _open_disk_store(self) -> None:
+        """The DiskStore for disk-placed chunks, with room for their masters and Adam's two moments."""
+        on_disk = [cp for cp in self.plan.chunks if cp.optim_placement is Placement.DISK]
+        if not on_disk:
+            return
+        shard = sum(cp.chunk_size // self.world_size if cp.sharded else cp.chunk_size for cp in on_disk)
+        self.disk_store = DiskStore(self.ledger, self.offload_dir, need_bytes=shard * 4 * 3, rank=self.rank)
+
     def _build_chunks(self, named: dict, sync: bool) -> None:
         plan = self.plan
+        self._open_disk_store()
         for ci, cp in enumerate(plan.chunks):
             # At world size 1 a device shard is the whole chunk: keep it resident (gathering would
             # only copy it), exactly like a replicated chunk.
@@ -198,6 +215,7 @@ class ElixirModule(nn.Module):
                 device=self.device,
                 shard_on_host=sharded and cp.shard_placement is Placement.HOST,
                 master_on_host=cp.optim_placement is not Placement.DEVICE,
+                master_on_disk=cp.optim_placement is Placement.DISK,
                 pin_memory=bool(plan.info.get("pin_memory", True)),
             )
             chunk = Chunk(spec, self.ledger, self.group)
@@ -222,6 +240,8 @@ class ElixirModule(nn.Module):
                 p.data = payload[slot.offset : slot.offset + slot.numel].view(slot.shape)
             if sharded:
                 chunk.release()
+            if spec.master_on_disk:
+                self.disk_store.register(chunk)
             self.chunks.append(chunk)
         if self.dtype != torch.float32:
             with torch.no_grad():

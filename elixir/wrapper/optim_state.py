@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 
 from elixir import distributed as edist
+from elixir.offload.pipeline import staged
 
 if TYPE_CHECKING:
     from elixir.wrapper.optimizer import ElixirOptimizer
@@ -122,13 +123,16 @@ def gather_full_state(eo: ElixirOptimizer, rank0_only: bool = False) -> dict:
             for k, (kind, v) in merged[i].items():
                 if kind == "elem":
                     elem_keys.setdefault(k, v)
-        frags = [f for f in eo.fragments if f.chunk == c.index]
-        for k, dtype in elem_keys.items():
-            shard = torch.zeros(c.spec.shard_numel, dtype=dtype, device=em.device)
+        frags = eo.chunk_fragments(c.index)
+        shards = {k: torch.zeros(c.spec.shard_numel, dtype=dtype, device=em.device) for k, dtype in elem_keys.items()}
+        with staged(eo.disk_store, [c.index], write_back=False):  # disk chunks: read, not written
             for f in frags:
                 st = state.get(f.tensor)
-                if st and k in st:
-                    shard[f.lo : f.hi].copy_(st[k].reshape(-1))
+                for k, shard in shards.items():
+                    if st and k in st:
+                        shard[f.lo : f.hi].copy_(st[k].reshape(-1))
+        for k, dtype in elem_keys.items():
+            shard = shards.pop(k)
             if c.spec.sharded and em.world_size > 1:
                 buf = torch.empty(c.spec.capacity, dtype=dtype, device=em.device)
                 edist.all_gather_into(buf, shard, em.group)
@@ -279,7 +283,7 @@ def init_state(eo: ElixirOptimizer) -> None:
         for k, v in old.items():
             g[k] = torch.zeros_like(v) if isinstance(v, torch.Tensor) else type(v)(0)
     try:
-        opt.step()
+        eo.plain_step()  # disk chunks: staged one at a time, their new state bound to the disk
     finally:
         for g, old in zip(opt.param_groups, saved):
             g.update(old)

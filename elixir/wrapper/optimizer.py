@@ -10,15 +10,18 @@ parameter got no gradient on any rank (so the optimizer skips it, as torch does)
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from elixir.offload.pipeline import run_pipelined, staged
 from elixir.optim.loss_scaler import DynamicLossScaler, LossScalePolicy
 from elixir.wrapper import optim_state
 from elixir.wrapper.clipping import clip_coefficient, global_grad_norm
-from elixir.wrapper.fused_step import fused_step, uses_fused_path
+from elixir.wrapper.fused_step import fused_step, lowp_target, uses_fused_path
 from elixir.wrapper.loss_scaling import scale_outputs
 from elixir.wrapper.module import ElixirModule
 
@@ -50,6 +53,14 @@ class ElixirOptimizer:
         max_norm, norm_type: clip the global gradient norm at every step when ``max_norm > 0``.
         init_step: create the optimizer state now, changing no parameter, hyper-parameter or step
             count.
+        offload_dir: where the module keeps disk-placed masters and optimizer state. The module
+            owns that store (``ElixirModule(..., offload_dir=...)``); giving another directory
+            here is an error, and it is ignored when no chunk is on disk.
+
+    Chunks the plan puts on disk are stepped one at a time while staged (the next one is read
+    while one steps, so at most two are in host memory; :mod:`elixir.offload.pipeline`), and
+    ``step`` returns once every write finished. With a plain torch optimizer that means one inner
+    ``step()`` call per disk chunk (restricted to its fragments) after one for the rest.
 
     With CPUAdam/HybridAdam inside, unscaling and clipping fold into the kernel's ``div_scale`` and
     the kernel writes low-precision compute shards directly (:mod:`elixir.wrapper.fused_step`).
@@ -69,9 +80,16 @@ class ElixirOptimizer:
         max_norm: float = 0.0,
         norm_type: float = 2.0,
         init_step: bool = False,
+        offload_dir: Optional[str] = None,
     ) -> None:
         if not isinstance(module, ElixirModule):
             raise TypeError("ElixirOptimizer needs the ElixirModule (wrap the model first)")
+        store = module.disk_store
+        if offload_dir is not None and store is not None and os.path.dirname(store.path) != os.path.abspath(offload_dir):
+            raise ValueError(
+                f"the module keeps its disk chunks in {os.path.dirname(store.path)!r}, not {offload_dir!r}: "
+                "pass offload_dir to ElixirModule (the optimizer state goes where the masters are)"
+            )
         if max_norm < 0:
             raise ValueError(f"max_norm must be >= 0 (0 disables clipping), got {max_norm}")
         pre_state = optimizer.state_dict() if any(len(s) for s in optimizer.state.values()) else None
@@ -79,7 +97,10 @@ class ElixirOptimizer:
         self.optim = optimizer
         self.fragments: list[Fragment] = []
         self._frags_of: dict[int, list[Fragment]] = {}
+        self._chunk_frags: dict[int, list[Fragment]] = {}
         self._cut_fragments()
+        self.disk_store = store
+        self.disk_chunks: list[int] = sorted(store.chunks) if store is not None else []
         self.layout = optim_state.capture_layout(module, optimizer)
         self._rebuild_groups()
         self._sync_grads: list[Callable] = []
@@ -90,6 +111,7 @@ class ElixirOptimizer:
         )
         if pre_state is not None:
             optim_state.scatter_full_state(self, pre_state)
+            self.bind_disk_state()
         if init_step:
             optim_state.init_state(self)
 
@@ -99,14 +121,20 @@ class ElixirOptimizer:
         m = self.module
         for c in m.chunks:
             lo, n = c.spec.shard_offset, c.spec.shard_numel
-            for i in m._chunk_params[c.index]:
-                s = m.slots[i]
-                a, b = max(lo, s.offset), min(lo + n, s.offset + s.numel)
-                if a >= b:
-                    continue
-                f = Fragment(i, c.index, a - lo, b - lo, c.master[a - lo : b - lo])
-                self.fragments.append(f)
-                self._frags_of.setdefault(i, []).append(f)
+            with staged(m.disk_store, [c.index], write_back=False):  # views need a resident master
+                for i in m._chunk_params[c.index]:
+                    s = m.slots[i]
+                    a, b = max(lo, s.offset), min(lo + n, s.offset + s.numel)
+                    if a >= b:
+                        continue
+                    f = Fragment(i, c.index, a - lo, b - lo, c.master[a - lo : b - lo])
+                    self.fragments.append(f)
+                    self._frags_of.setdefault(i, []).append(f)
+                    self._chunk_frags.setdefault(c.index, []).append(f)
+
+    def chunk_fragments(self, index: int) -> list[Fragment]:
+        """This rank's fragments of chunk ``index`` (plan order)."""
+        return self._chunk_frags.get(index, [])
 
     def _rebuild_groups(self) -> None:
         m = self.module
@@ -252,14 +280,72 @@ class ElixirOptimizer:
     def _apply_update(self) -> set[int]:
         """Step the inner optimizer with the pending factor applied; return the fresh chunks."""
         factor = self._pending_factor()
+        disk = set(self.disk_chunks)
         if self.fused:
-            return fused_step(self, 1.0 / float(factor))
+            div = 1.0 / float(factor)
+            fresh = fused_step(self, div, skip=disk)
+            if disk:
+                self._step_disk(lambda i: fused_step(self, div, only=i), kernel_writes_lowp=True)
+            return fresh | disk
         if float(factor) != 1.0:
             for c in self.module.chunks:
                 if c.grad_valid and c.shard_grad is not None:
                     c.shard_grad.mul_(factor.to(c.shard_grad.device))
-        self.optim.step()
+        self.plain_step()
         return set()
+
+    def plain_step(self) -> None:
+        """``optimizer.step()`` over every fragment with a gradient: one call for the resident
+        chunks, then one per disk chunk while it is staged."""
+        if not self.disk_chunks:
+            self.optim.step()
+            return
+        on_disk = {id(f.tensor) for i in self.disk_chunks for f in self.chunk_fragments(i)}
+        with self._only(lambda p: id(p) not in on_disk):
+            self.optim.step()
+
+        def one(i: int) -> None:
+            mine = {id(f.tensor) for f in self.chunk_fragments(i)}
+            with self._only(lambda p: id(p) in mine):
+                self.optim.step()
+
+        self._step_disk(one, kernel_writes_lowp=False)
+
+    @contextlib.contextmanager
+    def _only(self, keep: Callable[[torch.Tensor], bool]) -> Iterator[None]:
+        """Restrict every param group to the params ``keep`` accepts for the block."""
+        saved = [g["params"] for g in self.optim.param_groups]
+        try:
+            for g in self.optim.param_groups:
+                g["params"] = [p for p in g["params"] if keep(p)]
+            yield
+        finally:
+            for g, params in zip(self.optim.param_groups, saved):
+                g["params"] = params
+
+    def for_each_disk_chunk(self, work: Callable[[int], None], chunks: Optional[list[int]] = None) -> None:
+        """Run ``work(i)`` on each disk chunk while it is staged (read-ahead pipeline), then bind
+        any new optimizer state to the disk and write the chunk back."""
+        from elixir.offload.state_binding import bind_state
+
+        def staged_work(i: int) -> None:
+            work(i)
+            bind_state(self.disk_store, self, i)
+
+        run_pipelined(self.disk_store, self.disk_chunks if chunks is None else chunks, staged_work)
+
+    def _step_disk(self, step_chunk: Callable[[int], None], kernel_writes_lowp: bool) -> None:
+        """Step the disk chunks that hold a gradient, refreshing each compute shard while staged."""
+        todo = [i for i in self.disk_chunks if any(f.tensor.grad is not None for f in self.chunk_fragments(i))]
+
+        def work(i: int) -> None:
+            step_chunk(i)
+            c = self.module.chunks[i]
+            if not (kernel_writes_lowp and lowp_target(c)):  # else the kernel wrote the shard already
+                with torch.no_grad():
+                    c.shard.copy_(c.master)
+
+        self.for_each_disk_chunk(work, todo)
 
     def state_dict(self, rank0_only: bool = False) -> dict[str, Any]:
         """The full (unsharded) state dict in the inner optimizer's torch format, keyed like the
@@ -274,8 +360,20 @@ class ElixirOptimizer:
         """Load a full torch-format optimizer state dict (from :meth:`state_dict` or a plain torch
         optimizer on the unwrapped model). Every rank needs the whole dict; no collective."""
         optim_state.scatter_full_state(self, state_dict)
+        self.bind_disk_state()
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+    def bind_disk_state(self) -> None:
+        """Move freshly installed optimizer state of disk chunks to the disk (after a load): each
+        chunk is staged in turn, takes the new state into its flats, and is written back."""
+        if self.disk_store is None:
+            return
+        from elixir.offload.state_binding import bind_state
+
+        for i in self.disk_chunks:
+            with staged(self.disk_store, [i], before_write=lambda j: bind_state(self.disk_store, self, j)):
+                pass
 
     def __repr__(self) -> str:
         return f"ElixirOptimizer({type(self.optim).__name__}, {len(self.fragments)} fragments)"

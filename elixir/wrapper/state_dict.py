@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from elixir import distributed as edist
+from elixir.offload.pipeline import staged
 
 if TYPE_CHECKING:
     from elixir.wrapper.module import ElixirModule
@@ -25,10 +26,12 @@ class StateDictMismatch(RuntimeError):
 def _chunk_values(em: ElixirModule, chunk) -> torch.Tensor:
     """The full fp32 values of ``chunk`` (gathered from the masters), on CPU."""
     full = torch.empty(chunk.spec.capacity, dtype=torch.float32, device=em.device)
+    with staged(em.disk_store, [chunk.index], write_back=False):  # a disk master: read, not written
+        mine = chunk.master.to(em.device, torch.float32, copy=True)
     if chunk.spec.sharded:
-        edist.all_gather_into(full, chunk.master.to(em.device, torch.float32), em.group)
+        edist.all_gather_into(full, mine, em.group)
     else:
-        full.copy_(chunk.master)
+        full.copy_(mine)
     return full.cpu()
 
 
@@ -75,14 +78,15 @@ def load_full_state_dict(em: ElixirModule, state_dict: dict, strict: bool = True
         for chunk in em.chunks:
             spec = chunk.spec
             lo, hi = spec.shard_offset, spec.shard_offset + spec.shard_numel
-            for i in em._chunk_params[chunk.index]:
-                s = em.slots[i]
-                v = by_param.get(id(em.params[i]))
-                a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-                if v is None or a >= b:
-                    continue
-                src = v.reshape(-1)[a - s.offset : b - s.offset]
-                chunk.master[a - lo : b - lo].copy_(src)
-                if chunk.shard is not chunk.master:
-                    chunk.shard[a - lo : b - lo].copy_(src)
+            with staged(em.disk_store, [chunk.index]):  # a disk master: staged, written back
+                for i in em._chunk_params[chunk.index]:
+                    s = em.slots[i]
+                    v = by_param.get(id(em.params[i]))
+                    a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+                    if v is None or a >= b:
+                        continue
+                    src = v.reshape(-1)[a - s.offset : b - s.offset]
+                    chunk.master[a - lo : b - lo].copy_(src)
+                    if chunk.shard is not chunk.master:
+                        chunk.shard[a - lo : b - lo].copy_(src)
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

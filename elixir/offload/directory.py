@@ -1,0 +1,100 @@
+"""Where offloaded bytes go: the offload directory, checked up front, and cleaned up at exit.
+
+:func:`open_offload_file` returns an :class:`OffloadLocation` holding one file for this process
+(this rank). With ``offload_dir=None`` the file lives in a fresh per-run directory under
+``tempfile.gettempdir()``, removed with it at exit; with a directory given, only the file is
+removed. A directory that cannot be created or written, or that has less free space than asked
+for, raises :class:`OffloadDirError` naming the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+from elixir.offload.aio import OffloadFile
+
+
+class OffloadDirError(OSError):
+    """The offload directory is unusable (not writable, or too little free space)."""
+
+
+def _fix(need: int) -> str:
+    return (
+        f"pass offload_dir= a writable directory on a local disk with at least {need / 2**20:.1f} MiB free "
+        "(ElixirModule(..., offload_dir=...)), or place fewer chunks on disk in the plan"
+    )
+
+
+@dataclass
+class OffloadLocation:
+    """The open offload file and what to remove when done."""
+
+    file: OffloadFile
+    path: str
+    temp_dir: Optional[str]  # the per-run directory we created (removed at exit), or None
+
+    def close(self) -> None:
+        _cleanup(self.file, self.path, self.temp_dir)
+
+
+def _cleanup(f: OffloadFile, path: str, temp_dir: Optional[str]) -> None:
+    f.close()
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    if temp_dir is not None:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def open_offload_file(offload_dir: Optional[str], need_bytes: int, rank: int = 0, direct: bool = False) -> OffloadLocation:
+    """Create this rank's offload file in ``offload_dir`` (default: a new temporary directory) and
+    reserve ``need_bytes`` in it. Raises :class:`OffloadDirError` when that is impossible."""
+    temp_dir = None
+    if offload_dir is None:
+        try:
+            temp_dir = tempfile.mkdtemp(prefix="elixir-offload-")
+        except OSError as e:
+            raise OffloadDirError(f"cannot create a temporary offload directory under {tempfile.gettempdir()!r} ({e}); {_fix(need_bytes)}") from None
+        directory = temp_dir
+    else:
+        directory = os.path.abspath(os.path.expanduser(offload_dir))
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise OffloadDirError(f"offload_dir {directory!r} cannot be created ({e.strerror}); {_fix(need_bytes)}") from None
+        if not os.path.isdir(directory):
+            raise OffloadDirError(f"offload_dir {directory!r} is not a directory; {_fix(need_bytes)}")
+    path = os.path.join(directory, f"elixir-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}.offload")
+    try:
+        f = OffloadFile(path, direct=direct)
+    except OSError as e:
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        raise OffloadDirError(f"offload_dir {directory!r} is not writable ({e.strerror}); {_fix(need_bytes)}") from None
+    loc = OffloadLocation(f, path, temp_dir)
+    try:
+        free = shutil.disk_usage(directory).free
+        if free < need_bytes:
+            raise OffloadDirError(
+                f"offload_dir {directory!r} has {free / 2**20:.1f} MiB free but the disk-placed chunks need "
+                f"{need_bytes / 2**20:.1f} MiB on this rank; {_fix(need_bytes)}"
+            )
+        if need_bytes > 0 and hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(f.fd, 0, need_bytes)
+            except OSError as e:
+                if e.errno in (getattr(os, "ENOSPC", 28), 28):
+                    raise OffloadDirError(f"offload_dir {directory!r}: no space for {need_bytes} B ({e.strerror}); {_fix(need_bytes)}") from None
+                # file systems without fallocate support: space is checked above, writes extend the file
+    except BaseException:
+        loc.close()
+        raise
+    weakref.finalize(loc, _cleanup, f, path, temp_dir)
+    return loc

@@ -1,0 +1,284 @@
+"""DiskStore: the fp32 masters and optimizer state of disk-placed chunks, in one file per rank.
+
+Each disk chunk owns *flats*: 1-D tensors of the chunk's shard length, one for the fp32 master
+(the chunk's own ``master`` tensor) and one per elementwise optimizer-state key (``exp_avg``,
+``exp_avg_sq``...), each with its own byte region in the rank's offload file. Every tensor the rest
+of the runtime holds (fragments, optimizer state entries) is a view of a flat, so it keeps its
+identity and shape while the flat's storage is resized to 0 bytes between uses (as a released
+chunk payload is): the host then holds none of the chunk's master or state, and a stray access
+raises instead of reading stale values.
+
+A chunk moves OFFLOADED -> READING -> RESIDENT -> WRITING -> OFFLOADED (checked): reads and writes
+are queued on the async I/O engine (:mod:`elixir.offload.aio`) and finished by :meth:`DiskStore.finish`.
+The master's host bytes are recorded in the runtime's memory ledger only while staged.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from elixir.chunk import MemoryLedger
+from elixir.offload.aio import ALIGN, AsyncFileIO, make_io
+from elixir.offload.directory import open_offload_file
+
+MASTER = "master"
+
+
+class DiskState(enum.Enum):
+    OFFLOADED = "offloaded"  # only on disk; flats hold 0 bytes
+    READING = "reading"  # flats allocated, reads in flight
+    RESIDENT = "resident"  # flats hold the current values (they may be newer than the disk)
+    WRITING = "writing"  # writes in flight; flats freed when they finish
+
+
+_MOVES = {
+    DiskState.OFFLOADED: {DiskState.READING},
+    DiskState.READING: {DiskState.RESIDENT},
+    DiskState.RESIDENT: {DiskState.WRITING, DiskState.OFFLOADED},
+    DiskState.WRITING: {DiskState.OFFLOADED},
+}
+
+
+@dataclass(frozen=True)
+class Region:
+    """A byte range of the offload file."""
+
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class DiskChunk:
+    """One disk-placed chunk on this rank: its flats (``MASTER`` and state keys) and file regions."""
+
+    index: int
+    numel: int
+    flats: dict[str, torch.Tensor] = field(default_factory=dict)
+    regions: dict[str, Region] = field(default_factory=dict)
+    state: DiskState = DiskState.RESIDENT
+    pending: list = field(default_factory=list)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Host bytes the chunk holds when staged (master plus every state flat)."""
+        return sum(r.nbytes for r in self.regions.values())
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class DiskStore:
+    """Disk-resident masters and optimizer state of this rank's disk chunks (see module docstring).
+
+    Args:
+        ledger: the runtime's memory ledger (staged masters are booked as ``master`` on ``host``).
+        offload_dir: directory for the offload file (None: a per-run temporary directory).
+        need_bytes: bytes to reserve up front (masters plus the expected optimizer state).
+        rank: this rank (names the file).
+        io: the async engine (default: :func:`~elixir.offload.aio.make_io`).
+        direct: also open the file with ``O_DIRECT`` for aligned transfers.
+    """
+
+    def __init__(
+        self,
+        ledger: MemoryLedger,
+        offload_dir: Optional[str],
+        need_bytes: int,
+        rank: int = 0,
+        io: Optional[AsyncFileIO] = None,
+        direct: bool = False,
+    ) -> None:
+        self.ledger = ledger
+        self.location = open_offload_file(offload_dir, need_bytes, rank, direct=direct)
+        self.io = io if io is not None else make_io()
+        self.chunks: dict[int, DiskChunk] = {}
+        self._end = 0
+        self.staged_bytes = 0
+        self.peak_staged_bytes = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    @property
+    def path(self) -> str:
+        return self.location.path
+
+    # ---- layout ------------------------------------------------------------------------------
+
+    def _region(self, nbytes: int) -> Region:
+        r = Region(self._end, nbytes)
+        self._end = _align(self._end + nbytes)
+        return r
+
+    def register(self, chunk) -> None:
+        """Take over ``chunk``'s fp32 master (a resident, resizable 1-D tensor): write it to disk
+        and free its host memory."""
+        if chunk.index in self.chunks:
+            raise ValueError(f"chunk {chunk.index} is already on disk")
+        m = chunk.master
+        if m.dim() != 1 or not m.is_contiguous() or m.storage_offset() != 0 or m.untyped_storage().nbytes() != _nbytes(m):
+            raise ValueError(f"chunk {chunk.index}: a disk master must own its storage exactly")
+        rec = DiskChunk(chunk.index, m.numel())
+        rec.flats[MASTER] = m
+        rec.regions[MASTER] = self._region(_nbytes(m))
+        self.chunks[chunk.index] = rec
+        self._book(rec.staged_bytes)  # resident now; the ledger already holds it (Chunk.init_from)
+        self.start_write(chunk.index)
+        self.finish(chunk.index)
+
+    def add_flat(self, index: int, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """A new flat for state ``key`` of chunk ``index`` (allocated when the chunk is staged,
+        0 bytes otherwise), with its own file region."""
+        rec = self.chunks[index]
+        if key in rec.flats:
+            raise ValueError(f"chunk {index} already has a flat for {key!r}")
+        flat = torch.empty(rec.numel, dtype=dtype)
+        rec.regions[key] = self._region(_nbytes(flat))
+        rec.flats[key] = flat
+        if rec.state is DiskState.RESIDENT:
+            self._book(_nbytes(flat))
+        else:
+            flat.untyped_storage().resize_(0)
+        return flat
+
+    # ---- movement ----------------------------------------------------------------------------
+
+    def _move(self, rec: DiskChunk, new: DiskState) -> None:
+        if new not in _MOVES[rec.state]:
+            raise RuntimeError(f"disk chunk {rec.index}: illegal move {rec.state.name} -> {new.name}")
+        rec.state = new
+
+    def _book(self, nbytes: int) -> None:
+        self.staged_bytes += nbytes
+        self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
+
+    def _account(self, rec: DiskChunk, sign: int) -> None:
+        self._book(sign * rec.staged_bytes)
+        n = _nbytes(rec.flats[MASTER])
+        if sign > 0:
+            self.ledger.alloc("master", "host", n)
+        else:
+            self.ledger.free("master", "host", n)
+
+    def start_read(self, index: int) -> None:
+        """OFFLOADED -> READING: allocate the flats and queue their reads."""
+        rec = self.chunks[index]
+        self._move(rec, DiskState.READING)
+        self._account(rec, +1)
+        f = self.location.file
+        for key, flat in rec.flats.items():
+            region = rec.regions[key]
+            flat.untyped_storage().resize_(region.nbytes)
+            rec.pending.append(self.io.read(f, region.offset, flat))
+            self.bytes_read += region.nbytes
+
+    def start_write(self, index: int) -> None:
+        """RESIDENT -> WRITING: queue the writes of every flat."""
+        rec = self.chunks[index]
+        self._move(rec, DiskState.WRITING)
+        f = self.location.file
+        for key, flat in rec.flats.items():
+            rec.pending.append(self.io.write(f, rec.regions[key].offset, flat))
+            self.bytes_written += rec.regions[key].nbytes
+
+    def finish(self, index: int) -> None:
+        """Wait for the chunk's transfers: READING -> RESIDENT, WRITING -> OFFLOADED (flats freed)."""
+        rec = self.chunks[index]
+        pending, rec.pending = rec.pending, []
+        error = None
+        for h in pending:
+            try:
+                h.wait()
+            except Exception as e:  # wait for every transfer before touching the buffers
+                error = error or e
+        if rec.state is DiskState.READING:
+            self._move(rec, DiskState.RESIDENT)
+        elif rec.state is DiskState.WRITING:
+            self._drop(rec, DiskState.OFFLOADED)
+        if error is not None:
+            raise OSError(f"offload file {self.path!r}: transfer of chunk {index} failed: {error}") from error
+
+    def _drop(self, rec: DiskChunk, new: DiskState) -> None:
+        self._move(rec, new)
+        for flat in rec.flats.values():
+            flat.untyped_storage().resize_(0)
+        self._account(rec, -1)
+
+    def discard(self, index: int) -> None:
+        """RESIDENT -> OFFLOADED without writing (the disk copy is current)."""
+        self._drop(self.chunks[index], DiskState.OFFLOADED)
+
+    def stage(self, index: int) -> None:
+        """Bring chunk ``index`` into host memory (synchronously); no-op when it is resident."""
+        rec = self.chunks[index]
+        if rec.state is DiskState.OFFLOADED:
+            self.start_read(index)
+        if rec.state in (DiskState.READING, DiskState.WRITING):
+            self.finish(index)
+        if rec.state is DiskState.OFFLOADED:  # it was being written: read it back
+            self.start_read(index)
+            self.finish(index)
+
+    def offload(self, index: int, write: bool = True) -> None:
+        """Write chunk ``index`` back (unless ``write`` is False) and free its host memory."""
+        rec = self.chunks[index]
+        if rec.state is DiskState.READING:
+            self.finish(index)
+        if rec.state is DiskState.RESIDENT:
+            if write:
+                self.start_write(index)
+            else:
+                self.discard(index)
+        if rec.state is DiskState.WRITING:
+            self.finish(index)
+
+    def settle(self) -> None:
+        """Finish every transfer and write back every staged chunk (after an error, or at the end)."""
+        first = None
+        for index in self.chunks:
+            try:
+                self.offload(index, write=True)
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    # ---- reporting ---------------------------------------------------------------------------
+
+    def is_resident(self, index: int) -> bool:
+        return self.chunks[index].state is DiskState.RESIDENT
+
+    def report(self) -> dict[str, int]:
+        """Host bytes staged now and at peak, file bytes laid out, bytes moved so far."""
+        return {
+            "disk_chunks": len(self.chunks),
+            "file_bytes": self._end,
+            "staged_bytes": self.staged_bytes,
+            "peak_staged_bytes": self.peak_staged_bytes,
+            "max_chunk_staged_bytes": max((r.staged_bytes for r in self.chunks.values()), default=0),
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+        }
+
+    def reset_peak(self) -> None:
+        self.peak_staged_bytes = self.staged_bytes
+
+    def close(self) -> None:
+        """Write nothing more; stop the engine and remove the offload file."""
+        for rec in self.chunks.values():
+            for h in rec.pending:
+                try:
+                    h.wait()
+                except Exception:
+                    pass
+            rec.pending = []
+        self.io.close()
+        self.location.close()
