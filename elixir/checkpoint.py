@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 
 from elixir import distributed as edist
-from elixir.offload.pipeline import disk_resident
+from elixir.offload.pipeline import disk_resident, disk_snapshot
 from elixir.wrapper import optim_state
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer
@@ -275,7 +275,7 @@ def save(
         raise CheckpointError(error)
     try:
         if shard:
-            with disk_resident(em, optimizer, write_back=False):  # disk-placed masters and state
+            with disk_snapshot(em, optimizer):  # disk-placed masters and state, read from disk
                 error = _save_sharded(tmp, em, optimizer, extra)
         else:
             error = _save_full(tmp, em, optimizer, extra)

@@ -9,6 +9,7 @@ for, raises :class:`OffloadDirError` naming the fix.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -65,12 +66,12 @@ def open_offload_file(offload_dir: Optional[str], need_bytes: int, rank: int = 0
         directory = temp_dir
     else:
         directory = os.path.abspath(os.path.expanduser(offload_dir))
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise OffloadDirError(f"offload_dir {directory!r} is not a directory; {_fix(need_bytes)}")
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as e:
             raise OffloadDirError(f"offload_dir {directory!r} cannot be created ({e.strerror}); {_fix(need_bytes)}") from None
-        if not os.path.isdir(directory):
-            raise OffloadDirError(f"offload_dir {directory!r} is not a directory; {_fix(need_bytes)}")
     path = os.path.join(directory, f"elixir-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}.offload")
     try:
         f = OffloadFile(path, direct=direct)
@@ -90,7 +91,7 @@ def open_offload_file(offload_dir: Optional[str], need_bytes: int, rank: int = 0
             try:
                 os.posix_fallocate(f.fd, 0, need_bytes)
             except OSError as e:
-                if e.errno in (getattr(os, "ENOSPC", 28), 28):
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise OffloadDirError(f"offload_dir {directory!r}: no space for {need_bytes} B ({e.strerror}); {_fix(need_bytes)}") from None
                 # file systems without fallocate support: space is checked above, writes extend the file
     except BaseException:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator, Optional, Sequence
 
-from elixir.offload.store import DiskStore
+import torch
+
+from elixir.offload.store import MASTER, DiskStore
 
 
 def run_pipelined(store: DiskStore, indices: Sequence[int], work: Callable[[int], None]) -> None:
@@ -91,3 +93,41 @@ def disk_resident(em, eo=None, write_back: bool = True) -> Iterator[None]:
 
     with staged(store, sorted(store.chunks), write_back=write_back, before_write=before):
         yield
+
+
+@contextlib.contextmanager
+def disk_snapshot(em, eo=None) -> Iterator[None]:
+    """For the block, ``chunk.master`` of every disk chunk and the optimizer state entries bound to
+    it are fresh host copies read from disk (a read-only snapshot, e.g. for a sharded checkpoint,
+    which exports tensors to numpy and so must not touch the store's own buffers). Everything is
+    put back on exit; the copies are dropped. Holds all disk chunks in host memory at once."""
+    store = getattr(em, "disk_store", None)
+    if store is None:
+        yield
+        return
+    from elixir.offload.state_binding import _is_bound
+
+    masters: dict[int, object] = {}
+    entries: list[tuple[dict, str, object]] = []
+    try:
+        for i in sorted(store.chunks):
+            rec = store.chunks[i]
+            copies = store.read_copies(i)
+            chunk = em.chunks[i]
+            masters[i] = chunk.master
+            chunk.master = copies[MASTER]
+            if eo is None:
+                continue
+            for f in eo.chunk_fragments(i):
+                st = eo.optim.state.get(f.tensor) or {}
+                for k, v in list(st.items()):
+                    flat = rec.flats.get(k)
+                    if k != MASTER and flat is not None and isinstance(v, torch.Tensor) and _is_bound(v, flat, f.lo, f.hi - f.lo):
+                        entries.append((st, k, v))
+                        st[k] = copies[k][f.lo : f.hi].view(v.shape)
+        yield
+    finally:
+        for st, k, v in entries:
+            st[k] = v
+        for i, m in masters.items():
+            em.chunks[i].master = m

@@ -208,9 +208,27 @@ class DiskStore:
 
     def _drop(self, rec: DiskChunk, new: DiskState) -> None:
         self._move(rec, new)
-        for flat in rec.flats.values():
+        for key, flat in rec.flats.items():
+            if not flat.untyped_storage().resizable():
+                raise RuntimeError(
+                    f"disk chunk {rec.index}: the host buffer of {key!r} was exported (e.g. with .numpy()) and "
+                    "cannot be freed; copy disk-resident tensors (.clone()) before exporting them"
+                )
             flat.untyped_storage().resize_(0)
         self._account(rec, -1)
+
+    def read_copies(self, index: int) -> dict[str, torch.Tensor]:
+        """Fresh host tensors holding the disk copy of every flat of chunk ``index`` (a read-only
+        snapshot; the chunk itself stays as it is). The chunk must not be staged."""
+        rec = self.chunks[index]
+        if rec.state is not DiskState.OFFLOADED:
+            raise RuntimeError(f"disk chunk {index} is {rec.state.name}: its disk copy may be stale")
+        out = {key: torch.empty(rec.numel, dtype=flat.dtype) for key, flat in rec.flats.items()}
+        handles = [self.io.read(self.location.file, rec.regions[key].offset, t) for key, t in out.items()]
+        for h in handles:
+            h.wait()
+        self.bytes_read += rec.staged_bytes
+        return out
 
     def discard(self, index: int) -> None:
         """RESIDENT -> OFFLOADED without writing (the disk copy is current)."""
