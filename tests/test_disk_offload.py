@@ -232,18 +232,22 @@ def test_aio_round_trip(tmp_path, direct):
     for io in engines:
         f = OffloadFile(str(tmp_path / f"{io.kind}-{direct}.bin"), direct=direct)
         try:
-            # an aligned buffer (O_DIRECT eligible) and odd sizes/offsets (buffered)
-            raw = torch.empty(3 * 4096 + 4096, dtype=torch.uint8)
+            # an aligned buffer (its body O_DIRECT eligible, a 100-byte buffered tail) and odd
+            # sizes/offsets (buffered)
+            raw = torch.empty(4 * 4096 + 100, dtype=torch.uint8)
             off = (-raw.data_ptr()) % 4096
-            aligned = raw[off : off + 3 * 4096]
-            aligned.copy_(torch.randint(0, 255, (3 * 4096,), dtype=torch.uint8))
+            aligned = raw[off : off + 3 * 4096 + 100]
+            aligned.copy_(torch.randint(0, 255, aligned.shape, dtype=torch.uint8))
+            parts = f.parts(0, aligned.data_ptr(), aligned.numel())
+            if f.direct_fd is not None:
+                assert [p[0] for p in parts] == [f.direct_fd, f.fd] and parts[1][3] == 100
             odd = torch.randn(100_003)
             odd16 = torch.randn(777).to(torch.bfloat16)
-            hs = [io.write(f, 0, aligned), io.write(f, 3 * 4096 + 12, odd), io.write(f, 10**6 + 3, odd16)]
+            hs = [io.write(f, 0, aligned), io.write(f, 4 * 4096 + 12, odd), io.write(f, 10**6 + 3, odd16)]
             for h in hs:
                 h.wait()
             back_a, back_o, back_b = torch.empty_like(aligned), torch.empty_like(odd), torch.empty_like(odd16)
-            hs = [io.read(f, 0, back_a), io.read(f, 3 * 4096 + 12, back_o), io.read(f, 10**6 + 3, back_b)]
+            hs = [io.read(f, 0, back_a), io.read(f, 4 * 4096 + 12, back_o), io.read(f, 10**6 + 3, back_b)]
             for h in hs:
                 h.wait()
             assert torch.equal(back_a, aligned) and torch.equal(back_o, odd) and torch.equal(back_b, odd16), io.kind
@@ -288,3 +292,26 @@ def test_offload_dir_is_cleaned_up(tmp_path):
     assert d is not None and os.path.dirname(d) == tempfile.gettempdir() and os.path.isdir(d)
     em2.disk_store.close()
     assert not os.path.exists(d)
+
+
+def test_python_fallback_trains_like_host(monkeypatch):
+    """Without the native engine the thread fallback is used (with a warning) and a run with every
+    chunk on disk still equals the host run bit for bit."""
+    import elixir._native as native
+    import elixir.offload.aio as aio
+
+    monkeypatch.setattr(aio, "get_native", lambda: None)
+    monkeypatch.setattr(native, "_warned", set())  # the warning is once per process
+    with pytest.warns(RuntimeWarning, match="async disk I/O"):
+        io = aio.make_io()
+    assert isinstance(io, ThreadFileIO)
+    io.close()
+    em, eo = _build(lambda p: _placed(p, "all"))
+    assert em.disk_store.io.kind == "python"
+    disk = train_wrapped(ZOO[MODEL], em, eo, steps=2, batch_size=BATCH)
+    sd = em.state_dict()
+    em.disk_store.close()
+    em2, eo2 = _build(lambda p: _host_twin(_placed(p, "all")))
+    host = train_wrapped(ZOO[MODEL], em2, eo2, steps=2, batch_size=BATCH)
+    assert disk.losses == host.losses
+    assert not _equal_dicts(sd, em2.state_dict())

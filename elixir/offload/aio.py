@@ -43,10 +43,16 @@ class OffloadFile:
             except OSError:  # tmpfs and some others refuse O_DIRECT: stay buffered
                 self.direct_fd = None
 
-    def fd_for(self, offset: int, address: int, nbytes: int) -> int:
-        if self.direct_fd is not None and offset % ALIGN == 0 and address % ALIGN == 0 and nbytes % ALIGN == 0:
-            return self.direct_fd
-        return self.fd
+    def parts(self, offset: int, address: int, nbytes: int) -> list[tuple[int, int, int, int]]:
+        """(fd, offset, address, nbytes) pieces of one transfer: its aligned body through the
+        ``O_DIRECT`` fd when offset and address are aligned, everything else buffered."""
+        body = nbytes - nbytes % ALIGN
+        if self.direct_fd is None or offset % ALIGN or address % ALIGN or body == 0:
+            return [(self.fd, offset, address, nbytes)]
+        out = [(self.direct_fd, offset, address, body)]
+        if body < nbytes:
+            out.append((self.fd, offset + body, address + body, nbytes - body))
+        return out
 
     def close(self) -> None:
         for fd in (self.fd, self.direct_fd):
@@ -86,18 +92,23 @@ class AsyncFileIO:
 
 
 class _NativeHandle:
-    __slots__ = ("engine", "handle", "tensor")
+    __slots__ = ("engine", "handles", "tensor")
 
-    def __init__(self, engine, handle: int, tensor: torch.Tensor) -> None:
-        self.engine, self.handle, self.tensor = engine, handle, tensor
+    def __init__(self, engine, handles: list[int], tensor: torch.Tensor) -> None:
+        self.engine, self.handles, self.tensor = engine, handles, tensor
 
     def wait(self) -> None:
         if self.tensor is None:
             return
-        try:
-            self.engine.wait(self.handle)
-        finally:
-            self.tensor = None
+        error = None
+        for h in self.handles:  # wait for every part before the tensor may go
+            try:
+                self.engine.wait(h)
+            except Exception as e:
+                error = error or e
+        self.tensor = None
+        if error is not None:
+            raise error
 
 
 class NativeFileIO(AsyncFileIO):
@@ -113,24 +124,29 @@ class NativeFileIO(AsyncFileIO):
 
     def _submit(self, write: bool, f: OffloadFile, offset: int, t: torch.Tensor) -> IOHandle:
         addr, n = t.data_ptr(), t.numel() * t.element_size()
-        h = self._engine.submit(write, f.fd_for(offset, addr, n), offset, addr, n)
-        return _NativeHandle(self._engine, h, t)
+        hs = [self._engine.submit(write, fd, o, a, k) for fd, o, a, k in f.parts(offset, addr, n)]
+        return _NativeHandle(self._engine, hs, t)
 
     def close(self) -> None:
         self._engine.shutdown()
 
 
 class _FutureHandle:
-    __slots__ = ("future", "tensor")
+    __slots__ = ("futures", "tensor")
 
-    def __init__(self, future: Future, tensor: torch.Tensor) -> None:
-        self.future, self.tensor = future, tensor  # the tensor stays alive until waited on
+    def __init__(self, futures: list[Future], tensor: torch.Tensor) -> None:
+        self.futures, self.tensor = futures, tensor  # the tensor stays alive until waited on
 
     def wait(self) -> None:
-        try:
-            self.future.result()
-        finally:
-            self.tensor = None
+        error = None
+        for fut in self.futures:
+            try:
+                fut.result()
+            except Exception as e:
+                error = error or e
+        self.tensor = None
+        if error is not None:
+            raise error
 
 
 def _transfer(write: bool, fd: int, offset: int, address: int, nbytes: int) -> None:
@@ -154,8 +170,8 @@ class ThreadFileIO(AsyncFileIO):
 
     def _submit(self, write: bool, f: OffloadFile, offset: int, t: torch.Tensor) -> IOHandle:
         addr, n = t.data_ptr(), t.numel() * t.element_size()
-        fut = self._pool.submit(_transfer, write, f.fd_for(offset, addr, n), offset, addr, n)
-        return _FutureHandle(fut, t)
+        futs = [self._pool.submit(_transfer, write, fd, o, a, k) for fd, o, a, k in f.parts(offset, addr, n)]
+        return _FutureHandle(futs, t)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -108,6 +108,9 @@ class ElixirModule(nn.Module):
             on disk (``optim_placement == DISK``); default: a per-run directory under
             ``tempfile.gettempdir()``, removed at exit. Unused when no chunk is on disk. See
             :mod:`elixir.offload`; ``self.disk_store`` is the :class:`~elixir.offload.DiskStore`.
+        offload_direct: also open the offload file with ``O_DIRECT`` (bypassing the page cache)
+            for transfers whose buffers are page-aligned (torch aligns large host tensors when
+            ``THP_MEM_ALLOC_ENABLE=1``); everything else stays buffered.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class ElixirModule(nn.Module):
         strict_cache: bool = False,
         sync_module_states: bool = True,
         offload_dir: Optional[str] = None,
+        offload_direct: bool = False,
     ) -> None:
         super().__init__()
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -151,6 +155,7 @@ class ElixirModule(nn.Module):
         self.params: list[nn.Parameter] = []
         self._slot_of: dict[nn.Parameter, ParamSlot] = {}
         self.offload_dir = offload_dir
+        self.offload_direct = offload_direct
         self.disk_store: Optional[DiskStore] = None
         self._build_chunks(named, sync_module_states)
         self._chunk_params: list[list[int]] = [[] for _ in self.chunks]
@@ -195,7 +200,9 @@ class ElixirModule(nn.Module):
         if not on_disk:
             return
         shard = sum(cp.chunk_size // self.world_size if cp.sharded else cp.chunk_size for cp in on_disk)
-        self.disk_store = DiskStore(self.ledger, self.offload_dir, need_bytes=shard * 4 * 3, rank=self.rank)
+        self.disk_store = DiskStore(
+            self.ledger, self.offload_dir, need_bytes=shard * 4 * 3, rank=self.rank, direct=self.offload_direct
+        )
 
     def _build_chunks(self, named: dict, sync: bool) -> None:
         plan = self.plan
