@@ -271,6 +271,7 @@ def main() -> int:
     ap.add_argument("--hardware", default="measure",
                     help="a profile (path or reference name), or 'measure' to measure this box now (quick)")
     ap.add_argument("--skip-scale", action="store_true")
+    ap.add_argument("--no-calibrate", action="store_true", help="with --hardware measure: skip the runtime calibration")
     ap.add_argument("--only-scale", action="store_true")
     args = ap.parse_args()
     console = Console(width=200)
@@ -283,6 +284,10 @@ def main() -> int:
 
             t0 = time.perf_counter()
             hw = measure(MeasureOptions(sizes=MeasureOptions.quick().sizes), collective_world=2, name="cpu-box-now")
+            if not args.no_calibrate:
+                from elixir.calibrate import calibrate_profile
+
+                hw = calibrate_profile(hw, (1, 2))
             console.print(f"measured this box's hardware profile in {time.perf_counter() - t0:.1f} s")
         else:
             hw = load_profile(args.hardware)

@@ -110,7 +110,8 @@ class BandwidthCurve:
         return cls(tuple(int(x) for x in d["sizes"]), tuple(float(x) for x in d["bytes_per_s"]))
 
 
-_CURVES = ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable", "device_copy", "all_gather", "reduce_scatter")
+_CURVES = ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable", "device_copy", "all_gather", "reduce_scatter",
+           "elementwise")
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,17 @@ class HardwareProfile:
             against the FLOPs of one step (``6 * matmul weights * tokens``, as the cost model counts
             them): it includes attention, elementwise ops and framework overhead that a bare matmul
             does not. Empty in reference profiles (``matmul_flops`` is used then).
+        matmul_curve: per dtype, matmul throughput (FLOP/s) by the FLOPs of one matmul, with the
+            fixed cost of an op taken out (that is ``op_overhead_s``); empty: use ``matmul_flops``.
+        elementwise: throughput (bytes read + written per second) of a memory-bound op by its
+            bytes, fixed cost taken out; None: twice ``device_copy`` (a copy reads and writes).
+        op_overhead_s: fixed seconds per dispatched op in a training step (framework dispatch,
+            autograd bookkeeping, kernel launch), timed on a chain of tiny ops with autograd.
+        calibration: per number of ranks per node (a string key), measured / predicted time of the
+            step components ``compute``, ``collectives`` and ``optimizer`` when elixir's runtime
+            trains a reference model on this machine (:mod:`elixir.calibrate`), and the measured
+            ``op_overhead_s`` that replaces the profile's own there; applied by
+            :meth:`per_rank`. Empty: uncalibrated.
         compute_threads: CPU threads the compute figures were timed on (0: the whole device);
             a CPU-only profile is timed on 1 thread and scaled by the cores each rank gets.
         cores: CPU cores of the node.
@@ -175,6 +187,10 @@ class HardwareProfile:
     disk_write_bytes_per_s: float
     overlap: bool
     train_flops: dict[str, BandwidthCurve] = field(default_factory=dict)
+    matmul_curve: dict[str, BandwidthCurve] = field(default_factory=dict)
+    elementwise: Optional[BandwidthCurve] = None
+    op_overhead_s: float = 0.0
+    calibration: dict[str, dict[str, float]] = field(default_factory=dict)
     compute_threads: int = 0
     cores: int = 0
     measured: bool = False
@@ -195,9 +211,15 @@ class HardwareProfile:
         Host-side quantities (host optimizer throughput, disk, pageable copies through host RAM)
         are per node and are divided among the ranks; so are all quantities of a CPU-only profile,
         whose "device" is the node's own cores and RAM. Accelerator quantities are per device.
-        Collective curves are measured across ranks already and are kept.
+        Collective curves are measured across ranks already and are kept. Then the profile's
+        :attr:`calibration` for this many ranks per node, if measured, scales each component.
         """
         k = max(1, int(ranks_per_node))
+        out = self._share(k)
+        cal = self.calibration.get(str(k))
+        return out._calibrated(cal) if cal else out
+
+    def _share(self, k: int) -> HardwareProfile:
         cpu = self.device_type == "cpu"
         # compute figures timed on `compute_threads` threads: scale to the cores of one rank
         fc = (max(1, self.cores // k) / self.compute_threads) if (cpu and self.compute_threads) else (1.0 / k if cpu else 1.0)
@@ -218,9 +240,27 @@ class HardwareProfile:
             optimizer_params_per_s=rates,
             matmul_flops={d: v * fc for d, v in self.matmul_flops.items()},
             train_flops={d: c.scaled(fc) for d, c in self.train_flops.items()},
+            matmul_curve={d: c.scaled(fc) for d, c in self.matmul_curve.items()},
+            elementwise=self.elementwise.scaled(fc) if (cpu and self.elementwise is not None) else self.elementwise,
             disk_read_bytes_per_s=self.disk_read_bytes_per_s * f,
             disk_write_bytes_per_s=self.disk_write_bytes_per_s * f,
             notes=(self.notes + f" [per-rank share of {k} ranks per node]").strip(),
+        )
+
+    def _calibrated(self, cal: dict[str, float]) -> HardwareProfile:
+        """This profile with each component's time multiplied by its calibration factor."""
+        c, col, o = (float(cal.get(k, 1.0)) for k in ("compute", "collectives", "optimizer"))
+        return dataclasses.replace(
+            self,
+            matmul_flops={d: v / c for d, v in self.matmul_flops.items()},
+            train_flops={d: v.scaled(1 / c) for d, v in self.train_flops.items()},
+            matmul_curve={d: v.scaled(1 / c) for d, v in self.matmul_curve.items()},
+            elementwise=(self.elementwise or self.device_copy.scaled(2.0)).scaled(1 / c),
+            op_overhead_s=float(cal.get("op_overhead_s", self.op_overhead_s * c)),
+            all_gather=self.all_gather.scaled(1 / col) if self.all_gather is not None else None,
+            reduce_scatter=self.reduce_scatter.scaled(1 / col) if self.reduce_scatter is not None else None,
+            optimizer_params_per_s={w: v / o for w, v in self.optimizer_params_per_s.items()},
+            calibration={},
         )
 
     # ---- derived costs (seconds) ----
@@ -266,6 +306,20 @@ class HardwareProfile:
             return curve.time(flops)
         return self.matmul_time(flops, dtype)
 
+    def op_compute_time(self, costs: Any, dtype: str) -> float:
+        """Seconds of forward/backward compute for a step with the traced
+        :class:`~elixir.tracer.op_costs.OpCosts` ``costs``: every op pays ``op_overhead_s``;
+        matmul-like ops add their FLOPs at the matmul throughput for their size; other ops add
+        their bytes at the elementwise bandwidth for their size."""
+        mm = self.matmul_curve.get(dtype) or self.matmul_curve.get("float32")
+        ew = self.elementwise or self.device_copy.scaled(2.0)
+        t = costs.ops * self.op_overhead_s
+        for n, flops in costs.matmul.values():
+            t += n * mm.time(flops / n) if mm is not None else self.matmul_time(flops, dtype)
+        for n, nbytes in costs.memory.values():
+            t += n * ew.time(nbytes / n)
+        return t
+
     def matmul_time(self, flops: float, dtype: str) -> float:
         rate = self.matmul_flops.get(dtype) or self.matmul_flops.get("float32")
         if not rate:
@@ -283,6 +337,7 @@ class HardwareProfile:
             v = getattr(self, k)
             d[k] = None if v is None else v.to_json()
         d["train_flops"] = {k: v.to_json() for k, v in self.train_flops.items()}
+        d["matmul_curve"] = {k: v.to_json() for k, v in self.matmul_curve.items()}
         return d
 
     @classmethod
@@ -302,6 +357,7 @@ class HardwareProfile:
             if kw.get(k) is not None:
                 kw[k] = BandwidthCurve.from_json(kw[k])
         kw["train_flops"] = {k: BandwidthCurve.from_json(v) for k, v in kw.get("train_flops", {}).items()}
+        kw["matmul_curve"] = {k: BandwidthCurve.from_json(v) for k, v in kw.get("matmul_curve", {}).items()}
         return cls(**kw)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -359,6 +415,7 @@ class MeasureOptions:
         optimizer_params: parameters in the timed optimizer update.
         disk_bytes: file size for the disk test (0 skips it).
         matmul_n: side of the square matmul timed per dtype.
+        matmul_sides, elementwise_sizes: points of the per-op matmul and elementwise curves.
         train_widths: widths of the reference transformer stacks timed for ``train_flops``.
         offload_dir: where the disk test writes (a temporary file, removed after).
     """
@@ -369,6 +426,8 @@ class MeasureOptions:
     disk_bytes: int = 512 * MiB
     matmul_n: int = 2048
     train_widths: tuple[int, ...] = (128, 256, 512)
+    matmul_sides: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+    elementwise_sizes: tuple[int, ...] = (4 * 1024, 64 * 1024, 1 * MiB, 16 * MiB, 64 * MiB)
     offload_dir: str = tempfile.gettempdir()
 
     @classmethod
@@ -384,7 +443,8 @@ class MeasureOptions:
         """For tests: seconds, not minutes."""
         return cls(
             sizes=(64 * 1024, 1 * MiB), repeats=1, optimizer_params=64 * 1024, disk_bytes=4 * MiB,
-            matmul_n=128, train_widths=(64,), offload_dir=offload_dir or tempfile.gettempdir(),
+            matmul_n=128, train_widths=(64,), matmul_sides=(32, 64), elementwise_sizes=(4096, 65536),
+            offload_dir=offload_dir or tempfile.gettempdir(),
         )
 
 
@@ -530,6 +590,85 @@ def measure_train_flops(widths: tuple[int, ...], dtype: torch.dtype, device: tor
     return BandwidthCurve(tuple(flops), tuple(rates))
 
 
+def _per_call(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, min_s: float = 2e-3) -> float:
+    """Median seconds per call of ``fn``, looping enough calls per sample that each takes ``min_s``."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    calls = max(1, min(10_000, int(min_s / max(time.perf_counter() - t0, 1e-7))))
+
+    def many() -> None:
+        for _ in range(calls):
+            fn()
+
+    return _median_time(many, max(3, repeats), sync) / calls
+
+
+def measure_matmul_curve(dtype: torch.dtype, device: torch.device, repeats: int,
+                         sides: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)) -> BandwidthCurve:
+    """Matmul throughput (FLOP/s) by FLOPs per matmul, on square ``n x n`` products, with the
+    fixed cost of one op (a 1x1 product) taken out."""
+    sync = _sync(device)
+    one = torch.ones(1, 1, device=device, dtype=dtype)
+    floor = _per_call(lambda: torch.mm(one, one), sync, repeats)
+    flops, rates = [], []
+    for n in sides:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        t = _per_call(lambda a=a, b=b: torch.mm(a, b), sync, repeats)
+        f = 2.0 * n**3
+        flops.append(int(f))
+        rates.append(f / max(t - floor, t * 0.05))
+    return BandwidthCurve(tuple(flops), tuple(rates))
+
+
+def measure_elementwise_curve(device: torch.device, repeats: int,
+                              sizes: tuple[int, ...] = (4 * 1024, 64 * 1024, 1 * MiB, 16 * MiB, 64 * MiB)) -> BandwidthCurve:
+    """Bandwidth of a memory-bound op (``a + b`` into a new tensor: reads two, writes one) by the
+    bytes it moves, with the fixed cost of one op (on one element) taken out."""
+    sync = _sync(device)
+    one = torch.ones(1, device=device)
+    floor = _per_call(lambda: one + one, sync, repeats)
+    moved, rates = [], []
+    for n in sizes:
+        a = torch.ones(n // 4, device=device)
+        b = torch.ones(n // 4, device=device)
+        t = _per_call(lambda a=a, b=b: a + b, sync, repeats)
+        moved.append(3 * n)
+        rates.append(3 * n / max(t - floor, t * 0.05))
+    return BandwidthCurve(tuple(moved), tuple(rates))
+
+
+def measure_op_overhead(device: torch.device, repeats: int, length: int = 200) -> float:
+    """Seconds per dispatched op (forward and backward ops alike) in a training step, from a chain
+    of ``length`` multiplications of a one-element tensor, forward and backward. Ops are counted at
+    the dispatcher, as the tracer counts them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = torch.ones(1, device=device, requires_grad=True)
+
+    def step() -> None:
+        y = x
+        for _ in range(length):
+            y = y * 1.0001
+        y.sum().backward()
+        x.grad = None
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        step()
+    t = _median_time(step, max(3, repeats), _sync(device))
+    return t / max(1, _Count.n)
+
+
 def measure_disk(path: str, nbytes: int, block: int = 8 * MiB) -> tuple[float, float]:
     """Sequential write (with fsync) and read bandwidth of a file in ``path``.
 
@@ -663,12 +802,22 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
         say("training throughput")
         train = {name: measure_train_flops(o.train_widths, getattr(torch, name), d, o.repeats)
                  for name in ("float32", "bfloat16")}
+        say("per-op costs")
+        mm_curve = {name: measure_matmul_curve(getattr(torch, name), d, o.repeats, o.matmul_sides)
+                    for name in ("float32", "bfloat16") + (() if cpu_only else ("float16",))}
+        ew_curve = measure_elementwise_curve(d, o.repeats, o.elementwise_sizes)
+        op_overhead = measure_op_overhead(d, o.repeats)
     finally:
         torch.set_num_threads(saved_threads)
     one = " on 1 thread (scaled by the cores per rank)" if cpu_only else ""
     src["matmul_flops"] = f"measured: {o.matmul_n}x{o.matmul_n} torch.mm{one}"
     src["train_flops"] = (f"measured: 2-layer pre-norm transformer stacks of widths {list(o.train_widths)}, "
                           f"batch 2, seq 128, forward+backward{one}")
+    src["matmul_curve"] = (f"measured: square torch.mm {min(o.matmul_sides)} to {max(o.matmul_sides)} wide, "
+                           f"less a 1x1 product's time{one}")
+    src["elementwise"] = (f"measured: a + b into a new tensor, {min(o.elementwise_sizes)} to {max(o.elementwise_sizes)} "
+                          f"bytes each, less a 1-element op's time{one}")
+    src["op_overhead_s"] = "measured: a chain of 200 one-element multiplications, forward and backward, per dispatched op"
 
     say("disk")
     if o.disk_bytes > 0:
@@ -697,6 +846,9 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
         optimizer_impl=opt_impl,
         matmul_flops=flops,
         train_flops=train,
+        matmul_curve=mm_curve,
+        elementwise=ew_curve,
+        op_overhead_s=op_overhead,
         compute_threads=1 if cpu_only else 0,
         cores=os.cpu_count() or 1,
         disk_read_bytes_per_s=rd,

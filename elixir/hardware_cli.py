@@ -14,6 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--world-size", type=int, default=2,
         help="local ranks to spawn for the collective measurement when not under torchrun (1 skips it)",
     )
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="skip the runtime calibration (training a small reference model on 1 and "
+                             "--world-size local ranks; about 20 s)")
     parser.add_argument("--name", default=None, help="profile name (default from the host name)")
     parser.add_argument("--show", metavar="PROFILE", default=None,
                         help="print an existing profile (path or reference name) instead of measuring")
@@ -49,6 +52,17 @@ def render(profile, console=None) -> None:
         t.add_row(f"Adam on {k}", f"{v / 1e6:.0f} Mparam/s", profile.optimizer_impl.get(k, ""))
     for k, v in profile.matmul_flops.items():
         t.add_row(f"matmul {k}", f"{v / 1e12:.3f} TFLOP/s", src.get("matmul_flops", ""))
+    for k, c in profile.matmul_curve.items():
+        t.add_row(f"matmul {k} by size", " ".join(f"{v / 1e9:.0f}" for v in c.bytes_per_s) + " GFLOP/s",
+                  src.get("matmul_curve", ""))
+    if profile.elementwise is not None:
+        t.add_row("elementwise by size", " ".join(gbs(b) for b in profile.elementwise.bytes_per_s), src.get("elementwise", ""))
+    if profile.op_overhead_s:
+        t.add_row("per-op overhead", f"{profile.op_overhead_s * 1e6:.2f} us", src.get("op_overhead_s", ""))
+    for k, f in sorted(profile.calibration.items()):
+        t.add_row(f"calibration, {k} rank(s)/node",
+                  " ".join(f"{n} {v * 1e6:.1f} us" if n.endswith("_s") else f"{n} x{v:.2f}" for n, v in f.items()),
+                  "measured / predicted step components of elixir's runtime (see source.calibration)")
     t.add_row("disk read / write", f"{gbs(profile.disk_read_bytes_per_s)} / {gbs(profile.disk_write_bytes_per_s)}",
               src.get("disk_read_bytes_per_s", ""))
     console.print(t)
@@ -81,6 +95,12 @@ def main(args: argparse.Namespace) -> int:
         )
     if rank != 0:
         return 0
+    if not args.no_calibrate and "RANK" not in os.environ:
+        from elixir.calibrate import calibrate_profile
+
+        ranks = (1,) + ((args.world_size,) if args.world_size > 1 and prof.all_gather is not None else ())
+        with console.status("calibrating") as status:
+            prof = calibrate_profile(prof, ranks, say=lambda s: status.update(s))
     prof.save(args.out)
     render(prof, console)
     console.print(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")

@@ -26,6 +26,12 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "elixir", "
 # memory-bound fused update runs at (achievable memory bandwidth) / 28 parameters per second.
 ADAM_BYTES = 28
 
+# Eager PyTorch pays a fixed host-side cost per op (Python, dispatcher, autograd, kernel launch);
+# with small kernels the GPU waits on it. Typical figures are 5-10 us per op on a modern server CPU.
+OP_OVERHEAD = 8e-6
+OP_OVERHEAD_SOURCE = ("approximate: eager PyTorch host-side cost per op (dispatch, autograd, kernel launch), "
+                      "typically 5-10 us; elementwise ops move bytes at twice device_copy (read + write)")
+
 
 def curve(points: list[tuple[int, float]]) -> BandwidthCurve:
     return BandwidthCurve(tuple(s for s, _ in points), tuple(b * GB for _, b in points))
@@ -57,6 +63,7 @@ def a100() -> HardwareProfile:
         disk_read_bytes_per_s=20 * GB,
         disk_write_bytes_per_s=8 * GB,
         overlap=True,
+        op_overhead_s=OP_OVERHEAD,
         measured=False,
         host="reference",
         created="2026-11-22",
@@ -75,6 +82,7 @@ def a100() -> HardwareProfile:
             "reduce_scatter": "as all_gather",
             "optimizer_params_per_s": "derived: device = 1.3 TB/s / 28 B per fp32 Adam parameter; host = "
                                       "~300 GB/s STREAM-class bandwidth of 2x EPYC 7742 / 28 B (shared by 8 ranks)",
+            "op_overhead_s": OP_OVERHEAD_SOURCE,
             "matmul_flops": "A100 dense bf16/fp16 312 TFLOP/s peak, ~250 achieved on large GEMMs (approximate); "
                             "fp32 without TF32 19.5 peak, ~18 achieved",
             "disk_read_bytes_per_s": "approximate: 4x U.2 Gen4 NVMe in RAID 0",
@@ -110,6 +118,7 @@ def h100() -> HardwareProfile:
         disk_read_bytes_per_s=25 * GB,
         disk_write_bytes_per_s=12 * GB,
         overlap=True,
+        op_overhead_s=OP_OVERHEAD,
         measured=False,
         host="reference",
         created="2026-11-22",
@@ -128,6 +137,7 @@ def h100() -> HardwareProfile:
             "reduce_scatter": "as all_gather",
             "optimizer_params_per_s": "derived: device = 2.6 TB/s / 28 B per fp32 Adam parameter; host = "
                                       "~450 GB/s STREAM-class bandwidth of 2x Xeon 8480C / 28 B (shared by 8 ranks)",
+            "op_overhead_s": OP_OVERHEAD_SOURCE,
             "matmul_flops": "H100 SXM dense bf16/fp16 989 TFLOP/s peak, ~700 achieved on large GEMMs (approximate); "
                             "fp32 without TF32 67 peak, ~50 achieved",
             "disk_read_bytes_per_s": "approximate: 8x U.2 NVMe",
@@ -163,6 +173,7 @@ def workstation() -> HardwareProfile:
         disk_read_bytes_per_s=6.5 * GB,
         disk_write_bytes_per_s=4.5 * GB,
         overlap=True,
+        op_overhead_s=OP_OVERHEAD,
         measured=False,
         host="reference",
         created="2026-11-22",
@@ -179,6 +190,7 @@ def workstation() -> HardwareProfile:
             "all_gather": "single GPU: no collectives", "reduce_scatter": "single GPU: no collectives",
             "optimizer_params_per_s": "derived: device = 900 GB/s / 28 B per fp32 Adam parameter; host = "
                                       "~65 GB/s dual-channel DDR5 / 28 B",
+            "op_overhead_s": OP_OVERHEAD_SOURCE,
             "matmul_flops": "RTX 4090 dense fp16/bf16 with fp32 accumulate 165 TFLOP/s peak, ~150 achieved; "
                             "fp32 82.6 peak, ~60 achieved (approximate)",
             "disk_read_bytes_per_s": "PCIe Gen4 NVMe sequential (vendor class figure)",

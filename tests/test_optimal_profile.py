@@ -28,6 +28,10 @@ def test_layer_extrapolation_equals_the_full_trace():
     assert ext.matmul_param_numel == full.matmul_param_numel
     assert ext.activation_bytes == full.activation_bytes
     assert ext.info["phase_peaks"] == full.info["phase_peaks"]
+    # per-op compute costs extrapolate exactly too (the same ops per layer)
+    assert ext.op_costs.ops == full.op_costs.ops
+    assert ext.op_costs.matmul_flops == pytest.approx(full.op_costs.matmul_flops)
+    assert ext.op_costs.memory_bytes == pytest.approx(full.op_costs.memory_bytes)
 
 
 def test_module_order_profile_covers_every_parameter():

@@ -320,6 +320,15 @@ def replicated_optimizer_bytes(layout: Layout, st: Setting, where: str) -> tuple
     return 0, repl * (4 + 4 + st.opt_bytes)
 
 
+def compute_seconds(profile: StepProfile, hw: HardwareProfile, dtype: str) -> float:
+    """Forward/backward compute of one step: from the tracer's per-op costs when the profile has
+    them (roofline per op, see :meth:`HardwareProfile.op_compute_time`), else ``6 N D`` FLOPs at
+    the profile's training throughput."""
+    if profile.op_costs is not None and profile.op_costs.ops:
+        return hw.op_compute_time(profile.op_costs, dtype)
+    return hw.compute_time(profile.flops(), dtype)
+
+
 def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int) -> dict[str, float]:
     hw, w = st.hardware, st.world
     full = layout.chunk_size * st.elem
@@ -328,7 +337,7 @@ def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int) 
     if w > 1:
         ar = sum(hw.reduce_scatter_time(c * st.reduce_elem, w) + hw.all_gather_time(c * st.reduce_elem, w) for c in repl)
     return {
-        "compute": hw.compute_time(profile.flops(), st.dtype),
+        "compute": compute_seconds(profile, hw, st.dtype),
         "all_gather": gathers * hw.all_gather_time(full, w) if layout.n_sharded else 0.0,
         "reduce_scatter": layout.n_sharded * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, w),
         "all_reduce": ar,

@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from elixir.tracer.op_costs import OpCosts
+
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 
 
@@ -39,6 +41,8 @@ class StepProfile:
         matmul_param_numel: elements of parameters used as matmul weights (2-D, not embeddings).
         tokens: tokens in this rank's batch (for the matmul FLOP estimate).
         dtype: the compute dtype name.
+        op_costs: the tracer's per-op FLOP/byte/op-count histograms (None without the tracer);
+            the cost model's compute time comes from these when present.
         info: how it was made (traced layers, checkpointing, ...).
     """
 
@@ -52,6 +56,7 @@ class StepProfile:
     matmul_param_numel: int = 0
     tokens: int = 0
     dtype: str = "float32"
+    op_costs: Optional[OpCosts] = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -192,7 +197,7 @@ def profile_step(
         params=tuple(params), shared=frozenset(shared), frozen=tuple(frozen), steps=tuple(steps),
         step_kinds=tuple(kinds), activation_bytes=int(occ["activation_occ"]),
         buffer_bytes=int(occ["buffer_occ"]), matmul_param_numel=_matmul_numel(model, alias),
-        tokens=_tokens(inp), dtype=dtype_name(dtype),
+        tokens=_tokens(inp), dtype=dtype_name(dtype), op_costs=prof.op_costs,
         info={"source": "tracer", "phase_peaks": occ.get("phase_peaks", {})},
     )
 
@@ -284,7 +289,7 @@ def expand_layers(profile: StepProfile, stack: str, traced: int, layers: int,
         params=tuple(full_params), shared=shared, frozen=profile.frozen, steps=tuple(steps),
         step_kinds=tuple(kinds), activation_bytes=profile.activation_bytes, buffer_bytes=profile.buffer_bytes,
         matmul_param_numel=profile.matmul_param_numel + (layers - 3) * _layer_matmul(profile, pat),
-        tokens=profile.tokens, dtype=profile.dtype, info=dict(profile.info),
+        tokens=profile.tokens, dtype=profile.dtype, op_costs=profile.op_costs, info=dict(profile.info),
     )
 
 
@@ -337,4 +342,6 @@ def profile_by_layers(
         activation_bytes=lin(p3.activation_bytes, p2.activation_bytes),
         buffer_bytes=lin(p3.buffer_bytes, p2.buffer_bytes), matmul_param_numel=full.matmul_param_numel,
         tokens=full.tokens, dtype=full.dtype, info=info,
+        op_costs=(p3.op_costs.combine(p2.op_costs, 1.0 + extra, -float(extra))
+                  if p3.op_costs is not None and p2.op_costs is not None else None),
     )

@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .hooks import StepKind, current_phase, tensors_in
+from .op_costs import OpCostCounter
 from .opcache import MetaOpCache
 
 __all__ = ["Bucket", "StorageAccountant", "Temporary", "TracerError"]
@@ -90,6 +91,7 @@ class StorageAccountant(TorchDispatchMode):
         self.t_act: list[int] = []
         self.t_grad: list[int] = []
         self.largest_temporary: Optional[Temporary] = None
+        self.costs = OpCostCounter()  # FLOPs, bytes and op counts for the compute-time model
 
     # -- registration -------------------------------------------------------------------------
 
@@ -151,7 +153,7 @@ class StorageAccountant(TorchDispatchMode):
             key = cache.key(func, args, kwargs)
             out = cache.lookup(key) if key is not None else cache.MISS
             if out is not cache.MISS:
-                return self._after(func, out)
+                return self._after(func, out, args, kwargs)
         try:
             out = func(*args, **kwargs)
         except NotImplementedError as err:
@@ -170,9 +172,10 @@ class StorageAccountant(TorchDispatchMode):
             raise
         if key is not None:
             cache.store(key, args, kwargs, out)
-        return self._after(func, out)
+        return self._after(func, out, args, kwargs)
 
-    def _after(self, func: Any, out: Any) -> Any:
+    def _after(self, func: Any, out: Any, args: tuple, kwargs: dict) -> Any:
+        self.costs.record(func, args, kwargs, out)
         phase = current_phase()
         before = len(self._entries)
         for t in tensors_in(out):

@@ -13,7 +13,7 @@ Definitions (all bytes, counted per storage, see :mod:`elixir.tracer.accounting`
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
@@ -23,6 +23,7 @@ from elixir.fileio import atomic_write_json
 
 from .accounting import Temporary
 from .hooks import StepKind
+from .op_costs import OpCosts
 from .param_tracer import ParamOrder, order_from_trace
 from .run import StepFn, StepTrace, trace_step
 
@@ -72,6 +73,7 @@ class MemoryProfile:
     timeline_activation: tuple
     timeline_grad: tuple
     order: ParamOrder
+    op_costs: OpCosts = field(default_factory=OpCosts)
 
     @property
     def num_ops(self) -> int:
@@ -238,6 +240,7 @@ def profile_from_trace(tr: StepTrace) -> MemoryProfile:
         timeline_activation=tuple(act),
         timeline_grad=tuple(grad),
         order=order_from_trace(tr),
+        op_costs=acc.costs.costs,
     )
 
 

@@ -1,0 +1,280 @@
+"""Calibrate a hardware profile against the runtime itself, on the machine it describes.
+
+:mod:`elixir.hardware` measures each resource alone: a matmul, a memcpy, one collective, one
+optimizer update. A training step uses them together: on a CPU box the ranks of a node share
+cores, memory bandwidth and caches, collectives wait for the slowest rank, and the runtime adds
+its own bookkeeping. This module runs the real runtime (``ElixirModule`` + ``ElixirOptimizer``)
+for a few steps on a small reference model that ships with elixir (a plain-torch transformer, not
+one of the models the search is later used on), times each component of the step, and compares
+with what the cost model predicts for that same plan from the uncalibrated profile. The ratios
+(measured / predicted, per component, per number of ranks per node) are stored in the profile
+(:attr:`~elixir.hardware.HardwareProfile.calibration`) and applied by
+:meth:`~elixir.hardware.HardwareProfile.per_rank`.
+
+Nothing here is a constant: every factor is a measurement of this machine, and the machine's
+profile records where it came from. Run as part of ``elixir hwprofile`` (``--no-calibrate`` skips).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+__all__ = ["Calibration", "ReferenceLM", "calibrate", "timed_collectives"]
+
+VOCAB, LAYERS, BATCH = 4096, 3, 2
+# (width, heads, seq): a small, overhead-bound workload and a larger, throughput-bound one; the two
+# separate the fixed cost per op from the matmul/bandwidth throughput
+SIZES = ((96, 2, 32), (320, 5, 160))
+
+
+class _Block(nn.Module):
+    """Pre-norm attention (``scaled_dot_product_attention``, causal) and a GELU MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+        return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class ReferenceLM(nn.Module):
+    """A small pre-norm transformer language model in plain torch (the calibration workload)."""
+
+    def __init__(self, width: int, heads: int, seq: int, vocab: int = VOCAB, layers: int = LAYERS) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(seq, width)
+        self.blocks = nn.ModuleList(_Block(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.tok(input_ids) + self.pos(pos)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.norm(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def _batch(step: int, seq: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _step_fn(model: nn.Module, batch: dict) -> torch.Tensor:
+    loss = model(**batch)
+    loss.backward()
+    return loss
+
+
+@dataclass
+class _Clock:
+    seconds: float = 0.0
+    calls: int = 0
+
+
+class _TimedWork:
+    """A collective's work handle whose ``wait`` is timed."""
+
+    def __init__(self, work: Any, clock: _Clock) -> None:
+        self._work, self._clock = work, clock
+
+    def wait(self, *a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*a, **k)
+        finally:
+            self._clock.seconds += time.perf_counter() - t0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def timed_collectives() -> Iterator[_Clock]:
+    """Time every all-gather, reduce-scatter and all-reduce elixir issues inside the block (the
+    call, plus ``wait`` on an asynchronous one)."""
+    from elixir import distributed as edist
+
+    clock = _Clock()
+    names = ("all_gather_into", "reduce_scatter_into", "all_reduce")
+    saved = {n: getattr(edist, n) for n in names}
+
+    def wrap(fn: Any) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            clock.seconds += time.perf_counter() - t0
+            clock.calls += 1
+            return _TimedWork(out, clock) if out is not None and hasattr(out, "wait") else out
+        return timed
+
+    try:
+        for n in names:
+            setattr(edist, n, wrap(saved[n]))
+        yield clock
+    finally:
+        for n, fn in saved.items():
+            setattr(edist, n, fn)
+
+
+def _worker(runs: list, steps: int) -> list:
+    from elixir.optim import CPUAdam
+    from elixir.search.plan import SearchResult
+    from elixir.wrapper import ElixirModule, ElixirOptimizer
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    out = []
+    for size, plan_json in runs:
+        torch.manual_seed(0)
+        model = ReferenceLM(*size)
+        em = ElixirModule(model, SearchResult.from_json(plan_json), prefetch=True)
+        opt = ElixirOptimizer(em, CPUAdam(model.parameters(), lr=1e-4))
+        rows = []
+        for s in range(steps):
+            batch = _batch(1000 * rank + s, size[2])
+            with timed_collectives() as clock:
+                t0 = time.perf_counter()
+                em(**batch).backward()
+                t1 = time.perf_counter()
+                opt.step()
+                opt.zero_grad()
+                t2 = time.perf_counter()
+            rows.append((t1 - t0, clock.seconds, t2 - t1))
+        out.append({"fwd_bwd": [r[0] for r in rows], "collectives": [r[1] for r in rows],
+                    "optimizer": [r[2] for r in rows]})
+        del em, opt, model
+    return out
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How elixir's runtime performs on this machine at one number of ranks per node, against the
+    uncalibrated cost model.
+
+    Attributes:
+        ranks: ranks per node.
+        compute: measured / predicted time of matmul and memory traffic (throughput factor).
+        op_overhead_s: measured fixed seconds per dispatched op in the runtime's training step.
+        collectives: measured / predicted collective time.
+        optimizer: measured / predicted optimizer-step time.
+        runs: per reference size, the measured and predicted components (seconds).
+    """
+
+    ranks: int
+    compute: float
+    op_overhead_s: float
+    collectives: float
+    optimizer: float
+    runs: tuple
+
+    def factors(self) -> dict[str, float]:
+        return {"compute": self.compute, "op_overhead_s": self.op_overhead_s,
+                "collectives": self.collectives, "optimizer": self.optimizer}
+
+
+def _clamp(x: float, lo: float = 0.05, hi: float = 20.0) -> float:
+    return float(min(hi, max(lo, x)))
+
+
+def calibrate(hw: Any, ranks: int, steps: int = 6, timeout: float = 600.0) -> Calibration:
+    """Train the two reference sizes on ``ranks`` local ranks (one thread each, as elixir's
+    multi-rank CPU runs do) under plans with every chunk on the device, and fit the runtime's
+    compute as ``a * (matmul + memory time) + b * ops`` (two sizes, two unknowns), collectives and
+    the optimizer as measured / predicted from ``hw`` (uncalibrated)."""
+    import dataclasses
+
+    from elixir.search import minimum_waste_search
+    from elixir.search.cost_model import Setting, evaluate_plan
+    from elixir.search.step_profile import profile_step
+
+    base = dataclasses.replace(hw, calibration={})
+    if base.device_type == "cpu":
+        base = dataclasses.replace(base, cores=ranks)  # one thread per rank, as run below
+    per_rank = base.per_rank(base.ranks_per_node(ranks))
+    st = Setting(world=ranks, elem=4, reduce_elem=4, opt_bytes=8, hardware=per_rank, dtype="float32")
+    runs, preds = [], []
+    for size in SIZES:
+        torch.manual_seed(0)
+        model = ReferenceLM(*size)
+        prof = profile_step(model, _batch(0, size[2]), _step_fn, torch.float32)
+        plan = minimum_waste_search(model, ranks, prefetch=True, inp=_batch(0, size[2]), step_fn=_step_fn)
+        b = evaluate_plan(prof, plan, st).breakdown
+        costs = prof.op_costs
+        thru = per_rank.op_compute_time(dataclasses.replace(costs, ops=0), "float32")
+        preds.append({"throughput": thru, "ops": costs.ops, "compute": b["compute"],
+                      "collectives": b["all_gather"] + b["reduce_scatter"] + b["all_reduce"],
+                      "optimizer": b["optimizer"]})
+        runs.append((size, plan.to_json()))
+    from elixir.testing.dist import run_distributed
+
+    res = run_distributed(_worker, ranks, runs, steps, timeout=timeout, threads_per_rank=1)
+
+    def slowest(i: int, key: str) -> float:  # per step, the slowest rank; median over steps after the first
+        per_step = [max(r[i][key][j] for r in res) for j in range(steps)]
+        return statistics.median(per_step[1:]) if steps > 1 else per_step[0]
+
+    meas = []
+    for i in range(len(SIZES)):
+        coll = slowest(i, "collectives")
+        meas.append({"compute": max(1e-6, slowest(i, "fwd_bwd") - coll), "collectives": coll,
+                     "optimizer": slowest(i, "optimizer")})
+    # two equations m_i = a * thru_i + b * ops_i
+    (t1, o1, m1), (t2, o2, m2) = ((p["throughput"], p["ops"], m["compute"]) for p, m in zip(preds, meas))
+    det = t1 * o2 - t2 * o1
+    a = (m1 * o2 - m2 * o1) / det if det else 0.0
+    b = (t1 * m2 - t2 * m1) / det if det else 0.0
+    if a <= 0 or b <= 0:  # noisy or degenerate: one factor for both terms, from the larger size
+        a = m2 / max(1e-9, preds[1]["compute"])
+        b = per_rank.op_overhead_s * a
+    big = len(SIZES) - 1
+
+    def ratio(key: str) -> float:
+        return _clamp(meas[big][key] / preds[big][key]) if preds[big][key] > 0 else 1.0
+
+    return Calibration(
+        ranks=ranks, compute=_clamp(a), op_overhead_s=_clamp(b, 0.0, 1e-3),
+        collectives=ratio("collectives") if ranks > 1 else 1.0, optimizer=ratio("optimizer"),
+        runs=tuple({"size": SIZES[i], "measured": meas[i], "predicted": preds[i]} for i in range(len(SIZES))),
+    )
+
+
+def calibrate_profile(hw: Any, ranks: tuple[int, ...], steps: int = 6, say: Optional[Any] = None) -> Any:
+    """``hw`` with :attr:`calibration` measured at each number of ranks per node in ``ranks``."""
+    import dataclasses
+
+    cal: dict[str, dict[str, float]] = {}
+    notes = []
+    for k in ranks:
+        if say:
+            say(f"calibrating on {k} rank(s)")
+        c = calibrate(hw, k, steps)
+        cal[str(k)] = c.factors()
+        for r in c.runs:
+            m, p = r["measured"], r["predicted"]
+            notes.append(f"{k} rank(s), width {r['size'][0]} seq {r['size'][2]}: measured "
+                         + ", ".join(f"{n} {m[n] * 1e3:.1f} ms" for n in ("compute", "collectives", "optimizer"))
+                         + "; predicted " + ", ".join(f"{n} {p[n] * 1e3:.1f} ms" for n in ("compute", "collectives", "optimizer")))
+    src = dict(hw.source)
+    src["calibration"] = ("measured: elixir's runtime training the plain-torch reference model "
+                          f"(elixir.calibrate.ReferenceLM, {LAYERS} layers, batch {BATCH}, (width, heads, seq) in "
+                          f"{list(SIZES)}); compute fitted as a * (matmul + memory time) + b * ops over the two sizes, "
+                          "collectives and optimizer as measured / predicted at the larger; " + " | ".join(notes))
+    return dataclasses.replace(hw, calibration=cal, source=src)
