@@ -18,7 +18,8 @@ replicated chunks (as :func:`~elixir.search.minimum_waste.minimum_waste_search` 
 - per sharded chunk, by placement of (shard, optimizer state):
   ``DD``: device ``s(e + m + 4 + k)``; ``DH``: device ``s e``, host ``s(4 + 4 + k)``;
   ``HH``: host ``s(e + m + 4 + k)``; ``DK``/``HK``: as ``DH``/``HH`` with master and state
-  (``s(4 + k)``) on disk and one chunk's worth staged in host memory.
+  (``s(4 + k)``) on disk and up to :data:`DISK_STAGING` chunks' worth staged in host memory
+  while the optimizer streams them (``elixir/offload/pipeline.py`` reads one ahead).
   ``m`` is 4 for the fp32 master copy, 0 when the compute dtype is fp32 and shard and master live
   together (the runtime then uses one tensor);
 - a safety margin (:class:`MemoryPolicy`) is held back from each budget for allocator
@@ -48,6 +49,7 @@ from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 
 ALIGN = 16  # elements per rank a shard is aligned to (as minimum_waste_search)
+DISK_STAGING = 2  # disk chunks whose master + state are in host memory at once (offload/pipeline.py)
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "cpuadam": 8, "sgd": 4, "none": 0}
 
@@ -263,6 +265,11 @@ def per_chunk_bytes(st: Setting, shard: int) -> dict[str, tuple[int, int, int]]:
     }
 
 
+def staging_bytes(st: Setting, shard: int, disk_chunks: int) -> int:
+    """Host bytes that stream the optimizer state of ``disk_chunks`` disk chunks."""
+    return min(int(disk_chunks), DISK_STAGING) * shard * (4 + st.opt_bytes)
+
+
 def per_chunk_fixed_time(st: Setting, shard: int) -> dict[str, float]:
     """Optimizer-phase seconds of one sharded chunk for each placement (gathers excluded)."""
     hw = st.hardware
@@ -411,8 +418,10 @@ def place(
         over = host_need - host_free
         if allow_disk and free_per_disk > 0:
             stage = shard * (4 + st.opt_bytes)
-            over_staged = np.where(over > 0, over + stage, over)
-            z = np.where(over_staged > 0, -(-over_staged // free_per_disk), 0)
+            # one disk chunk stages one chunk's master + state; two or more stage DISK_STAGING
+            z1 = np.where(over > 0, -(-(over + stage) // free_per_disk), 0)
+            zn = np.where(over > 0, -(-(over + DISK_STAGING * stage) // free_per_disk), 0)
+            z = np.where(z1 <= 1, z1, np.maximum(zn, 2))
         else:
             z = np.where(over > 0, n + 1, 0)
         ok &= z <= n - y
@@ -450,7 +459,7 @@ def place(
             else:
                 kinds[c] = "HK"
         dev = sum(cb[k][0] for k in kinds)
-        host = sum(cb[k][1] for k in kinds) + (shard * (4 + st.opt_bytes) if zi else 0)
+        host = sum(cb[k][1] for k in kinds) + staging_bytes(st, shard, zi)
         disk = sum(cb[k][2] for k in kinds)
         c_comm, c_gathers = comm, gathers
         if solo:
@@ -546,7 +555,7 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     t_h2d = float(sum(int(gc) * h2d for gc, k in zip(g, kinds) if k[0] == "H"))
     t_opt = t_repl + sum(ct[k] for k in kinds)
     dev = rd + sum(cb[k][0] for k in kinds)
-    host = rh + sum(cb[k][1] for k in kinds) + (shard * (4 + st.opt_bytes) if any(k[1] == "K" for k in kinds) else 0)
+    host = rh + sum(cb[k][1] for k in kinds) + staging_bytes(st, shard, sum(k[1] == "K" for k in kinds))
     disk = sum(cb[k][2] for k in kinds)
     comm = comm_times(profile, lay, st, int(g.sum()))
     if solo and n:
