@@ -315,3 +315,21 @@ def test_python_fallback_trains_like_host(monkeypatch):
     host = train_wrapped(ZOO[MODEL], em2, eo2, steps=2, batch_size=BATCH)
     assert disk.losses == host.losses
     assert not _equal_dicts(sd, em2.state_dict())
+
+
+def test_init_step_and_load_state_dict_bind_to_disk():
+    """init_step and load_state_dict leave no disk chunk's state resident and match the host twin."""
+    zc = ZOO[MODEL]
+    em, eo = _build(lambda p: _placed(p, "all"))
+    eo_init = ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]), init_step=True)
+    assert _resident_bytes(em, eo_init) == 0
+    em_h, _ = _build(lambda p: _host_twin(_placed(p, "all")))
+    eo_h = ElixirOptimizer(em_h, default_optimizer([p for p in em_h.parameters() if p.requires_grad]), init_step=True)
+    assert not _equal_optim(eo_init.state_dict(), eo_h.state_dict())
+    train_wrapped(zc, em_h, eo_h, steps=2, batch_size=BATCH)
+    eo_init.load_state_dict(eo_h.state_dict())
+    em.load_state_dict(em_h.state_dict())
+    assert _resident_bytes(em, eo_init) == 0 and em.disk_store.staged_bytes == 0
+    assert not _equal_optim(eo_init.state_dict(), eo_h.state_dict())
+    assert not _equal_dicts(em.state_dict(), em_h.state_dict())
+    em.disk_store.close()
