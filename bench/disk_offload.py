@@ -115,7 +115,7 @@ def main() -> None:
             f"{r['peak_staged'] / 1e6:.0f} MB",
             f"{r['saved'] / 1e6:.0f} MB",
         )
-    Console().print(table)
+    Console(width=160).print(table)
 
 
 if __name__ == "__main__":
