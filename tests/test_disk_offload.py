@@ -280,18 +280,22 @@ def test_bad_offload_dir_errors(tmp_path):
 
 
 def test_offload_dir_is_cleaned_up(tmp_path):
+    """The offload file is unlinked as soon as it is open (nothing is left even if the process is
+    killed); the default per-run directory under the temp dir goes with it."""
     em, eo = _build(lambda p: _placed(p, "all"), offload_dir=str(tmp_path))
     path = em.disk_store.path
-    assert os.path.dirname(path) == str(tmp_path) and os.path.exists(path)
+    assert os.path.dirname(path) == str(tmp_path) and not os.path.exists(path) and not os.listdir(tmp_path)
+    fd = em.disk_store.location.file.fd
+    assert os.fstat(fd).st_size >= em.disk_store.report()["file_bytes"] > 0  # still reachable
     with pytest.raises(ValueError, match="pass offload_dir to ElixirModule"):
         ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]), offload_dir=str(tmp_path / "x"))
     em.disk_store.close()
-    assert not os.path.exists(path)
+    with pytest.raises(OSError):
+        os.fstat(fd)
     em2, _ = _build(lambda p: _placed(p, "some"))  # default: a per-run directory under the temp dir
     d = em2.disk_store.location.temp_dir
-    assert d is not None and os.path.dirname(d) == tempfile.gettempdir() and os.path.isdir(d)
+    assert d is not None and os.path.dirname(d) == tempfile.gettempdir() and not os.path.exists(d)
     em2.disk_store.close()
-    assert not os.path.exists(d)
 
 
 def test_python_fallback_trains_like_host(monkeypatch):

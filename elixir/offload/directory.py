@@ -2,8 +2,10 @@
 
 :func:`open_offload_file` returns an :class:`OffloadLocation` holding one file for this process
 (this rank). With ``offload_dir=None`` the file lives in a fresh per-run directory under
-``tempfile.gettempdir()``, removed with it at exit; with a directory given, only the file is
-removed. A directory that cannot be created or written, or that has less free space than asked
+``tempfile.gettempdir()``; with a directory given, in that directory. Once its space is reserved
+and its descriptors are open, the file's name is unlinked (and the per-run directory removed):
+the bytes stay reachable through the open descriptors and the kernel frees them when the process
+ends, so nothing is left behind even if it is killed. A directory that cannot be created or written, or that has less free space than asked
 for, raises :class:`OffloadDirError` naming the fix.
 """
 
@@ -44,14 +46,18 @@ class OffloadLocation:
         _cleanup(self.file, self.path, self.temp_dir)
 
 
-def _cleanup(f: OffloadFile, path: str, temp_dir: Optional[str]) -> None:
-    f.close()
+def _cleanup_names(path: str, temp_dir: Optional[str]) -> None:
     try:
         os.unlink(path)
     except OSError:
         pass
     if temp_dir is not None:
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _cleanup(f: OffloadFile, path: str, temp_dir: Optional[str]) -> None:
+    f.close()
+    _cleanup_names(path, temp_dir)
 
 
 def open_offload_file(offload_dir: Optional[str], need_bytes: int, rank: int = 0, direct: bool = False) -> OffloadLocation:
@@ -97,5 +103,6 @@ def open_offload_file(offload_dir: Optional[str], need_bytes: int, rank: int = 0
     except BaseException:
         loc.close()
         raise
+    _cleanup_names(path, temp_dir)  # anonymous from now on: freed with the descriptors
     weakref.finalize(loc, _cleanup, f, path, temp_dir)
     return loc
