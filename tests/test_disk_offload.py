@@ -39,12 +39,14 @@ BATCH = 4
 
 
 def _placed(plan, which: str):
-    """``plan`` with the chosen chunks' optimizer state on DISK and the rest on HOST."""
+    """``plan`` with the chosen chunks' optimizer state on DISK and the rest on HOST; with "all"
+    the disk chunks' shards go to HOST, with "some" they stay where the plan put them (DEVICE)."""
     chunks = []
     for i, c in enumerate(plan.chunks):
         disk = which == "all" or (which == "some" and i % 2 == 0)
         place = Placement.DISK if disk else Placement.HOST
-        chunks.append(dataclasses.replace(c, optim_placement=place, shard_placement=Placement.HOST if disk else c.shard_placement))
+        shard = Placement.HOST if disk and which == "all" else c.shard_placement
+        chunks.append(dataclasses.replace(c, optim_placement=place, shard_placement=shard))
     return dataclasses.replace(plan, chunks=tuple(chunks))
 
 
