@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 
 from elixir import distributed as edist
-from elixir.offload.pipeline import disk_resident, disk_snapshot
+from elixir.offload.pipeline import disk_mapped
 from elixir.wrapper import optim_state
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer
@@ -275,7 +275,7 @@ def save(
         raise CheckpointError(error)
     try:
         if shard:
-            with disk_snapshot(em, optimizer):  # disk-placed masters and state, read from disk
+            with disk_mapped(em, optimizer):  # disk-placed masters and state: mapped from the file
                 error = _save_sharded(tmp, em, optimizer, extra)
         else:
             error = _save_full(tmp, em, optimizer, extra)
@@ -589,7 +589,7 @@ def load(path: str, model: ElixirModule, optimizer: Optional[ElixirOptimizer] = 
     if not isinstance(model, ElixirModule):
         raise TypeError("checkpoint.load needs the ElixirModule")
     em = model
-    with disk_resident(em, optimizer):  # disk-placed masters and state: staged, written back
+    with disk_mapped(em, optimizer, writable=True):  # disk-placed masters: mapped, written in place
         plan = _load_staged(path, em, optimizer, strict)
     return plan["extra"]
 

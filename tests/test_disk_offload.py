@@ -339,3 +339,30 @@ def test_init_step_and_load_state_dict_bind_to_disk():
     assert not _equal_optim(eo_init.state_dict(), eo_h.state_dict())
     assert not _equal_dicts(em.state_dict(), em_h.state_dict())
     em.disk_store.close()
+
+
+@pytest.mark.parametrize("shard", [True, False])
+def test_checkpoint_stages_at_most_one_disk_chunk(tmp_path, shard):
+    """Saving maps the disk chunks from the file (nothing staged; full format: one at a time);
+    loading writes masters through the mapping and binds the loaded state one chunk at a time;
+    a model-only load works too."""
+    zc = ZOO[MODEL]
+    em, eo = _build(lambda p: _placed(p, "all"))
+    train_wrapped(zc, em, eo, steps=2, batch_size=BATCH)
+    store = em.disk_store
+    store.reset_peak()
+    checkpoint.save(str(tmp_path / "ck"), em, eo, shard=shard)
+    one = store.report()["max_chunk_staged_bytes"]
+    assert store.peak_staged_bytes <= (0 if shard else one)
+    em2, eo2 = _build(lambda p: _placed(p, "all"))
+    em2.disk_store.reset_peak()
+    checkpoint.load(str(tmp_path / "ck"), em2, eo2)
+    assert 0 < em2.disk_store.peak_staged_bytes <= one and em2.disk_store.staged_bytes == 0
+    assert _resident_bytes(em2, eo2) == 0
+    assert not _equal_dicts(em.state_dict(), em2.state_dict())
+    assert not _equal_optim(eo.state_dict(), eo2.state_dict())
+    em3, _ = _build(lambda p: _placed(p, "some"))
+    checkpoint.load(str(tmp_path / "ck"), em3)
+    assert not _equal_dicts(em.state_dict(), em3.state_dict())
+    for m in (em, em2, em3):
+        m.disk_store.close()

@@ -75,48 +75,31 @@ def staged(
 
 
 @contextlib.contextmanager
-def disk_resident(em, eo=None, write_back: bool = True) -> Iterator[None]:
-    """Stage every disk chunk of ``em`` for the block (checkpoint save/load, which read and write
-    masters and optimizer state directly). On exit the optimizer state of ``eo`` is bound to the
-    disk again and, with ``write_back``, each chunk is written back. Holds all disk chunks in host
-    memory at once; a no-op without disk chunks."""
+def disk_mapped(em, eo=None, writable: bool = False) -> Iterator[None]:
+    """For the block, every disk chunk's ``chunk.master`` is a view of its region of the offload
+    file through ``mmap`` (page cache, not process memory), for code that reads or writes masters
+    and optimizer state directly (checkpoint save and load).
+
+    Read-only (``writable=False``): the optimizer state entries bound to the disk are mapped too
+    (private mappings: the file never changes). ``writable``: writes to the masters go to the
+    file; on exit the optimizer state installed meanwhile (e.g. by loading) is moved to the disk
+    one chunk at a time, so at most one chunk is staged. A no-op without disk chunks."""
     store = getattr(em, "disk_store", None)
     if store is None:
         yield
         return
-    before = None
-    if eo is not None:
-        from elixir.offload.state_binding import bind_state
+    from elixir.offload.state_binding import _is_bound, bind_state
 
-        def before(i: int) -> None:
-            bind_state(store, eo, i)
-
-    with staged(store, sorted(store.chunks), write_back=write_back, before_write=before):
-        yield
-
-
-@contextlib.contextmanager
-def disk_snapshot(em, eo=None) -> Iterator[None]:
-    """For the block, ``chunk.master`` of every disk chunk and the optimizer state entries bound to
-    it are fresh host copies read from disk (a read-only snapshot, e.g. for a sharded checkpoint,
-    which exports tensors to numpy and so must not touch the store's own buffers). Everything is
-    put back on exit; the copies are dropped. Holds all disk chunks in host memory at once."""
-    store = getattr(em, "disk_store", None)
-    if store is None:
-        yield
-        return
-    from elixir.offload.state_binding import _is_bound
-
-    masters: dict[int, object] = {}
-    entries: list[tuple[dict, str, object]] = []
+    masters: dict[int, torch.Tensor] = {}
+    entries: list[tuple[dict, str, torch.Tensor]] = []
     try:
         for i in sorted(store.chunks):
             rec = store.chunks[i]
-            copies = store.read_copies(i)
+            views = store.mapped(i, writable=writable)
             chunk = em.chunks[i]
             masters[i] = chunk.master
-            chunk.master = copies[MASTER]
-            if eo is None:
+            chunk.master = views[MASTER]
+            if eo is None or writable:
                 continue
             for f in eo.chunk_fragments(i):
                 st = eo.optim.state.get(f.tensor) or {}
@@ -124,10 +107,16 @@ def disk_snapshot(em, eo=None) -> Iterator[None]:
                     flat = rec.flats.get(k)
                     if k != MASTER and flat is not None and isinstance(v, torch.Tensor) and _is_bound(v, flat, f.lo, f.hi - f.lo):
                         entries.append((st, k, v))
-                        st[k] = copies[k][f.lo : f.hi].view(v.shape)
+                        st[k] = views[k][f.lo : f.hi].view(v.shape)
         yield
     finally:
         for st, k, v in entries:
             st[k] = v
         for i, m in masters.items():
             em.chunks[i].master = m
+        entries.clear()
+        masters.clear()
+    if writable and eo is not None:
+        for i in sorted(store.chunks):
+            with staged(store, [i], before_write=lambda j: bind_state(store, eo, j)):
+                pass

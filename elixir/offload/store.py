@@ -16,6 +16,8 @@ The master's host bytes are recorded in the runtime's memory ledger only while s
 from __future__ import annotations
 
 import enum
+import mmap
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -217,17 +219,23 @@ class DiskStore:
             flat.untyped_storage().resize_(0)
         self._account(rec, -1)
 
-    def read_copies(self, index: int) -> dict[str, torch.Tensor]:
-        """Fresh host tensors holding the disk copy of every flat of chunk ``index`` (a read-only
-        snapshot; the chunk itself stays as it is). The chunk must not be staged."""
+    def mapped(self, index: int, writable: bool = False) -> dict[str, torch.Tensor]:
+        """Tensors viewing the disk copy of every flat of chunk ``index`` through ``mmap`` (page
+        cache, not process memory). ``writable``: writes go to the file (shared mapping); else
+        the mapping is private (copy-on-write: the file never changes). The chunk must be
+        offloaded, and nothing may stage it while the tensors are in use."""
         rec = self.chunks[index]
         if rec.state is not DiskState.OFFLOADED:
             raise RuntimeError(f"disk chunk {index} is {rec.state.name}: its disk copy may be stale")
-        out = {key: torch.empty(rec.numel, dtype=flat.dtype) for key, flat in rec.flats.items()}
-        handles = [self.io.read(self.location.file, rec.regions[key].offset, t) for key, t in out.items()]
-        for h in handles:
-            h.wait()
-        self.bytes_read += rec.staged_bytes
+        fd = self.location.file.fd
+        size = os.fstat(fd).st_size
+        out = {}
+        for key, flat in rec.flats.items():
+            region = rec.regions[key]
+            if region.offset + region.nbytes > size:  # never written: mapping it would SIGBUS
+                raise RuntimeError(f"disk chunk {index}: {key!r} lies beyond the end of the offload file")
+            mm = mmap.mmap(fd, region.nbytes, offset=region.offset, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
+            out[key] = torch.frombuffer(mm, dtype=flat.dtype, count=rec.numel)
         return out
 
     def discard(self, index: int) -> None:
