@@ -15,11 +15,12 @@ The master's host bytes are recorded in the runtime's memory ledger only while s
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -218,6 +219,22 @@ class DiskStore:
                 )
             flat.untyped_storage().resize_(0)
         self._account(rec, -1)
+
+    @contextlib.contextmanager
+    def sliceable(self, index: int) -> Iterator[None]:
+        """Give an offloaded chunk's flats their size (uninitialised, untouched memory: nothing is
+        read) for the block, so views of them can be made; freed again on exit."""
+        rec = self.chunks[index]
+        if rec.state is not DiskState.OFFLOADED:
+            yield
+            return
+        for key, flat in rec.flats.items():
+            flat.untyped_storage().resize_(rec.regions[key].nbytes)
+        try:
+            yield
+        finally:
+            for flat in rec.flats.values():
+                flat.untyped_storage().resize_(0)
 
     def mapped(self, index: int, writable: bool = False) -> dict[str, torch.Tensor]:
         """Tensors viewing the disk copy of every flat of chunk ``index`` through ``mmap`` (page

@@ -121,7 +121,8 @@ class ElixirOptimizer:
         m = self.module
         for c in m.chunks:
             lo, n = c.spec.shard_offset, c.spec.shard_numel
-            with staged(m.disk_store, [c.index], write_back=False):  # views need a resident master
+            store = m.disk_store
+            with store.sliceable(c.index) if store is not None and c.index in store.chunks else contextlib.nullcontext():
                 for i in m._chunk_params[c.index]:
                     s = m.slots[i]
                     a, b = max(lo, s.offset), min(lo + n, s.offset + s.numel)
