@@ -4,14 +4,25 @@ Every collective elixir issues goes through this module, so:
 - the names that changed across torch versions (``all_gather_single`` vs ``all_gather_into_tensor``,
   ``reduce_scatter_single`` vs ``reduce_scatter_tensor``) are resolved once;
 - a single-process run (no process group initialised) works with the same calls, as world size 1;
-- tests can count collectives with :func:`count_collectives`.
+- tests can count collectives with :func:`count_collectives`;
+- every asynchronous work handle it returns is tracked until finished, so :func:`drain` (and
+  :func:`shutdown`, and an exit hook) can wait for work still in flight before teardown.
+
+Why teardown needs care: a gloo worker thread that finishes a collective releases its references
+to the tensors involved, and releasing a tensor that has a Python object takes the GIL. If the
+interpreter has started finalizing while that thread waits for the GIL, CPython ends the thread
+with ``pthread_exit``; the unwind crosses a ``noexcept`` destructor and the process aborts
+("terminate called without an active exception"). So no collective may still be running, or
+just finishing, when a rank's interpreter finalizes: use :func:`shutdown` at the end of a run.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -54,6 +65,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) ->
         dist.init_process_group(
             backend=backend or default_backend(), timeout=datetime.timedelta(seconds=timeout_s)
         )
+        _register_exit_drain()
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), default_device())
     return DistInfo(0, 1, 0, None, default_device())
@@ -74,6 +86,100 @@ def get_world_size(group: ProcessGroup = None) -> int:
 def barrier(group: ProcessGroup = None) -> None:
     if get_world_size(group) > 1:
         dist.barrier(group)
+
+
+# ---------------------------------------------------------------------------------------------
+# asynchronous work in flight, and teardown
+
+_pending: list = []  # async work handles returned by this module and not yet known finished
+EXIT_DRAIN_TIMEOUT_S = 10.0  # how long the exit hook waits for elixir's own work in flight
+
+
+def _track(work):
+    """Remember an async work handle (forgetting those already finished); return it."""
+    if work is not None:
+        _pending[:] = [w for w in _pending if not _completed(w)]
+        _pending.append(work)
+    return work
+
+
+def _completed(work) -> bool:
+    try:
+        return bool(work.is_completed())
+    except RuntimeError:  # a failed collective is finished too
+        return True
+
+
+def wait_work(work) -> None:
+    """Wait for an async work handle returned by this module, and stop tracking it."""
+    try:
+        work.wait()
+    finally:
+        for i, w in enumerate(_pending):
+            if w is work:
+                del _pending[i]
+                break
+
+
+def pending_works() -> int:
+    """How many asynchronous collectives issued through this module may still be running."""
+    _pending[:] = [w for w in _pending if not _completed(w)]
+    return len(_pending)
+
+
+def drain(timeout_s: Optional[float] = None) -> bool:
+    """Wait for every asynchronous collective issued through this module.
+
+    With ``timeout_s``, poll instead of blocking and give up after that many seconds (returns
+    False if some work is still running). Errors of failed collectives are not raised here: the
+    code that issued them sees them when it waits. Returns True when nothing is in flight.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while _pending:
+        work = _pending[0]
+        if deadline is None:
+            with contextlib.suppress(RuntimeError):
+                work.wait()
+        elif not _completed(work):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)  # releases the GIL: a finishing gloo thread may need it
+            continue
+        _pending.pop(0)
+    return True
+
+
+def shutdown() -> None:
+    """End a multi-rank run cleanly: wait for elixir's work in flight, then (all ranks together)
+    a barrier and ``destroy_process_group``. Call it on every rank as the last collective step.
+
+    Without it, a rank can reach interpreter shutdown while a gloo thread still finishes a
+    collective, and abort (see the module docstring). Note that torch may keep the gloo threads
+    alive after ``destroy_process_group`` (after some dispatch modes, such as the flop counter,
+    have run), so only draining and the barrier make sure they are idle.
+    """
+    drain()
+    if is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+_exit_drain_registered = False
+
+
+def _register_exit_drain() -> None:
+    global _exit_drain_registered
+    if not _exit_drain_registered:
+        _exit_drain_registered = True
+        atexit.register(_drain_at_exit)
+
+
+def _drain_at_exit() -> None:
+    # Exit hooks run before the interpreter starts finalizing: let elixir's own collectives still
+    # in flight (a prefetch of a module freed mid-iteration, say) finish while the GIL can still be
+    # handed to the gloo threads. Bounded: after a failure a peer may never join them.
+    if _pending and is_initialized():
+        drain(timeout_s=EXIT_DRAIN_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +218,8 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ProcessGro
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard)
         return None
-    return _all_gather_base(output, shard, group=group, async_op=async_op)
+    work = _all_gather_base(output, shard, group=group, async_op=async_op)
+    return _track(work) if async_op else work
 
 
 class _ThenCopy:
@@ -122,7 +229,7 @@ class _ThenCopy:
         self._work, self._dst, self._src = work, dst, src
 
     def wait(self, timeout=None) -> bool:
-        self._work.wait()
+        wait_work(self._work)
         self._dst.copy_(self._src)
         return True
 
@@ -151,17 +258,19 @@ def reduce_scatter_into(
         start = get_rank(group) * n
         work = dist.all_reduce(full, op=op, group=group, async_op=async_op)
         if async_op:
-            return _ThenCopy(work, shard_out, full[start : start + n])
+            return _ThenCopy(_track(work), shard_out, full[start : start + n])
         shard_out.copy_(full[start : start + n])
         return None
-    return _reduce_scatter_base(shard_out, full, op=op, group=group, async_op=async_op)
+    work = _reduce_scatter_base(shard_out, full, op=op, group=group, async_op=async_op)
+    return _track(work) if async_op else work
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, op=None, async_op=False):
     _count("all_reduce")
     if get_world_size(group) == 1:
         return None
-    return dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+    work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _track(work) if async_op else work
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, async_op=False):
@@ -169,7 +278,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, as
     if get_world_size(group) == 1:
         return None
     global_src = dist.get_global_rank(group, src) if group is not None else src
-    return dist.broadcast(tensor, src=global_src, group=group, async_op=async_op)
+    work = dist.broadcast(tensor, src=global_src, group=group, async_op=async_op)
+    return _track(work) if async_op else work
 
 
 def all_gather_object(obj, group: ProcessGroup = None) -> list:

@@ -110,6 +110,12 @@ class BlockCache:
         self.gathers += 1
         self.peak_resident = max(self.peak_resident, len(self.resident))
 
+    def drain(self) -> None:
+        """Finish every in-flight prefetch gather (GATHERING -> HOLD), so no collective of this
+        cache is still running when its chunks are freed or the process group is torn down."""
+        for chunk in list(self.resident.values()):
+            chunk.wait()
+
     def release_all(self) -> None:
         """Release every unpinned chunk (end of backward, after an optimizer step, no_grad forward)."""
         for chunk in list(self.resident.values()):

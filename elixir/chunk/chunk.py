@@ -168,7 +168,7 @@ class Chunk:
     def wait(self) -> None:
         """Finish an asynchronous gather (GATHERING -> HOLD); no-op otherwise."""
         if self.state is ChunkState.GATHERING:
-            self._work.wait()
+            edist.wait_work(self._work)
             self._work = None
             self._move(ChunkState.HOLD)
 

@@ -9,10 +9,19 @@ of per-rank return values.
   traceback; the other ranks are killed.
 - A rank still running at ``timeout`` seconds is killed and reported with
   :class:`DistributedHang`, including the stack every unfinished rank was in.
+
+How a rank ends: after ``fn`` returns, the ranks drain elixir's asynchronous work, meet at a
+barrier and destroy the process group (:func:`elixir.distributed.shutdown`); then each runs its
+exit handlers and leaves with ``os._exit``, without finalizing the interpreter. A rank that raised
+writes its traceback and leaves with ``os._exit(1)`` at once. The reason: torch can keep the gloo
+worker threads alive past ``destroy_process_group``, and a gloo thread that finishes a collective
+while the interpreter finalizes aborts the rank ("terminate called without an active exception",
+see :mod:`elixir.distributed`), most readily when a rank fails with a collective in flight.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import multiprocessing as mp
 import os
@@ -22,6 +31,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -55,28 +65,46 @@ def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads):
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     # A fatal signal (an abort in native code, a segfault) also leaves the Python stacks there.
     faulthandler.enable(file=stack_file, all_threads=True)
+    code = 1
     try:
         import torch
-        import torch.distributed as dist
 
         torch.set_num_threads(threads)
-        from elixir.distributed import init_distributed
+        from elixir.distributed import init_distributed, shutdown
 
         init_distributed(backend="gloo", timeout_s=timeout)
         result = fn(*args, **kwargs)
         with open(os.path.join(outdir, f"result_{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
-        if dist.is_initialized():
-            # Shut down together: a rank that tears down gloo while a peer still has traffic in
-            # flight can abort the peer ("terminate called without an active exception").
-            dist.barrier()
-            dist.destroy_process_group()
+        # Shut down together, with nothing in flight: a rank that tears down gloo while a peer
+        # still has traffic for it can fail the peer.
+        shutdown()
+        code = 0
     except BaseException:
         with open(os.path.join(outdir, f"error_{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
-        sys.exit(1)
-    finally:
-        faulthandler.unregister(signal.SIGUSR1)
+    _exit_rank(code, stack_file)
+
+
+def _exit_rank(code: int, stack_file) -> None:
+    """Leave the rank without finalizing the interpreter (see the module docstring).
+
+    A clean rank first does what a normal exit does while the interpreter is still whole: join
+    non-daemon threads and run the exit handlers. A failed rank skips them: they could wait on
+    peers that are gone, and the parent is waiting for this exit code.
+    """
+    if code == 0:
+        threading._shutdown()  # join non-daemon threads, as interpreter exit does
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    faulthandler.unregister(signal.SIGUSR1)
+    faulthandler.disable()
+    stack_file.close()
+    os._exit(code)
 
 
 def run_distributed(

@@ -505,6 +505,12 @@ class ElixirModule(nn.Module):
             c.refresh_from_master()
         self.cache.release_all()
 
+    def drain(self) -> None:
+        """Wait for the prefetch gathers still in flight (after a forward without backward, or
+        before dropping the module or destroying the process group): then none of this module's
+        collectives is running. Collective only in that every rank must have issued them."""
+        self.cache.drain()
+
     def iter_shards(self) -> Iterator[tuple[Chunk, torch.Tensor, Optional[torch.Tensor]]]:
         """(chunk, fp32 master shard, fp32 shard gradient or None) for this rank, plan order."""
         for c in self.chunks:
