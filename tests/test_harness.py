@@ -84,3 +84,30 @@ def test_native_abort_is_reported_with_its_stack():
         run_distributed(_abort_on_rank_one, 2, timeout=60)
     msg = str(err.value)
     assert "rank 1 (exit code -6)" in msg and "_abort_on_rank_one" in msg
+
+
+def _leave_exit_work(outdir):
+    """A clean rank still gets a normal exit: exit handlers run, non-daemon threads are joined."""
+    import atexit
+    import os
+    import threading
+
+    rank = edist.get_rank()
+
+    def write(name):
+        with open(os.path.join(outdir, f"{name}_{rank}"), "w") as f:
+            f.write("done")
+
+    atexit.register(write, "atexit")
+
+    def late():
+        time.sleep(0.5)
+        write("thread")
+
+    threading.Thread(target=late).start()
+    return rank
+
+
+def test_clean_rank_runs_exit_handlers_and_joins_threads(tmp_path):
+    assert run_distributed(_leave_exit_work, 2, str(tmp_path), timeout=60) == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit_0", "atexit_1", "thread_0", "thread_1"]
