@@ -752,6 +752,7 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
     from elixir import device as dev
 
     d = dev.default_device()
+    dev.keep_host_memory()  # measure host memory as elixir's runtime uses it (freed blocks reused)
     cpu_only = d.type == "cpu"
     label = "memcpy in host RAM (no accelerator: host and device are the same memory)" if cpu_only else "measured"
     host = platform.node() or "unknown"

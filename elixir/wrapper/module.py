@@ -144,6 +144,7 @@ class ElixirModule(nn.Module):
         self.use_fused_kernels = use_fused_kernels
         self.prefetch = prefetch
         self.device = dev.default_device()
+        dev.keep_host_memory()  # reuse freed host memory: no page faults per gathered chunk and gradient buffer
         self.ledger = MemoryLedger(memory_limit)
         self.cache = BlockCache(search_result.cache_blocks, strict=strict_cache)
 
