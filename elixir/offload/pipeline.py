@@ -1,4 +1,5 @@
-"""Running work over disk chunks: a read-ahead pipeline, and a staged-together context.
+"""Running work over disk chunks: a read-ahead pipeline, a staged-together context, and mappings
+of the offload file for code that touches masters directly (checkpoints).
 
 :func:`run_pipelined` stages the chunks one after another: chunk ``i+1`` is read while ``work(i)``
 runs, and chunk ``i`` is written back while chunk ``i+1`` is waited for. Chunk ``i+2``'s read is
