@@ -139,8 +139,24 @@ def _resume(shard: bool, root: str) -> dict:
     return out
 
 
+def _one_rank_bad_dir(root: str) -> str:
+    """Only the last rank gets an unusable offload_dir: every rank must raise (none may hang)."""
+    bad = os.path.join(root, "a-file")
+    if edist.get_rank() == 0:
+        with open(bad, "w") as fh:
+            fh.write("x")
+    edist.barrier()
+    last = edist.get_rank() == edist.get_world_size() - 1
+    try:
+        _build(lambda p: _placed(p, "all"), offload_dir=bad if last else None)
+    except OffloadDirError as e:
+        return str(e)
+    return ""
+
+
 def _worker(root: str) -> dict:
     out = {
+        "bad_dir": _one_rank_bad_dir(root),
         "some": _run("some"),
         "all": _run("all"),
         "host": _host_run(),
@@ -199,6 +215,11 @@ def test_disk_runs_match_reference_host_and_resume(world, tmp_path):
         if r["resident_after_load"]:
             errors.append(f"{name}: {r['resident_after_load']} B of disk state left resident after load")
     assert not errors, "\n".join(errors)
+    # (e) an unusable offload_dir on one rank raises on every rank, naming the rank and the fix
+    for r, rank_res in enumerate(results):
+        assert "not a directory" in rank_res["bad_dir"] and "offload_dir=" in rank_res["bad_dir"], (r, rank_res["bad_dir"])
+        if world > 1 and r < world - 1:
+            assert rank_res["bad_dir"].startswith(f"rank {world - 1}:")
     # host memory: between steps the disk chunks hold nothing; at most two were staged at once
     for rank_res in results:
         for name in ("some", "all", "bf16_fused_disk"):

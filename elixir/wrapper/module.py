@@ -27,6 +27,7 @@ import torch.nn as nn
 from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk import BlockCache, Chunk, ChunkSpec, GradState, MemoryLedger, Schedule
+from elixir.offload.for_plan import store_for_plan
 from elixir.offload.store import DiskStore
 from elixir.search.plan import Placement, SearchResult
 from elixir.wrapper.plan_check import validate_plan
@@ -106,7 +107,8 @@ class ElixirModule(nn.Module):
         sync_module_states: broadcast rank 0's initial values of parameters and buffers.
         offload_dir: directory for the fp32 masters and optimizer state of chunks the plan puts
             on disk (``optim_placement == DISK``); default: a per-run directory under
-            ``tempfile.gettempdir()``, removed at exit. Unused when no chunk is on disk. See
+            ``tempfile.gettempdir()``. The file is unlinked as soon as it is open (nothing is left
+            behind, even by a killed process). Unused when no chunk is on disk. See
             :mod:`elixir.offload`; ``self.disk_store`` is the :class:`~elixir.offload.DiskStore`.
         offload_direct: also open the offload file with ``O_DIRECT`` (bypassing the page cache)
             for transfers whose buffers are page-aligned (torch aligns large host tensors when
@@ -195,19 +197,11 @@ class ElixirModule(nn.Module):
             for b in self.module.buffers():
                 edist.broadcast(b.data, 0, self.group)
 
-    def _open_disk_store(self) -> None:
-        """The DiskStore for disk-placed chunks, with room for their masters and Adam's two moments."""
-        on_disk = [cp for cp in self.plan.chunks if cp.optim_placement is Placement.DISK]
-        if not on_disk:
-            return
-        shard = sum(cp.chunk_size // self.world_size if cp.sharded else cp.chunk_size for cp in on_disk)
-        self.disk_store = DiskStore(
-            self.ledger, self.offload_dir, need_bytes=shard * 4 * 3, rank=self.rank, direct=self.offload_direct
-        )
-
     def _build_chunks(self, named: dict, sync: bool) -> None:
         plan = self.plan
-        self._open_disk_store()
+        self.disk_store = store_for_plan(
+            plan, self.ledger, self.rank, self.world_size, self.group, self.offload_dir, self.offload_direct
+        )
         for ci, cp in enumerate(plan.chunks):
             # At world size 1 a device shard is the whole chunk: keep it resident (gathering would
             # only copy it), exactly like a replicated chunk.

@@ -1,0 +1,51 @@
+"""The DiskStore a plan needs: one per rank when some chunk's optimizer placement is DISK.
+
+Every rank opens its own offload file; a failure on any rank (unwritable directory, no space) is
+agreed on with one collective and raised on every rank, so no rank is left waiting in the
+collectives that follow while another has stopped.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from elixir import distributed as edist
+from elixir.chunk import MemoryLedger
+from elixir.offload.directory import OffloadDirError
+from elixir.offload.store import DiskStore
+from elixir.search.plan import Placement, SearchResult
+
+# bytes per element reserved up front: the fp32 master and two fp32 moments (Adam), as the cost
+# model assumes; other optimizers' state grows the file as needed
+RESERVE_BYTES_PER_ELEMENT = 12
+
+
+def store_for_plan(
+    plan: SearchResult,
+    ledger: MemoryLedger,
+    rank: int,
+    world_size: int,
+    group=None,
+    offload_dir: Optional[str] = None,
+    direct: bool = False,
+) -> Optional[DiskStore]:
+    """The rank's DiskStore for ``plan``'s disk chunks, or None when no chunk is on disk.
+    Collective when some chunk is on disk and ``world_size > 1``."""
+    on_disk = [cp for cp in plan.chunks if cp.optim_placement is Placement.DISK]
+    if not on_disk:
+        return None
+    elements = sum(cp.chunk_size // world_size if cp.sharded else cp.chunk_size for cp in on_disk)
+    store, error = None, None
+    try:
+        store = DiskStore(ledger, offload_dir, need_bytes=elements * RESERVE_BYTES_PER_ELEMENT, rank=rank, direct=direct)
+    except OffloadDirError as e:
+        error = str(e)
+    if world_size > 1:
+        errors = edist.all_gather_object(error, group)
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad and error is None:
+            store.close()
+            error = f"rank {bad[0][0]}: {bad[0][1]}"
+    if error is not None:
+        raise OffloadDirError(error)
+    return store
