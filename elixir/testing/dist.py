@@ -11,8 +11,9 @@ of per-rank return values.
   :class:`DistributedHang`, including the stack every unfinished rank was in.
 
 How a rank ends: after ``fn`` returns, the ranks drain elixir's asynchronous work, meet at a
-barrier and destroy the process group (:func:`elixir.distributed.shutdown`); then each runs its
-exit handlers and leaves with ``os._exit``, without finalizing the interpreter. A rank that raised
+barrier and destroy the process group (:func:`elixir.distributed.shutdown`); then each joins its
+non-daemon threads, runs its exit handlers and leaves with ``os._exit``, without finalizing the
+interpreter (so a file ``fn`` left open and unflushed is not flushed: close what you write). A rank that raised
 writes its traceback and leaves with ``os._exit(1)`` at once. The reason: torch can keep the gloo
 worker threads alive past ``destroy_process_group``, and a gloo thread that finishes a collective
 while the interpreter finalizes aborts the rank ("terminate called without an active exception",
