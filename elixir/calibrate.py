@@ -26,6 +26,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from elixir.tracer.op_costs import OpCosts
+
 __all__ = ["Calibration", "ReferenceLM", "calibrate", "timed_collectives"]
 
 VOCAB, LAYERS, BATCH = 4096, 3, 2
@@ -142,10 +144,10 @@ def _worker(runs: list, steps: int) -> list:
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     out = []
-    for size, plan_json in runs:
+    for size, plan_json, dtype in runs:
         torch.manual_seed(0)
         model = ReferenceLM(*size)
-        em = ElixirModule(model, SearchResult.from_json(plan_json), prefetch=True)
+        em = ElixirModule(model, SearchResult.from_json(plan_json), prefetch=True, dtype=getattr(torch, dtype))
         opt = ElixirOptimizer(em, CPUAdam(model.parameters(), lr=1e-4))
         rows = []
         for s in range(steps):
@@ -171,7 +173,9 @@ class Calibration:
 
     Attributes:
         ranks: ranks per node.
-        compute: measured / predicted time of matmul and memory traffic (throughput factor).
+        compute: measured / predicted time of matmul and memory traffic (throughput factor), fp32.
+        compute_bfloat16: the same for bf16 matmuls (bf16 kernels differ from fp32 ones; the
+            memory-traffic and per-op terms keep the fp32 fit).
         op_overhead_s: measured fixed seconds per dispatched op in the runtime's training step.
         collectives: measured / predicted collective time.
         optimizer: measured / predicted optimizer-step time.
@@ -180,13 +184,14 @@ class Calibration:
 
     ranks: int
     compute: float
+    compute_bfloat16: float
     op_overhead_s: float
     collectives: float
     optimizer: float
     runs: tuple
 
     def factors(self) -> dict[str, float]:
-        return {"compute": self.compute, "op_overhead_s": self.op_overhead_s,
+        return {"compute": self.compute, "compute_bfloat16": self.compute_bfloat16, "op_overhead_s": self.op_overhead_s,
                 "collectives": self.collectives, "optimizer": self.optimizer}
 
 
@@ -211,18 +216,20 @@ def calibrate(hw: Any, ranks: int, steps: int = 6, timeout: float = 600.0) -> Ca
     per_rank = base.per_rank(base.ranks_per_node(ranks))
     st = Setting(world=ranks, elem=4, reduce_elem=4, opt_bytes=8, hardware=per_rank, dtype="float32")
     runs, preds = [], []
-    for size in SIZES:
+    for size, dtype in [(s, "float32") for s in SIZES] + [(SIZES[-1], "bfloat16")]:
         torch.manual_seed(0)
         model = ReferenceLM(*size)
-        prof = profile_step(model, _batch(0, size[2]), _step_fn, torch.float32)
-        plan = minimum_waste_search(model, ranks, prefetch=True, inp=_batch(0, size[2]), step_fn=_step_fn)
-        b = evaluate_plan(prof, plan, st).breakdown
+        tdtype = getattr(torch, dtype)
+        prof = profile_step(model, _batch(0, size[2]), _step_fn, tdtype)
+        plan = minimum_waste_search(model, ranks, tdtype, prefetch=True, inp=_batch(0, size[2]), step_fn=_step_fn)
+        b = evaluate_plan(prof, plan, dataclasses.replace(st, elem=tdtype.itemsize, dtype=dtype)).breakdown
         costs = prof.op_costs
-        thru = per_rank.op_compute_time(dataclasses.replace(costs, ops=0), "float32")
-        preds.append({"throughput": thru, "ops": costs.ops, "compute": b["compute"],
+        mm = per_rank.op_compute_time(OpCosts(costs.matmul, {}, 0), dtype)
+        mem = per_rank.op_compute_time(OpCosts({}, costs.memory, 0), dtype)
+        preds.append({"matmul": mm, "memory": mem, "throughput": mm + mem, "ops": costs.ops, "compute": b["compute"],
                       "collectives": b["all_gather"] + b["reduce_scatter"] + b["all_reduce"],
-                      "optimizer": b["optimizer"]})
-        runs.append((size, plan.to_json()))
+                      "optimizer": b["optimizer"], "dtype": dtype})
+        runs.append((size, plan.to_json(), dtype))
     from elixir.testing.dist import run_distributed
 
     res = run_distributed(_worker, ranks, runs, steps, timeout=timeout, threads_per_rank=1)
@@ -232,12 +239,12 @@ def calibrate(hw: Any, ranks: int, steps: int = 6, timeout: float = 600.0) -> Ca
         return statistics.median(per_step[1:]) if steps > 1 else per_step[0]
 
     meas = []
-    for i in range(len(SIZES)):
+    for i in range(len(runs)):
         coll = slowest(i, "collectives")
         meas.append({"compute": max(1e-6, slowest(i, "fwd_bwd") - coll), "collectives": coll,
                      "optimizer": slowest(i, "optimizer")})
     # two equations m_i = a * thru_i + b * ops_i
-    (t1, o1, m1), (t2, o2, m2) = ((p["throughput"], p["ops"], m["compute"]) for p, m in zip(preds, meas))
+    (t1, o1, m1), (t2, o2, m2) = ((p["throughput"], p["ops"], m["compute"]) for p, m in zip(preds[:2], meas[:2]))
     det = t1 * o2 - t2 * o1
     a = (m1 * o2 - m2 * o1) / det if det else 0.0
     b = (t1 * m2 - t2 * m1) / det if det else 0.0
@@ -245,14 +252,20 @@ def calibrate(hw: Any, ranks: int, steps: int = 6, timeout: float = 600.0) -> Ca
         a = m2 / max(1e-9, preds[1]["compute"])
         b = per_rank.op_overhead_s * a
     big = len(SIZES) - 1
+    # bf16 matmul factor: the bf16 run's compute less the fp32-fitted memory and per-op terms
+    pb, mb = preds[-1], meas[-1]
+    a_bf16 = (mb["compute"] - a * pb["memory"] - b * pb["ops"]) / pb["matmul"] if pb["matmul"] > 0 else a
+    if a_bf16 <= 0:
+        a_bf16 = mb["compute"] / max(1e-9, pb["compute"])
 
     def ratio(key: str) -> float:
         return _clamp(meas[big][key] / preds[big][key]) if preds[big][key] > 0 else 1.0
 
     return Calibration(
-        ranks=ranks, compute=_clamp(a), op_overhead_s=_clamp(b, 0.0, 1e-3),
+        ranks=ranks, compute=_clamp(a), compute_bfloat16=_clamp(a_bf16), op_overhead_s=_clamp(b, 0.0, 1e-3),
         collectives=ratio("collectives") if ranks > 1 else 1.0, optimizer=ratio("optimizer"),
-        runs=tuple({"size": SIZES[i], "measured": meas[i], "predicted": preds[i]} for i in range(len(SIZES))),
+        runs=tuple({"size": runs[i][0], "dtype": runs[i][2], "measured": meas[i], "predicted": preds[i]}
+                   for i in range(len(runs))),
     )
 
 
@@ -269,12 +282,13 @@ def calibrate_profile(hw: Any, ranks: tuple[int, ...], steps: int = 6, say: Opti
         cal[str(k)] = c.factors()
         for r in c.runs:
             m, p = r["measured"], r["predicted"]
-            notes.append(f"{k} rank(s), width {r['size'][0]} seq {r['size'][2]}: measured "
+            notes.append(f"{k} rank(s), width {r['size'][0]} seq {r['size'][2]} {r['dtype']}: measured "
                          + ", ".join(f"{n} {m[n] * 1e3:.1f} ms" for n in ("compute", "collectives", "optimizer"))
                          + "; predicted " + ", ".join(f"{n} {p[n] * 1e3:.1f} ms" for n in ("compute", "collectives", "optimizer")))
     src = dict(hw.source)
     src["calibration"] = ("measured: elixir's runtime training the plain-torch reference model "
                           f"(elixir.calibrate.ReferenceLM, {LAYERS} layers, batch {BATCH}, (width, heads, seq) in "
                           f"{list(SIZES)}); compute fitted as a * (matmul + memory time) + b * ops over the two sizes, "
-                          "collectives and optimizer as measured / predicted at the larger; " + " | ".join(notes))
+                          "bf16 matmuls refitted on a bf16 run of the larger; collectives and optimizer as measured / predicted at "
+                          "the larger (fp32); " + " | ".join(notes))
     return dataclasses.replace(hw, calibration=cal, source=src)

@@ -151,7 +151,8 @@ class HardwareProfile:
         calibration: per number of ranks per node (a string key), measured / predicted time of the
             step components ``compute``, ``collectives`` and ``optimizer`` when elixir's runtime
             trains a reference model on this machine (:mod:`elixir.calibrate`), and the measured
-            ``op_overhead_s`` that replaces the profile's own there; applied by
+            ``op_overhead_s`` that replaces the profile's own there (``compute_<dtype>``, where
+            present, replaces ``compute`` for that dtype's matmuls); applied by
             :meth:`per_rank`. Empty: uncalibrated.
         compute_threads: CPU threads the compute figures were timed on (0: the whole device);
             a CPU-only profile is timed on 1 thread and scaled by the cores each rank gets.
@@ -254,7 +255,7 @@ class HardwareProfile:
             self,
             matmul_flops={d: v / c for d, v in self.matmul_flops.items()},
             train_flops={d: v.scaled(1 / c) for d, v in self.train_flops.items()},
-            matmul_curve={d: v.scaled(1 / c) for d, v in self.matmul_curve.items()},
+            matmul_curve={d: v.scaled(1 / float(cal.get(f"compute_{d}", c))) for d, v in self.matmul_curve.items()},
             elementwise=(self.elementwise or self.device_copy.scaled(2.0)).scaled(1 / c),
             op_overhead_s=float(cal.get("op_overhead_s", self.op_overhead_s * c)),
             all_gather=self.all_gather.scaled(1 / col) if self.all_gather is not None else None,
