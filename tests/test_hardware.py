@@ -1,5 +1,6 @@
 """Hardware profiles: schema, curves, reference profiles, measurement (tiny sizes)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -79,7 +80,7 @@ def test_per_rank_share_divides_node_quantities():
     assert q.optimizer_params_per_s["host"] == pytest.approx(p.optimizer_params_per_s["host"] / 8)
     assert q.optimizer_params_per_s["device"] == p.optimizer_params_per_s["device"]  # one GPU each
     assert q.disk_read_bytes_per_s == pytest.approx(p.disk_read_bytes_per_s / 8)
-    base = load_profile("cpu-box")
+    base = dataclasses.replace(load_profile("cpu-box"), calibration={})  # the share alone, uncalibrated
     one, two = base.per_rank(1), base.per_rank(2)
     assert one.optimizer_params_per_s["host"] == pytest.approx(2 * two.optimizer_params_per_s["host"])
     # two ranks on a CPU box get half the cores each: half the compute of one rank with all of them
