@@ -267,7 +267,7 @@ def main() -> int:
     from elixir.hardware import load_profile
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--hardware", default="measure",
                     help="a profile (path or reference name), or 'measure' to measure this box now (quick)")
     ap.add_argument("--skip-scale", action="store_true")

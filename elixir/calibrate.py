@@ -144,10 +144,10 @@ def _worker(runs: list, steps: int) -> list:
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     out = []
-    for size, plan_json, dtype in runs:
+    for size, plan_json, dtype, prefetch in runs:
         torch.manual_seed(0)
         model = ReferenceLM(*size)
-        em = ElixirModule(model, SearchResult.from_json(plan_json), prefetch=True, dtype=getattr(torch, dtype))
+        em = ElixirModule(model, SearchResult.from_json(plan_json), prefetch=prefetch, dtype=getattr(torch, dtype))
         opt = ElixirOptimizer(em, CPUAdam(model.parameters(), lr=1e-4))
         rows = []
         for s in range(steps):
@@ -179,6 +179,8 @@ class Calibration:
         op_overhead_s: measured fixed seconds per dispatched op in the runtime's training step.
         collectives: measured / predicted collective time.
         optimizer: measured / predicted optimizer-step time.
+        overlap: the fraction of the hideable gather time (all gathers but the first, up to the
+            compute time) that prefetching hid, from the larger size with and without prefetch.
         runs: per reference size, the measured and predicted components (seconds).
     """
 
@@ -188,11 +190,12 @@ class Calibration:
     op_overhead_s: float
     collectives: float
     optimizer: float
+    overlap: float
     runs: tuple
 
     def factors(self) -> dict[str, float]:
         return {"compute": self.compute, "compute_bfloat16": self.compute_bfloat16, "op_overhead_s": self.op_overhead_s,
-                "collectives": self.collectives, "optimizer": self.optimizer}
+                "collectives": self.collectives, "optimizer": self.optimizer, "overlap": self.overlap}
 
 
 def _clamp(x: float, lo: float = 0.05, hi: float = 20.0) -> float:
@@ -215,7 +218,7 @@ def calibrate(hw: Any, ranks: int, steps: int = 6, timeout: float = 600.0) -> Ca
         base = dataclasses.replace(base, cores=ranks)  # one thread per rank, as run below
     per_rank = base.per_rank(base.ranks_per_node(ranks))
     st = Setting(world=ranks, elem=4, reduce_elem=4, opt_bytes=8, hardware=per_rank, dtype="float32")
-    runs, preds = [], []
+    runs, preds, plan_sizes = [], [], []
     for size, dtype in [(s, "float32") for s in SIZES] + [(SIZES[-1], "bfloat16")]:
         torch.manual_seed(0)
         model = ReferenceLM(*size)
@@ -223,13 +226,17 @@ def calibrate(hw: Any, ranks: int, steps: int = 6, timeout: float = 600.0) -> Ca
         prof = profile_step(model, _batch(0, size[2]), _step_fn, tdtype)
         plan = minimum_waste_search(model, ranks, tdtype, prefetch=True, inp=_batch(0, size[2]), step_fn=_step_fn)
         b = evaluate_plan(prof, plan, dataclasses.replace(st, elem=tdtype.itemsize, dtype=dtype)).breakdown
+        plan_sizes.append(plan.chunk_size)
         costs = prof.op_costs
         mm = per_rank.op_compute_time(OpCosts(costs.matmul, {}, 0), dtype)
         mem = per_rank.op_compute_time(OpCosts({}, costs.memory, 0), dtype)
         preds.append({"matmul": mm, "memory": mem, "throughput": mm + mem, "ops": costs.ops, "compute": b["compute"],
                       "collectives": b["all_gather"] + b["reduce_scatter"] + b["all_reduce"],
-                      "optimizer": b["optimizer"], "dtype": dtype})
-        runs.append((size, plan.to_json(), dtype))
+                      "all_gather": b["all_gather"], "optimizer": b["optimizer"], "dtype": dtype})
+        runs.append((size, plan.to_json(), dtype, False))
+    if ranks > 1:  # the larger size again with prefetch: how much gather time hides under compute
+        runs.append((SIZES[-1], runs[1][1], "float32", True))
+        first_gather = per_rank.all_gather_time(plan_sizes[1] * 4, ranks)
     from elixir.testing.dist import run_distributed
 
     res = run_distributed(_worker, ranks, runs, steps, timeout=timeout, threads_per_rank=1)
@@ -253,7 +260,7 @@ def calibrate(hw: Any, ranks: int, steps: int = 6, timeout: float = 600.0) -> Ca
         b = per_rank.op_overhead_s * a
     big = len(SIZES) - 1
     # bf16 matmul factor: the bf16 run's compute less the fp32-fitted memory and per-op terms
-    pb, mb = preds[-1], meas[-1]
+    pb, mb = preds[2], meas[2]
     a_bf16 = (mb["compute"] - a * pb["memory"] - b * pb["ops"]) / pb["matmul"] if pb["matmul"] > 0 else a
     if a_bf16 <= 0:
         a_bf16 = mb["compute"] / max(1e-9, pb["compute"])
@@ -261,10 +268,20 @@ def calibrate(hw: Any, ranks: int, steps: int = 6, timeout: float = 600.0) -> Ca
     def ratio(key: str) -> float:
         return _clamp(meas[big][key] / preds[big][key]) if preds[big][key] > 0 else 1.0
 
+    overlap = 0.0
+    if ranks > 1:
+        no_pf = meas[big]["compute"] + meas[big]["collectives"]
+        with_pf = slowest(3, "fwd_bwd")
+        p = preds[big]
+        gathers = meas[big]["collectives"] * (p["all_gather"] / p["collectives"] if p["collectives"] else 0.0)
+        hideable = min(meas[big]["compute"], max(0.0, gathers - first_gather * ratio("collectives")))
+        overlap = _clamp((no_pf - with_pf) / hideable, 0.0, 1.0) if hideable > 0 else 0.0
+
     return Calibration(
         ranks=ranks, compute=_clamp(a), compute_bfloat16=_clamp(a_bf16), op_overhead_s=_clamp(b, 0.0, 1e-3),
-        collectives=ratio("collectives") if ranks > 1 else 1.0, optimizer=ratio("optimizer"),
-        runs=tuple({"size": runs[i][0], "dtype": runs[i][2], "measured": meas[i], "predicted": preds[i]}
+        collectives=ratio("collectives") if ranks > 1 else 1.0, optimizer=ratio("optimizer"), overlap=overlap,
+        runs=tuple({"size": runs[i][0], "dtype": runs[i][2], "prefetch": runs[i][3], "measured": meas[i],
+                    "predicted": preds[i] if i < len(preds) else preds[big]}
                    for i in range(len(runs))),
     )
 
@@ -282,7 +299,8 @@ def calibrate_profile(hw: Any, ranks: tuple[int, ...], steps: int = 6, say: Opti
         cal[str(k)] = c.factors()
         for r in c.runs:
             m, p = r["measured"], r["predicted"]
-            notes.append(f"{k} rank(s), width {r['size'][0]} seq {r['size'][2]} {r['dtype']}: measured "
+            notes.append(f"{k} rank(s), width {r['size'][0]} seq {r['size'][2]} {r['dtype']}"
+                         f"{' prefetch' if r['prefetch'] else ''}: measured "
                          + ", ".join(f"{n} {m[n] * 1e3:.1f} ms" for n in ("compute", "collectives", "optimizer"))
                          + "; predicted " + ", ".join(f"{n} {p[n] * 1e3:.1f} ms" for n in ("compute", "collectives", "optimizer")))
     src = dict(hw.source)

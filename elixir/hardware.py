@@ -19,6 +19,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -154,6 +155,9 @@ class HardwareProfile:
             ``op_overhead_s`` that replaces the profile's own there (``compute_<dtype>``, where
             present, replaces ``compute`` for that dtype's matmuls); applied by
             :meth:`per_rank`. Empty: uncalibrated.
+        overlap_fraction: where ``overlap`` is False, the measured fraction of prefetchable gather
+            time that still hides under compute (gloo's threads move data while a rank computes);
+            set from the calibration's ``overlap`` by :meth:`per_rank`.
         compute_threads: CPU threads the compute figures were timed on (0: the whole device);
             a CPU-only profile is timed on 1 thread and scaled by the cores each rank gets.
         cores: CPU cores of the node.
@@ -192,6 +196,7 @@ class HardwareProfile:
     elementwise: Optional[BandwidthCurve] = None
     op_overhead_s: float = 0.0
     calibration: dict[str, dict[str, float]] = field(default_factory=dict)
+    overlap_fraction: float = 0.0
     compute_threads: int = 0
     cores: int = 0
     measured: bool = False
@@ -261,6 +266,7 @@ class HardwareProfile:
             all_gather=self.all_gather.scaled(1 / col) if self.all_gather is not None else None,
             reduce_scatter=self.reduce_scatter.scaled(1 / col) if self.reduce_scatter is not None else None,
             optimizer_params_per_s={w: v / o for w, v in self.optimizer_params_per_s.items()},
+            overlap_fraction=float(cal.get("overlap", self.overlap_fraction)),
             calibration={},
         )
 
@@ -421,7 +427,7 @@ class MeasureOptions:
         offload_dir: where the disk test writes (a temporary file, removed after).
     """
 
-    sizes: tuple[int, ...] = (1 * MiB, 8 * MiB, 64 * MiB, 256 * MiB)
+    sizes: tuple[int, ...] = (256 * 1024, 1 * MiB, 8 * MiB, 64 * MiB, 256 * MiB)
     repeats: int = 3
     optimizer_params: int = 32 * 1024 * 1024
     disk_bytes: int = 512 * MiB
@@ -434,7 +440,7 @@ class MeasureOptions:
     @classmethod
     def quick(cls, offload_dir: Optional[str] = None) -> MeasureOptions:
         return cls(
-            sizes=(1 * MiB, 16 * MiB, 64 * MiB), repeats=2, optimizer_params=8 * 1024 * 1024,
+            sizes=(256 * 1024, 1 * MiB, 16 * MiB, 64 * MiB), repeats=2, optimizer_params=8 * 1024 * 1024,
             disk_bytes=128 * MiB, matmul_n=1024, train_widths=(128, 256),
             offload_dir=offload_dir or tempfile.gettempdir(),
         )
@@ -506,12 +512,22 @@ def measure_collectives(sizes: tuple[int, ...], repeats: int, group=None) -> dic
         full = torch.ones(n // 4, dtype=torch.float32, device=d)
         shard = torch.ones(n // 4 // world, dtype=torch.float32, device=d)
 
-        def barrier_sync() -> None:
-            dev.synchronize(d)
-            edist.barrier(group)
+        def timed(fn: Callable[[], Any]) -> float:
+            """Median seconds of ``fn`` alone: the ranks line up at a barrier before each run, and
+            the barrier is not timed (at small sizes it would cost as much as the collective)."""
+            fn()  # warm-up
+            times = []
+            for _ in range(max(3, repeats + 2)):
+                dev.synchronize(d)
+                edist.barrier(group)
+                t0 = time.perf_counter()
+                fn()
+                dev.synchronize(d)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
 
-        t_ag = _median_time(lambda f=full, s=shard: edist.all_gather_into(f, s, group), repeats, barrier_sync)
-        t_rs = _median_time(lambda f=full, s=shard: edist.reduce_scatter_into(s, f, group), repeats, barrier_sync)
+        t_ag = timed(lambda f=full, s=shard: edist.all_gather_into(f, s, group))
+        t_rs = timed(lambda f=full, s=shard: edist.reduce_scatter_into(s, f, group))
         # The slowest rank sets the pace.
         t_ag = max(edist.all_gather_object(t_ag, group))
         t_rs = max(edist.all_gather_object(t_rs, group))

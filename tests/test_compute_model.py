@@ -91,6 +91,6 @@ def test_calibration_runs_the_runtime_on_this_machine():
     hw = load_profile("cpu-box")
     cal = calibrate_profile(hw, (1,), steps=2)
     f = cal.calibration["1"]
-    assert set(f) == {"compute", "compute_bfloat16", "op_overhead_s", "collectives", "optimizer"}
+    assert set(f) == {"compute", "compute_bfloat16", "op_overhead_s", "collectives", "optimizer", "overlap"}
     assert 0 < f["compute"] < 100 and 0 < f["compute_bfloat16"] < 100 and 0 <= f["op_overhead_s"] < 1e-3 and f["collectives"] == 1.0
     assert "ReferenceLM" in cal.source["calibration"] and "measured compute" in cal.source["calibration"]

@@ -487,6 +487,14 @@ def _finish(
         first_gather = hw.all_gather_time(layout.chunk_size * st.elem, st.world)
         fb = max(comm["compute"], fb_comm) + first_gather
         hidden = comm["compute"] + fb_comm - fb
+    elif hw.overlap_fraction > 0 and depth >= 1 and layout.n_sharded and gathers > 1:
+        # no copy engine, but gathers issued ahead still partly run while the rank computes; the
+        # first gather of the step has nothing to hide under, nor have reduce-scatters (issued
+        # synchronously by the runtime)
+        per_gather = (comm["all_gather"] + t_h2d) / gathers
+        hideable = per_gather * (gathers - 1)
+        hidden = hw.overlap_fraction * min(comm["compute"], hideable)
+        fb = comm["compute"] + fb_comm - hidden
     else:
         fb = comm["compute"] + fb_comm
         hidden = 0.0
