@@ -124,6 +124,7 @@ def run_plan(model_name: str, plan, steps: int, batch: int, seq: int, enforce: b
     times = [max(r["times"][i] for r in res) for i in range(steps)]  # the slowest rank sets the pace
     r0 = res[0]
     return {
+        "times": times,
         "step_s": statistics.median(times[1:]) if steps > 1 else times[0],
         "gathers": statistics.median(r0["gathers"][1:]) if steps > 1 else r0["gathers"][0],
         "gathered_shard": max(r["report"]["peak_gathered_bytes"] + r["report"]["shard_device_bytes"] for r in res),
@@ -141,7 +142,7 @@ def predicted_gathered_shard(plan) -> int:
     return cache + shards
 
 
-def predictions_table(hw, steps: int, console) -> None:
+def predictions_table(hw, steps: int, console, only: tuple[str, ...] = ()) -> None:
     from rich.table import Table
 
     from elixir.search import minimum_waste_search
@@ -176,6 +177,8 @@ def predictions_table(hw, steps: int, console) -> None:
 
     hw1 = dataclasses.replace(hw, cores=1) if hw.device_type == "cpu" else hw
     for name, world, budget, batch, seq in configs:
+        if only and name not in only:
+            continue
         model = build(name)
         if (name, batch, seq) not in profiles:
             profiles[name, batch, seq] = profile_step(model, make_batch(0, batch, seq), step_fn, torch.float32)
@@ -196,6 +199,7 @@ def predictions_table(hw, steps: int, console) -> None:
                   f"{pg / MiB:.1f}", f"{m['gathered_shard'] / MiB:.1f}", f"{m['gathered_shard'] / pg:.3f}",
                   str(plan.info["gathers_per_step"]), f"{m['gathers']:.0f}", f"{p.step_time_s:.3f}",
                   f"{m['step_s']:.3f}", f"{m['step_s'] / p.step_time_s:.2f}")
+        console.print(f"[dim]  per-step seconds (slowest rank): {' '.join(f'{x:.3f}' for x in m['times'])}[/dim]")
         console.print(f"[dim]{name} w{world} budget {budget}: pred {p.step_time_s:.3f} s, meas {m['step_s']:.3f} s, "
                       f"gathered+shard {m['gathered_shard'] / MiB:.1f}/{pg / MiB:.1f} MiB[/dim]")
         if world > 1:
@@ -271,6 +275,7 @@ def main() -> int:
     ap.add_argument("--hardware", default="measure",
                     help="a profile (path or reference name), or 'measure' to measure this box now (quick)")
     ap.add_argument("--skip-scale", action="store_true")
+    ap.add_argument("--only", nargs="*", default=[], help="run only these models (gpt2-s opt-s llama-s gpt2-m)")
     ap.add_argument("--no-calibrate", action="store_true", help="with --hardware measure: skip the runtime calibration")
     ap.add_argument("--only-scale", action="store_true")
     args = ap.parse_args()
@@ -291,7 +296,7 @@ def main() -> int:
             console.print(f"measured this box's hardware profile in {time.perf_counter() - t0:.1f} s")
         else:
             hw = load_profile(args.hardware)
-        predictions_table(hw, args.steps, console)
+        predictions_table(hw, args.steps, console, tuple(args.only))
     return 0
 
 

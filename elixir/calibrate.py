@@ -137,32 +137,47 @@ def timed_collectives() -> Iterator[_Clock]:
             setattr(edist, n, fn)
 
 
-def _worker(runs: list, steps: int) -> list:
+def _train(size: tuple, plan_json: dict, dtype: str, prefetch: bool) -> tuple:
     from elixir.optim import CPUAdam
     from elixir.search.plan import SearchResult
     from elixir.wrapper import ElixirModule, ElixirOptimizer
 
+    torch.manual_seed(0)
+    model = ReferenceLM(*size)
+    em = ElixirModule(model, SearchResult.from_json(plan_json), prefetch=prefetch, dtype=getattr(torch, dtype))
+    return em, ElixirOptimizer(em, CPUAdam(model.parameters(), lr=1e-4))
+
+
+def _timed_step(em: Any, opt: Any, batch: dict) -> tuple[float, float, float]:
+    with timed_collectives() as clock:
+        t0 = time.perf_counter()
+        em(**batch).backward()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t2 = time.perf_counter()
+    return t1 - t0, clock.seconds, t2 - t1
+
+
+def _worker(runs: list, steps: int) -> list:
+    """Per run, per step: forward+backward, collective and optimizer seconds. A run marked
+    ``"pair"`` trains the same plan without and with prefetch, alternating step by step, so the
+    difference is not swamped by drift in the machine's load."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     out = []
-    for size, plan_json, dtype, prefetch in runs:
-        torch.manual_seed(0)
-        model = ReferenceLM(*size)
-        em = ElixirModule(model, SearchResult.from_json(plan_json), prefetch=prefetch, dtype=getattr(torch, dtype))
-        opt = ElixirOptimizer(em, CPUAdam(model.parameters(), lr=1e-4))
-        rows = []
+    for size, plan_json, dtype, mode in runs:
+        pairs = [_train(size, plan_json, dtype, False)] + ([_train(size, plan_json, dtype, True)] if mode == "pair" else [])
+        rows: list = [[] for _ in pairs]
         for s in range(steps):
             batch = _batch(1000 * rank + s, size[2])
-            with timed_collectives() as clock:
-                t0 = time.perf_counter()
-                em(**batch).backward()
-                t1 = time.perf_counter()
-                opt.step()
-                opt.zero_grad()
-                t2 = time.perf_counter()
-            rows.append((t1 - t0, clock.seconds, t2 - t1))
-        out.append({"fwd_bwd": [r[0] for r in rows], "collectives": [r[1] for r in rows],
-                    "optimizer": [r[2] for r in rows]})
-        del em, opt, model
+            for i, (em, opt) in enumerate(pairs):
+                rows[i].append(_timed_step(em, opt, batch))
+        res = {"fwd_bwd": [r[0] for r in rows[0]], "collectives": [r[1] for r in rows[0]],
+               "optimizer": [r[2] for r in rows[0]]}
+        if mode == "pair":
+            res["fwd_bwd_prefetch"] = [r[0] for r in rows[1]]
+        out.append(res)
+        del pairs
     return out
 
 
@@ -202,7 +217,7 @@ def _clamp(x: float, lo: float = 0.05, hi: float = 20.0) -> float:
     return float(min(hi, max(lo, x)))
 
 
-def calibrate(hw: Any, ranks: int, steps: int = 6, timeout: float = 600.0) -> Calibration:
+def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> Calibration:
     """Train the two reference sizes on ``ranks`` local ranks (one thread each, as elixir's
     multi-rank CPU runs do) under plans with every chunk on the device, and fit the runtime's
     compute as ``a * (matmul + memory time) + b * ops`` (two sizes, two unknowns), collectives and
@@ -233,9 +248,9 @@ def calibrate(hw: Any, ranks: int, steps: int = 6, timeout: float = 600.0) -> Ca
         preds.append({"matmul": mm, "memory": mem, "throughput": mm + mem, "ops": costs.ops, "compute": b["compute"],
                       "collectives": b["all_gather"] + b["reduce_scatter"] + b["all_reduce"],
                       "all_gather": b["all_gather"], "optimizer": b["optimizer"], "dtype": dtype})
-        runs.append((size, plan.to_json(), dtype, False))
-    if ranks > 1:  # the larger size again with prefetch: how much gather time hides under compute
-        runs.append((SIZES[-1], runs[1][1], "float32", True))
+        runs.append((size, plan.to_json(), dtype, "plain"))
+    if ranks > 1:  # the larger size also with prefetch: how much gather time hides under compute
+        runs[1] = runs[1][:3] + ("pair",)
         first_gather = per_rank.all_gather_time(plan_sizes[1] * 4, ranks)
     from elixir.testing.dist import run_distributed
 
@@ -270,23 +285,23 @@ def calibrate(hw: Any, ranks: int, steps: int = 6, timeout: float = 600.0) -> Ca
 
     overlap = 0.0
     if ranks > 1:
-        no_pf = meas[big]["compute"] + meas[big]["collectives"]
-        with_pf = slowest(3, "fwd_bwd")
+        diffs = [max(r[big]["fwd_bwd"][j] for r in res) - max(r[big]["fwd_bwd_prefetch"][j] for r in res)
+                 for j in range(1, steps)]
+        hidden = statistics.median(diffs)
         p = preds[big]
         gathers = meas[big]["collectives"] * (p["all_gather"] / p["collectives"] if p["collectives"] else 0.0)
         hideable = min(meas[big]["compute"], max(0.0, gathers - first_gather * ratio("collectives")))
-        overlap = _clamp((no_pf - with_pf) / hideable, 0.0, 1.0) if hideable > 0 else 0.0
+        overlap = _clamp(hidden / hideable, 0.0, 1.0) if hideable > 0 else 0.0
 
     return Calibration(
         ranks=ranks, compute=_clamp(a), compute_bfloat16=_clamp(a_bf16), op_overhead_s=_clamp(b, 0.0, 1e-3),
         collectives=ratio("collectives") if ranks > 1 else 1.0, optimizer=ratio("optimizer"), overlap=overlap,
-        runs=tuple({"size": runs[i][0], "dtype": runs[i][2], "prefetch": runs[i][3], "measured": meas[i],
-                    "predicted": preds[i] if i < len(preds) else preds[big]}
-                   for i in range(len(runs))),
+        runs=tuple({"size": runs[i][0], "dtype": runs[i][2], "mode": runs[i][3], "measured": meas[i],
+                    "predicted": preds[i]} for i in range(len(runs))),
     )
 
 
-def calibrate_profile(hw: Any, ranks: tuple[int, ...], steps: int = 6, say: Optional[Any] = None) -> Any:
+def calibrate_profile(hw: Any, ranks: tuple[int, ...], steps: int = 10, say: Optional[Any] = None) -> Any:
     """``hw`` with :attr:`calibration` measured at each number of ranks per node in ``ranks``."""
     import dataclasses
 
@@ -300,7 +315,7 @@ def calibrate_profile(hw: Any, ranks: tuple[int, ...], steps: int = 6, say: Opti
         for r in c.runs:
             m, p = r["measured"], r["predicted"]
             notes.append(f"{k} rank(s), width {r['size'][0]} seq {r['size'][2]} {r['dtype']}"
-                         f"{' prefetch' if r['prefetch'] else ''}: measured "
+                         f"{' (also with prefetch, alternating)' if r['mode'] == 'pair' else ''}: measured "
                          + ", ".join(f"{n} {m[n] * 1e3:.1f} ms" for n in ("compute", "collectives", "optimizer"))
                          + "; predicted " + ", ".join(f"{n} {p[n] * 1e3:.1f} ms" for n in ("compute", "collectives", "optimizer")))
     src = dict(hw.source)
