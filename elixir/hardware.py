@@ -112,7 +112,7 @@ class BandwidthCurve:
 
 
 _CURVES = ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable", "device_copy", "all_gather", "reduce_scatter",
-           "elementwise")
+           "elementwise", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,8 @@ class HardwareProfile:
             fixed cost of an op taken out (that is ``op_overhead_s``); empty: use ``matmul_flops``.
         elementwise: throughput (bytes read + written per second) of a memory-bound op by its
             bytes, fixed cost taken out; None: twice ``device_copy`` (a copy reads and writes).
+        all_reduce: all-reduce bus-bandwidth curve (bus bytes ``2 (w - 1) / w`` of the message);
+            None: a reduce-scatter plus an all-gather (the ring algorithm NCCL uses).
         op_overhead_s: fixed seconds per dispatched op in a training step (framework dispatch,
             autograd bookkeeping, kernel launch), timed on a chain of tiny ops with autograd.
         calibration: per number of ranks per node (a string key), measured / predicted time of the
@@ -195,6 +197,7 @@ class HardwareProfile:
     matmul_curve: dict[str, BandwidthCurve] = field(default_factory=dict)
     elementwise: Optional[BandwidthCurve] = None
     op_overhead_s: float = 0.0
+    all_reduce: Optional[BandwidthCurve] = None
     calibration: dict[str, dict[str, float]] = field(default_factory=dict)
     overlap_fraction: float = 0.0
     compute_threads: int = 0
@@ -265,6 +268,7 @@ class HardwareProfile:
             op_overhead_s=float(cal.get("op_overhead_s", self.op_overhead_s * c)),
             all_gather=self.all_gather.scaled(1 / col) if self.all_gather is not None else None,
             reduce_scatter=self.reduce_scatter.scaled(1 / col) if self.reduce_scatter is not None else None,
+            all_reduce=self.all_reduce.scaled(1 / col) if self.all_reduce is not None else None,
             optimizer_params_per_s={w: v / o for w, v in self.optimizer_params_per_s.items()},
             overlap_fraction=float(cal.get("overlap", self.overlap_fraction)),
             calibration={},
@@ -289,6 +293,14 @@ class HardwareProfile:
     def reduce_scatter_time(self, full_bytes: float, world: int) -> float:
         """Seconds to reduce-scatter ``full_bytes`` of gradients over ``world`` ranks."""
         return self._collective_time(self.reduce_scatter, full_bytes, world, "reduce-scatter")
+
+    def all_reduce_time(self, nbytes: float, world: int) -> float:
+        """Seconds to all-reduce ``nbytes`` over ``world`` ranks."""
+        if world <= 1 or nbytes <= 0:
+            return 0.0
+        if self.all_reduce is None:
+            return self.reduce_scatter_time(nbytes, world) + self.all_gather_time(nbytes, world)
+        return self.all_reduce.time(2 * nbytes * (world - 1) / world)
 
     def h2d_time(self, nbytes: float, pinned: bool = True) -> float:
         return (self.h2d_pinned if pinned else self.h2d_pageable).time(nbytes)
@@ -506,7 +518,7 @@ def measure_collectives(sizes: tuple[int, ...], repeats: int, group=None) -> dic
     if world < 2:
         raise ValueError("collective bandwidth needs 2+ ranks (run under torchrun or run_distributed)")
     d = dev.default_device()
-    ag, rs = [], []
+    ag, rs, ar = [], [], []
     for n in sizes:
         n = max(world * 4, n // (world * 4) * world * 4)  # whole fp32 elements, divisible by world
         full = torch.ones(n // 4, dtype=torch.float32, device=d)
@@ -528,16 +540,20 @@ def measure_collectives(sizes: tuple[int, ...], repeats: int, group=None) -> dic
 
         t_ag = timed(lambda f=full, s=shard: edist.all_gather_into(f, s, group))
         t_rs = timed(lambda f=full, s=shard: edist.reduce_scatter_into(s, f, group))
+        t_ar = timed(lambda f=full: edist.all_reduce(f, group))
         # The slowest rank sets the pace.
         t_ag = max(edist.all_gather_object(t_ag, group))
         t_rs = max(edist.all_gather_object(t_rs, group))
+        t_ar = max(edist.all_gather_object(t_ar, group))
         busbytes = n * (world - 1) / world
         ag.append(busbytes / t_ag)
         rs.append(busbytes / t_rs)
+        ar.append(2 * busbytes / t_ar)
     return {
         "sizes": tuple(sizes),
         "all_gather": tuple(ag),
         "reduce_scatter": tuple(rs),
+        "all_reduce": tuple(ar),
         "world": world,
         "backend": torch.distributed.get_backend(group),
     }
@@ -790,13 +806,15 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
             curves[key] = measure_copy_curve(o.sizes, s, t, pinned, d, o.repeats)
         src[key] = label if key != "device_copy" else ("memcpy in RAM" if cpu_only else "measured")
 
-    ag = rs = None
+    ag = rs = arc = None
     world, backend = 0, ""
     if col is not None:
         ag = BandwidthCurve(col["sizes"], col["all_gather"])
         rs = BandwidthCurve(col["sizes"], col["reduce_scatter"])
+        arc = BandwidthCurve(col["sizes"], col["all_reduce"]) if "all_reduce" in col else None
         world, backend = col["world"], col["backend"]
-        src["all_gather"] = src["reduce_scatter"] = f"measured: {backend}, {world} ranks on {host}, bus bandwidth"
+        src["all_gather"] = src["reduce_scatter"] = src["all_reduce"] = (
+            f"measured: {backend}, {world} ranks on {host}, bus bandwidth")
 
     say("optimizer")
     opt_rate, opt_impl = {}, {}
@@ -858,6 +876,7 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
         disk_bytes=free_disk,
         all_gather=ag,
         reduce_scatter=rs,
+        all_reduce=arc if col is not None else None,
         collective_world=world,
         collective_backend=backend,
         optimizer_params_per_s=opt_rate,

@@ -94,3 +94,13 @@ def test_calibration_runs_the_runtime_on_this_machine():
     assert set(f) == {"compute", "compute_bfloat16", "op_overhead_s", "collectives", "optimizer", "overlap"}
     assert 0 < f["compute"] < 100 and 0 < f["compute_bfloat16"] < 100 and 0 <= f["op_overhead_s"] < 1e-3 and f["collectives"] == 1.0
     assert "ReferenceLM" in cal.source["calibration"] and "measured compute" in cal.source["calibration"]
+
+
+def test_all_reduce_from_its_curve_or_a_ring():
+    hw = load_profile("8xA100-40GB")
+    assert hw.all_reduce is None  # NCCL's ring: a reduce-scatter then an all-gather
+    n = 1 << 28
+    assert hw.all_reduce_time(n, 8) == pytest.approx(hw.reduce_scatter_time(n, 8) + hw.all_gather_time(n, 8))
+    measured = dataclasses.replace(hw, all_reduce=BandwidthCurve.flat(1e11))
+    assert measured.all_reduce_time(n, 8) == pytest.approx(2 * n * 7 / 8 / 1e11)
+    assert measured.all_reduce_time(n, 1) == 0.0

@@ -84,3 +84,57 @@ def test_optimal_plans_match_the_reference(world):
     # the tight budgets really moved state to the host somewhere
     tight_places = {p for (c, tight), got in zip(cases, results[0]) if tight for p in got["placements"]}
     assert any(s == "host" or o == "host" for s, o in tight_places), tight_places
+
+
+def _fast_all_reduce():
+    """cpu-box with an all-reduce ten times faster than a reduce-scatter plus an all-gather, so that
+    replicating every chunk (data parallel) is the fastest plan wherever memory allows it."""
+    import dataclasses
+
+    from elixir.hardware import BandwidthCurve
+
+    rs = HW.reduce_scatter
+    return dataclasses.replace(HW, all_reduce=BandwidthCurve(rs.sizes, tuple(20 * b for b in rs.bytes_per_s)))
+
+
+def _train_replicated(case: Case) -> dict:
+    zc = CASES[case.model]
+    rank, world = edist.get_rank(), edist.get_world_size()
+    model = build(case)
+    plan = optimal_search(model, world, hardware=_fast_all_reduce(), device_memory=1 << 30, host_memory=1 << 30,
+                          inp=zc.make_batch(BATCH // world, 0), step_fn=zc.step_fn)
+    em = ElixirModule(model, plan, prefetch=case.prefetch)
+    opt = ElixirOptimizer(em, opt_fn(case)([p for p in em.parameters() if p.requires_grad]))
+    run = train_wrapped(zc, em, opt, steps=STEPS, batch_size=BATCH)
+    return {"losses": run.losses, "grads": run.first_grads if rank == 0 else None,
+            "state": em.state_dict(rank0_only=True), "memory": em.memory_report(), "warnings": run.warnings,
+            "sharded": sum(c.sharded for c in plan.chunks)}
+
+
+def _worker_replicated(cases: list) -> list:
+    return [_train_replicated(c) for c in cases]
+
+
+@pytest.mark.dist
+def test_replicated_plans_match_the_reference():
+    """Where all-reduce is cheap and memory ample, the search replicates every chunk; the runtime
+    then trains exactly like the reference (tied, frozen and routed parameters included)."""
+    cases = [Case("gpt2", prefetch=True), Case("tied", prefetch=False), Case("frozen", prefetch=True),
+             Case("routed", prefetch=False)]
+    results = run_distributed(_worker_replicated, 2, cases, timeout=600)
+    errors = []
+    for case, got in zip(cases, results[0]):
+        assert got["sharded"] == 0, (case, got["sharded"])
+        errors += compare(case, got, 2)
+    assert not errors, "\n".join(errors)
+    # and with too little memory to replicate, the same search shards
+    from elixir.testing.zoo import build_model
+
+    m = build_model("gpt2")
+    try:
+        optimal_search(m, 2, hardware=_fast_all_reduce(), device_memory=1, host_memory=1 << 30)
+        raise AssertionError("a 1-byte budget fitted")
+    except DoesNotFitError as e:
+        need = e.needs["device_memory"]
+    tight = optimal_search(m, 2, hardware=_fast_all_reduce(), device_memory=need, host_memory=1 << 30)
+    assert any(c.sharded for c in tight.chunks)

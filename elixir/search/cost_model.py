@@ -232,6 +232,18 @@ def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharde
     )
 
 
+def replicate(profile: StepProfile, layout: Layout) -> Layout:
+    """``layout`` with every chunk replicated (data-parallel: no gathers, gradients all-reduced,
+    every rank holding the whole model and optimizer state). Capacities shrink to what each chunk
+    holds, aligned."""
+    ctx = _context(profile)
+    numel = profile.numel
+    caps = [round_up(sum(numel[n] for n in names), ALIGN) if sh else cap
+            for names, cap, sh in zip(layout.chunks, layout.capacities, layout.sharded)]
+    return _layout(ctx, layout.chunk_size, [list(c) for c in layout.chunks], caps, [False] * len(caps),
+                   np.full(len(ctx.sh_names), -1, dtype=np.int64))
+
+
 # ---------------------------------------------------------------------------------------------
 # placements
 
@@ -342,7 +354,7 @@ def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int) 
     repl = [c for c, s in zip(layout.capacities, layout.sharded) if not s]
     ar = 0.0
     if w > 1:
-        ar = sum(hw.reduce_scatter_time(c * st.reduce_elem, w) + hw.all_gather_time(c * st.reduce_elem, w) for c in repl)
+        ar = sum(hw.all_reduce_time(c * st.reduce_elem, w) for c in repl)
     return {
         "compute": compute_seconds(profile, hw, st.dtype),
         "all_gather": gathers * hw.all_gather_time(full, w) if layout.n_sharded else 0.0,

@@ -31,6 +31,7 @@ from elixir.search.cost_model import (
     Setting,
     pack,
     place,
+    replicate,
     round_up,
     simulate_layout,
 )
@@ -38,6 +39,7 @@ from elixir.search.plan import ChunkPlan, Placement, Prediction, SearchResult, d
 from elixir.search.step_profile import RECOMPUTE, StepProfile, profile_from_module, profile_step
 
 GRID_POINTS = 48  # geometric chunk-size candidates
+REPLICATED_POINTS = 8  # chunk sizes (all-reduce bucket sizes) tried for the fully replicated plan
 EXTRA_BLOCKS = 6  # block counts tried above the minimum one by one (then geometrically)
 MAX_DEPTH = 2  # deepest prefetch tried when overlap is on
 INF = 1 << 62
@@ -136,6 +138,13 @@ class _Searcher:
             self._layouts[c] = pack(self.profile, c, self.world)
         return self._layouts[c]
 
+    def layout_of(self, ev: Evaluation) -> Layout:
+        """The layout an evaluation was made on (the packed one, or its fully replicated twin)."""
+        lay = self.layout(ev.chunk_size)
+        if lay.n_sharded and all(p.startswith("R") for p in ev.placements):
+            return replicate(self.profile, lay)
+        return lay
+
     def evaluate(self, layout: Layout, blocks: int, depth: int, usable=None) -> Optional[Evaluation]:
         g = simulate_layout(layout, blocks)
         usable = usable or self.usable
@@ -166,6 +175,12 @@ class _Searcher:
                         ev_any = ev
                 if ev_any is None and b > 0:
                     break  # more blocks only need more memory
+        if self.world > 1:  # every chunk replicated (data parallel), where the memory allows it
+            for c in chunk_size_candidates(self.profile, self.world, points=REPLICATED_POINTS):
+                scored += 1
+                ev = self.evaluate(replicate(self.profile, self.layout(c)), 0, 0)
+                if ev is not None:
+                    results.append(ev)
         if not results:
             raise self.no_fit_error()
         results.sort(key=lambda e: (e.step_time, e.device_bytes))
@@ -361,7 +376,7 @@ def search_profile(
     s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy,
                   None if reduce_dtype is None else dtype_name(reduce_dtype))
     best, results, scored = s.run()
-    layout = s.layout(best.chunk_size)
+    layout = s.layout_of(best)
     runners = _runner_ups(results, 5)
     info = {
         "search_time_s": time.perf_counter() - t0,
