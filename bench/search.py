@@ -155,12 +155,13 @@ def predictions_table(hw, steps: int, console, only: tuple[str, ...] = ()) -> No
     configs = [
         ("gpt2-s", 1, None, BATCH, SEQ),
         ("gpt2-s", 1, 120, BATCH, SEQ),
-        ("gpt2-s", 2, None, BATCH, SEQ),
-        ("gpt2-s", 2, 120, BATCH, SEQ),
-        ("opt-s", 2, 100, BATCH, SEQ),
-        ("llama-s", 2, 150, BATCH, SEQ),
+        ("gpt2-s", 2, None, BATCH, SEQ),  # memory to spare: every chunk replicated
+        ("gpt2-s", 2, 90, BATCH, SEQ),  # too little to replicate: sharded, host-placed
+        ("opt-s", 2, 70, BATCH, SEQ),
+        ("llama-s", 2, 110, BATCH, SEQ),
         ("llama-s", 1, 120, BATCH, SEQ),
-        ("gpt2-m", 2, None, 1, 32),  # communication-bound: where caching pays
+        ("gpt2-m", 2, None, 1, 32),  # communication-bound
+        ("gpt2-m", 2, 200, 1, 32),  # communication-bound, sharded, room to cache every chunk
     ]
     t = Table(title=f"optimal_search: predicted vs measured (hardware {hw.name}; {steps} steps, median of steps 2..)")
     for c in ("model", "world", "batch x seq", "budget MiB", "chunk", "blocks", "placements", "gathered+shard pred MiB",
@@ -203,18 +204,26 @@ def predictions_table(hw, steps: int, console, only: tuple[str, ...] = ()) -> No
         console.print(f"[dim]{name} w{world} budget {budget}: pred {p.step_time_s:.3f} s, meas {m['step_s']:.3f} s, "
                       f"gathered+shard {m['gathered_shard'] / MiB:.1f}/{pg / MiB:.1f} MiB[/dim]")
         if world > 1:
-            mw = minimum_waste_search(model, world, prefetch=True, inp=make_batch(0, batch, seq), step_fn=step_fn)
             st = Setting(world=world, elem=4, reduce_elem=4, opt_bytes=8,
                          hardware=hw1.per_rank(hw1.ranks_per_node(world)), dtype="float32")
-            ev = evaluate_plan(prof, mw, st)
             usable = MemoryPolicy().usable(dev, 4 << 30, 0)[0]
-            if ev.device_bytes <= usable:
-                mm = run_plan(name, mw, steps, batch, seq, enforce=False)
-                side.add_row(name, str(world), str(budget or "8192"), "minimum_waste", str(mw.cache_blocks),
-                             f"{ev.gathers} / {mm['gathers']:.0f}", f"{ev.step_time:.3f}", f"{mm['step_s']:.3f}", "")
-                side.add_row("", "", "", "optimal", str(plan.cache_blocks),
-                             f"{plan.info['gathers_per_step']} / {m['gathers']:.0f}", f"{p.step_time_s:.3f}",
-                             f"{m['step_s']:.3f}", f"{mm['step_s'] / m['step_s']:.2f}x")
+            # minimum_waste_search keeps everything on the device; where that does not fit, its
+            # cpu_offload=True variant (shards and optimizer on the host) is the simple search's answer
+            for offload in (False, True):
+                mw = minimum_waste_search(model, world, cpu_offload=offload, prefetch=True,
+                                          inp=make_batch(0, batch, seq), step_fn=step_fn)
+                ev = evaluate_plan(prof, mw, st)
+                if ev.device_bytes <= usable:
+                    break
+            else:
+                continue
+            mm = run_plan(name, mw, steps, batch, seq, enforce=False)
+            label = "minimum_waste" + (" (cpu_offload)" if offload else "")
+            side.add_row(name, str(world), str(budget or "8192"), label, str(mw.cache_blocks),
+                         f"{ev.gathers} / {mm['gathers']:.0f}", f"{ev.step_time:.3f}", f"{mm['step_s']:.3f}", "")
+            side.add_row("", "", "", "optimal", str(plan.cache_blocks),
+                         f"{plan.info['gathers_per_step']} / {m['gathers']:.0f}", f"{p.step_time_s:.3f}",
+                         f"{m['step_s']:.3f}", f"{mm['step_s'] / m['step_s']:.2f}x")
     console.print(t)
     console.print(side)
 
