@@ -274,9 +274,7 @@ def run_worker(cfg: DemoConfig) -> int:
         if cfg.json_path:
             with open(cfg.json_path, "w") as f:
                 json.dump(summary, f, indent=1)
-    edist.barrier()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    edist.shutdown()  # drain elixir's async work, then barrier and destroy on every rank together
     return 0
 
 
