@@ -348,6 +348,16 @@ def compute_seconds(profile: StepProfile, hw: HardwareProfile, dtype: str) -> fl
     return hw.compute_time(profile.flops(), dtype)
 
 
+def replicated_optimizer_time(st: Setting, numel: int, where: str) -> float:
+    """Optimizer-phase seconds of the replicated chunks (``numel`` elements) with their optimizer
+    on the device (``"D"``) or on the host (``"H"``: gradients down, parameters back up)."""
+    hw = st.hardware
+    if where == "D" or not numel:
+        return hw.optimizer_time(numel, "device")
+    return (hw.optimizer_time(numel, "host") + hw.d2h_time(numel * st.reduce_elem, st.pin)
+            + hw.h2d_time(numel * st.elem, st.pin))
+
+
 def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int) -> dict[str, float]:
     hw, w = st.hardware, st.world
     full = layout.chunk_size * st.elem
@@ -409,9 +419,7 @@ def place(
         if dev_free < 0 or host_free < 0:
             continue
         repl_opt_numel = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
-        t_repl_opt = hw.optimizer_time(repl_opt_numel, "device" if rwhere == "D" else "host")
-        if rwhere == "H" and repl_opt_numel:
-            t_repl_opt += hw.d2h_time(repl_opt_numel * st.reduce_elem, st.pin) + hw.h2d_time(repl_opt_numel * st.elem, st.pin)
+        t_repl_opt = replicated_optimizer_time(st, repl_opt_numel, rwhere)
         if n == 0:
             cand = _finish(layout, st, blocks, depth, (), fixed, rd, rh, 0, comm, t_repl_opt, 0.0, gathers, rwhere)
             if best is None or cand.step_time < best.step_time:
@@ -570,7 +578,7 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     rd, rh = replicated_optimizer_bytes(lay, st, rwhere)
     hw = st.hardware
     repl_numel = sum(c.chunk_size for c in repl)
-    t_repl = hw.optimizer_time(repl_numel, "device" if rwhere == "D" else "host")
+    t_repl = replicated_optimizer_time(st, repl_numel, rwhere)
     h2d = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
     t_h2d = float(sum(int(gc) * h2d for gc, k in zip(g, kinds) if k[0] == "H"))
     t_opt = t_repl + sum(ct[k] for k in kinds)
