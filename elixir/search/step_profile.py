@@ -156,12 +156,11 @@ def profile_from_module(
     reverse, each touching its own direct parameters."""
     params, shared, frozen, alias = _canonical(model)
     trainable = {n for n, _ in params}
+    from elixir.tracer.hooks import param_owning_modules
+
     fwd = []
-    for mname, m in model.named_modules():
-        names = tuple(
-            dict.fromkeys(alias[f"{mname}.{pn}" if mname else pn] for pn, _ in m.named_parameters(recurse=False))
-        )
-        names = tuple(n for n in names if n in trainable)
+    for _mname, _m, owned in param_owning_modules(model):  # the steps the runtime's hooks take
+        names = tuple(alias.get(n, n) for n in owned if alias.get(n, n) in trainable)
         if names:
             fwd.append(names)
     steps = fwd + fwd[::-1]

@@ -88,15 +88,44 @@ def canonical_param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
+# Modules whose forward reads a child's parameters functionally, never calling the child: the
+# child's parameters are used while the parent runs, so they belong to the parent's step.
+FUNCTIONAL_CHILDREN: dict[type, tuple[str, ...]] = {nn.MultiheadAttention: ("out_proj",)}
+
+
+def borrowed_children(model: nn.Module) -> set[int]:
+    """ids of modules whose parameters their parent uses functionally (see ``FUNCTIONAL_CHILDREN``)."""
+    out = set()
+    for mod in model.modules():
+        for cls, names in FUNCTIONAL_CHILDREN.items():
+            if isinstance(mod, cls):
+                out.update(id(getattr(mod, n)) for n in names if isinstance(getattr(mod, n, None), nn.Module))
+    return out
+
+
+def step_params(mod: nn.Module, borrowed: set[int]) -> list[nn.Parameter]:
+    """The parameters ``mod``'s step uses: its direct ones, plus those of children it reads
+    functionally; none for a borrowed child itself (its parent's step covers them)."""
+    if id(mod) in borrowed:
+        return []
+    out = [p for p in mod._parameters.values() if p is not None]
+    for child in mod.children():
+        if id(child) in borrowed:
+            out.extend(p for p in child.parameters() if p is not None)
+    return out
+
+
 def param_owning_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, ...]]]:
-    """``(module_name, module, canonical names of its direct params)`` for each param-owning module.
+    """``(module_name, module, canonical names of its step's params)`` for each module whose step
+    uses parameters (:func:`step_params`).
 
     A module object reachable under several names is listed once (first name).
     """
     names = canonical_param_names(model)
+    borrowed = borrowed_children(model)
     out = []
     for mname, mod in model.named_modules():
-        direct = tuple(names[id(p)] for p in mod.parameters(recurse=False))
+        direct = tuple(dict.fromkeys(names[id(p)] for p in step_params(mod, borrowed)))
         if direct:
             out.append((mname, mod, direct))
     return out

@@ -30,6 +30,7 @@ from elixir.chunk import BlockCache, Chunk, ChunkSpec, GradState, MemoryLedger, 
 from elixir.offload.for_plan import store_for_plan
 from elixir.offload.store import DiskStore
 from elixir.search.plan import Placement, SearchResult
+from elixir.tracer.hooks import borrowed_children, step_params
 from elixir.wrapper.plan_check import validate_plan
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -262,10 +263,9 @@ class ElixirModule(nn.Module):
         return Schedule(steps, lookahead=max(1, self.plan.prefetch_depth))
 
     def _register_hooks(self) -> None:
-        owners = {
-            m for m in self.module.modules()
-            if any(p is not None and p in self._slot_of for p in m._parameters.values())
-        }
+        borrowed = borrowed_children(self.module)
+        uses = {id(m): [p for p in step_params(m, borrowed) if p in self._slot_of] for m in self.module.modules()}
+        owners = {m for m in self.module.modules() if uses[id(m)]}
         ancestors: dict[int, set] = {}
 
         def walk(m: nn.Module, above: frozenset) -> None:
@@ -277,8 +277,7 @@ class ElixirModule(nn.Module):
         for m in self.module.modules():
             if m in self._mod_info or m not in owners:
                 continue
-            direct = [p for p in m._parameters.values() if p is not None and p in self._slot_of]
-            idx = tuple(dict.fromkeys(self._slot_of[p].index for p in direct))
+            idx = tuple(dict.fromkeys(self._slot_of[p].index for p in uses[id(m)]))
             chunk_ids = list(dict.fromkeys(self.slots[i].chunk for i in idx))
             sharded = tuple(self.chunks[c] for c in sorted(chunk_ids) if self.chunks[c].spec.sharded)
             info = _ModInfo(sharded, frozenset(c.index for c in sharded), idx, frozenset(ancestors[id(m)]), id(m))
