@@ -86,17 +86,6 @@ def _run(system: str, args: argparse.Namespace, ckpt: bool) -> dict:
     return dict(json.loads(line[7:]), wall_s=wall)
 
 
-SMALL = {
-    "gpt2": dict(n_embd=128, n_layer=3, n_head=4, vocab_size=512, n_positions=128),
-    "opt-125m": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, ffn_dim=512, vocab_size=512,
-                     max_position_embeddings=128, word_embed_proj_dim=128),
-    "llama-7b": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=512, max_position_embeddings=128),
-    "bert-base": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, intermediate_size=512,
-                      vocab_size=512, max_position_embeddings=128),
-}
-
-
 def accuracy() -> None:
     """Predicted (meta) vs measured (same step on real CPU tensors, same accounting) per model."""
     import torch
@@ -114,7 +103,7 @@ def accuracy() -> None:
         case = ZOO[name]
         for re in (False, True):
             cases.append((f"tiny {name}", lambda n=name: build_model(n), case.make_batch(2, 0), case.step_fn, re))
-    for name, kw in SMALL.items():
+    for name, kw in models.SMALL_OVERRIDES.items():
         for re in (None, False):
             torch.manual_seed(0)
             m = models.build_model(name, device="cpu", **kw)

@@ -84,6 +84,19 @@ REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
 ]}
 
 
+# Small variants of four registry models (3 layers, width 128, vocab 512): real-weight runs that
+# take seconds on a CPU, for accuracy tests and benchmarks. ``build_model(name, **SMALL_OVERRIDES[name])``.
+SMALL_OVERRIDES: dict[str, dict[str, int]] = {
+    "gpt2": dict(n_embd=128, n_layer=3, n_head=4, vocab_size=512, n_positions=128),
+    "opt-125m": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, ffn_dim=512, vocab_size=512,
+                     max_position_embeddings=128, word_embed_proj_dim=128),
+    "llama-7b": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=512, max_position_embeddings=128),
+    "bert-base": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, intermediate_size=512,
+                      vocab_size=512, max_position_embeddings=128),
+}
+
+
 def model_names() -> list[str]:
     return list(REGISTRY)
 

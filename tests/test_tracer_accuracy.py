@@ -18,15 +18,7 @@ TOL = 0.02
 HF = ("gpt2", "opt", "llama", "bert")
 
 # "small" HF configs (bigger than the zoo's tiny ones; dropout left at each config's default)
-SMALL = {
-    "gpt2": dict(n_embd=128, n_layer=3, n_head=4, vocab_size=512, n_positions=128),
-    "opt-125m": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, ffn_dim=512, vocab_size=512,
-                     max_position_embeddings=128, word_embed_proj_dim=128),
-    "llama-7b": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=512, max_position_embeddings=128),
-    "bert-base": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, intermediate_size=512,
-                      vocab_size=512, max_position_embeddings=128),
-}
+SMALL = models.SMALL_OVERRIDES
 
 
 def _close(pred: int, real: int) -> bool:
