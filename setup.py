@@ -56,8 +56,13 @@ setup(
     extras_require={
         "hf": ["transformers", "safetensors"],
         "plot": ["matplotlib"],
+        "lightning": ["lightning>=2.4"],
+        "transformers": ["transformers>=4.46", "accelerate", "safetensors"],
         "bench": ["transformers", "safetensors", "psutil"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "transformers", "safetensors", "psutil", "matplotlib"],
+        "dev": [
+            "pytest", "pytest-timeout", "hypothesis", "ruff", "transformers", "accelerate", "safetensors", "psutil",
+            "matplotlib", "lightning>=2.4",
+        ],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
