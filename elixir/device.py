@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Iterator, Optional, Union
 
 import torch
@@ -33,52 +34,98 @@ def is_accelerator(device: DeviceLike) -> bool:
 
 
 class _NullStream:
-    """Stands in for a stream on CPU: work is synchronous, so waiting is a no-op."""
+    """Stands in for a stream on CPU, where work runs synchronously when it is issued.
+
+    Waiting is then a no-op, but the stand-in keeps what the runtime's ordering logic needs to be
+    checked on CPU: a name, and (through :func:`use_stream`) which stream is current, so code
+    that issues work "on the gather stream" really runs inside that stream's context on CPU too.
+    """
+
+    def __init__(self, name: str = "default") -> None:
+        self.name = name
+        self.waited_streams = 0  # how many times this stream was ordered after another
+        self.waited_events = 0
+        self.synchronized = 0  # host waits
 
     def wait_stream(self, other: object) -> None:
-        pass
+        self.waited_streams += 1
 
     def wait_event(self, event: object) -> None:
-        pass
+        event.wait(self)
 
     def synchronize(self) -> None:
-        pass
+        self.synchronized += 1
+
+    def __repr__(self) -> str:
+        return f"_NullStream({self.name!r})"
+
+
+class UnrecordedEventError(RuntimeError):
+    """An event was waited on before anything recorded it (on CUDA this silently waits for nothing)."""
 
 
 class _NullEvent:
+    """Stands in for an event on CPU. Waiting on an event nobody recorded is the classic
+    stream-ordering bug (CUDA ignores it and the consumer reads unfinished data), so the
+    stand-in refuses it; it also counts waits so tests can see that consumers waited."""
+
+    def __init__(self) -> None:
+        self.recorded = False
+        self.waits = 0
+
     def record(self, stream: object = None) -> None:
-        pass
+        self.recorded = True
 
     def wait(self, stream: object = None) -> None:
-        pass
+        if not self.recorded:
+            raise UnrecordedEventError("waiting on an event that was never recorded")
+        self.waits += 1
+        if isinstance(stream, _NullStream):
+            stream.waited_events += 1
 
     def synchronize(self) -> None:
-        pass
+        if not self.recorded:
+            raise UnrecordedEventError("synchronizing an event that was never recorded")
 
     def query(self) -> bool:
         return True
 
 
-def new_stream(device: DeviceLike = None):
+_cpu_current = threading.local()  # the null stream use_stream() made current, per thread
+
+
+def new_stream(device: DeviceLike = None, name: str = "side"):
     """A side stream for overlapping copies and collectives with compute (a null one on CPU)."""
     device = as_device(device)
     if device.type == "cuda":
         return torch.cuda.Stream(device=device)
-    return _NullStream()
+    return _NullStream(name)
 
 
 def current_stream(device: DeviceLike = None):
+    """The stream work is issued on now: torch's current CUDA stream, or on CPU the null stream
+    :func:`use_stream` made current (a per-thread default one otherwise)."""
     device = as_device(device)
     if device.type == "cuda":
         return torch.cuda.current_stream(device)
-    return _NullStream()
+    stream = getattr(_cpu_current, "stream", None)
+    if stream is None:
+        stream = _cpu_current.stream = _NullStream("default")
+    return stream
 
 
 @contextlib.contextmanager
 def use_stream(stream) -> Iterator[None]:
-    """Run the body on ``stream`` (no-op for the null stream)."""
-    if isinstance(stream, _NullStream) or stream is None:
+    """Run the body with ``stream`` current (on CPU the null stream becomes :func:`current_stream`)."""
+    if stream is None:
         yield
+    elif isinstance(stream, _NullStream):
+        previous = getattr(_cpu_current, "stream", None)
+        _cpu_current.stream = stream
+        try:
+            yield
+        finally:
+            _cpu_current.stream = previous
     else:
         with torch.cuda.stream(stream):
             yield
@@ -95,6 +142,117 @@ def record_stream(tensor: torch.Tensor, stream) -> None:
     """Tell the caching allocator ``tensor`` is in use on ``stream`` (no-op on CPU)."""
     if tensor.device.type == "cuda" and not isinstance(stream, _NullStream):
         tensor.record_stream(stream)
+
+
+class SideStreams:
+    """The side streams of one runtime, and the rule that orders them against compute.
+
+    - ``gather``: host-to-device copies of host shards and the all-gathers into payloads;
+    - ``reduce``: gradient reduce-scatters / all-reduces and the device-to-host copies of reduced
+      gradients;
+    - ``copy``: master-to-shard refreshes after an optimizer step.
+
+    Work goes on a side stream with :meth:`issue`: the side stream first waits for everything
+    already queued on the compute (current) stream (the inputs were produced there and the
+    memory may have been freed there), then runs the body; the event it yields is recorded when
+    the body's work ends, and the consumer makes its own stream wait on that event only where it
+    needs the result (:meth:`wait`), so compute is never blocked on work it does not use.
+    On CPU the streams are :class:`_NullStream` stand-ins and the same code runs synchronously.
+    """
+
+    def __init__(self, device: DeviceLike = None) -> None:
+        self.device = as_device(device)
+        self.gather = new_stream(self.device, "gather")
+        self.reduce = new_stream(self.device, "reduce")
+        self.copy = new_stream(self.device, "copy")
+        self.issued = 0  # bodies issued on side streams (for tests)
+
+    def compute(self):
+        """The stream the caller runs on (the compute stream)."""
+        return current_stream(self.device)
+
+    @contextlib.contextmanager
+    def issue(self, stream) -> Iterator[object]:
+        """Run the body's work on ``stream``, ordered after the compute stream's queued work.
+        Yields the event that is recorded at the end of the body (wait on it after the block)."""
+        stream.wait_stream(self.compute())
+        event = new_event(self.device)
+        with use_stream(stream):
+            yield event
+            event.record(stream)
+        self.issued += 1
+
+    def wait(self, event) -> None:
+        """Make the caller's stream wait for ``event`` (a no-op on CPU, once it was recorded)."""
+        if event is not None:
+            self.compute().wait_event(event)
+
+    def join(self) -> None:
+        """Make the compute stream wait for everything queued on the side streams (device-side:
+        the host does not block)."""
+        compute = self.compute()
+        for s in (self.gather, self.reduce, self.copy):
+            compute.wait_stream(s)
+
+    def synchronize(self) -> None:
+        """Block the host until every side stream's work is done: before the host reads memory a
+        side stream writes (reduced gradients copied to pinned host buffers) or writes memory a
+        side stream may still read (host shards and masters being copied to the device)."""
+        for s in (self.gather, self.reduce, self.copy):
+            s.synchronize()
+
+
+class HostBufferPool:
+    """Reusable host buffers for transient transfers, page-locked when an accelerator is present.
+
+    Pinning memory is expensive (``cudaHostAlloc`` maps and locks pages), and a non-blocking copy
+    needs a pinned host side, so staging buffers are kept by ``(dtype, numel)`` and handed out
+    again. A buffer given back with an event is reused only once that event has completed (a
+    non-blocking copy may still read or write it). On a CPU-only machine the buffers are plain
+    host memory and the same bookkeeping runs.
+    """
+
+    def __init__(self, pin: bool = True) -> None:
+        self.pin = pin
+        self._free: dict[tuple, list] = {}
+        self.allocated = 0  # buffers created
+        self.reused = 0  # buffers handed out again
+        self.bytes = 0  # bytes held by the pool's buffers (handed out or free)
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer of ``numel`` elements of ``dtype`` (contents undefined)."""
+        free = self._free.get((dtype, int(numel)), [])
+        for i, (buf, event) in enumerate(free):
+            if event is None or event.query():
+                del free[i]
+                self.reused += 1
+                return buf
+        self.allocated += 1
+        buf = empty_host(int(numel), dtype, pin=self.pin)
+        self.bytes += buf.numel() * buf.element_size()
+        return buf
+
+    def give(self, buf: torch.Tensor, event=None) -> None:
+        """Return ``buf`` to the pool; with ``event``, not before that event completes."""
+        self._free.setdefault((buf.dtype, buf.numel()), []).append((buf, event))
+
+    def clear(self) -> None:
+        """Drop the free buffers (those handed out stay with their holders)."""
+        for free in self._free.values():
+            for buf, _ in free:
+                self.bytes -= buf.numel() * buf.element_size()
+        self._free.clear()
+
+
+_HOST_POOL: Optional[HostBufferPool] = None
+
+
+def host_pool() -> HostBufferPool:
+    """The process's pool of transient host staging buffers (created on first use)."""
+    global _HOST_POOL
+    if _HOST_POOL is None:
+        _HOST_POOL = HostBufferPool()
+    return _HOST_POOL
 
 
 def synchronize(device: DeviceLike = None) -> None:
@@ -150,6 +308,12 @@ def memory_allocated(device: DeviceLike = None) -> int:
 def max_memory_allocated(device: DeviceLike = None) -> int:
     device = as_device(device)
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def memory_reserved(device: DeviceLike = None) -> int:
+    """Bytes the caching allocator holds on an accelerator (allocated plus cached); 0 on CPU."""
+    device = as_device(device)
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
 def reset_peak_memory(device: DeviceLike = None) -> None:

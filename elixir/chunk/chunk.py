@@ -80,13 +80,16 @@ def _nbytes(numel: int, dtype: torch.dtype) -> int:
 class Chunk:
     """Runtime state of one chunk on this rank (see the module docstring)."""
 
-    def __init__(self, spec: ChunkSpec, ledger: MemoryLedger, group=None) -> None:
+    def __init__(self, spec: ChunkSpec, ledger: MemoryLedger, group=None, streams: Optional[dev.SideStreams] = None) -> None:
         if spec.sharded and spec.capacity % spec.world_size:
             raise ValueError(f"chunk {spec.index}: capacity {spec.capacity} is not a multiple of world size {spec.world_size}")
         self.spec = spec
         self.index = spec.index
         self.ledger = ledger
         self.group = group
+        # gathers, reductions and refreshes run on these side streams (null stand-ins on CPU)
+        self.streams = streams if streams is not None else dev.SideStreams(spec.device)
+        self._ready = None  # event: the last gather's data is in the payload
         self.payload_bytes = _nbytes(spec.capacity, spec.dtype)
         self.payload = torch.empty(0, dtype=spec.dtype, device=spec.device)
         self.state = ChunkState.RELEASED
@@ -152,24 +155,30 @@ class Chunk:
             return
         check_chunk_move(self.index, self.state, ChunkState.GATHERING if async_op else ChunkState.HOLD)
         self.ledger.alloc("gathered", "device", self.payload_bytes, f"gathering chunk {self.index}")
+        # The payload is allocated on the compute stream; the gather stream waits for it (and for
+        # the compute work that last used the memory), copies and gathers, and records `_ready`.
         self.payload.untyped_storage().resize_(self.payload_bytes)
-        src = self.shard
-        if self.spec.shard_on_host:
-            # Host shard: bring it in first (a real copy on an accelerator; on CPU the same memory,
-            # but the path is kept so it is exercised).
-            src = src.to(self.spec.device, non_blocking=dev.non_blocking_ok(src, self.spec.device), copy=True)
-        work = edist.all_gather_into(self.payload, src, self.group, async_op=async_op)
-        if async_op and work is not None:
-            self._work = work
-            self.state = ChunkState.GATHERING
-        else:
-            self.state = ChunkState.HOLD
+        streams = self.streams
+        with streams.issue(streams.gather) as ready:
+            src = self.shard
+            if self.spec.shard_on_host:
+                # Host shard: bring it in first (non-blocking from pinned memory on an accelerator;
+                # on CPU a copy of the same memory, kept so the path is exercised).
+                src = src.to(self.spec.device, non_blocking=dev.non_blocking_ok(src, self.spec.device), copy=True)
+            self._work = edist.all_gather_into(self.payload, src, self.group, async_op=True)
+        self._ready = ready
+        self.state = ChunkState.GATHERING
+        if not async_op:
+            self.wait()
 
     def wait(self) -> None:
         """Finish an asynchronous gather (GATHERING -> HOLD); no-op otherwise."""
         if self.state is ChunkState.GATHERING:
-            edist.wait_work(self._work)
-            self._work = None
+            if self._work is not None:  # an async collective (gloo thread, or the NCCL stream)
+                edist.wait_work(self._work)
+                self._work = None
+            self.streams.wait(self._ready)  # the compute stream waits for this chunk only
+            self._ready = None
             self._move(ChunkState.HOLD)
 
     def pin(self) -> None:
@@ -201,7 +210,8 @@ class Chunk:
         """After an optimizer step: copy the fp32 master into the compute shard when they differ.
         A disk master is not resident here: the disk path refreshed the shard while it was staged."""
         if self.master is not self.shard and not self.spec.master_on_disk:
-            with torch.no_grad():
+            streams = self.streams
+            with torch.no_grad(), streams.issue(streams.copy):
                 self.shard.copy_(self.master, non_blocking=dev.non_blocking_ok(self.master, self.shard.device))
 
     # ---- gradients -------------------------------------------------------------------------
@@ -251,8 +261,19 @@ class Chunk:
             return
         spec = self.spec
         world = spec.world_size
-        self._zero_unwritten()
         buf = self.grad_buffer
+        streams = self.streams
+        with streams.issue(streams.reduce):  # ordered after the compute that filled the buffer
+            self._reduce_on_stream(buf)
+        dev.record_stream(buf, streams.reduce)  # the allocator must not hand it out before the reduce ran
+        self.grad_buffer = None
+        self.ledger.free("grad_buffer", "device", _nbytes(spec.capacity, spec.reduce_dtype))
+        self._grad_move(GradState.REDUCED)
+
+    def _reduce_on_stream(self, buf: torch.Tensor) -> None:
+        spec = self.spec
+        world = spec.world_size
+        self._zero_unwritten()
         direct = (
             spec.sharded and world > 1 and not self.grad_valid and self.shard_grad is not None
             and self.shard_grad.dtype == buf.dtype and self.shard_grad.device == buf.device
@@ -273,18 +294,26 @@ class Chunk:
             if world > 1:
                 out.div_(world)
             self._accumulate_shard_grad(out)
-        self.grad_buffer = None
-        self.ledger.free("grad_buffer", "device", _nbytes(spec.capacity, spec.reduce_dtype))
-        self._grad_move(GradState.REDUCED)
 
     def _accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
+        n = self.spec.shard_numel
         if self.shard_grad is None:
-            self.shard_grad = torch.zeros(self.spec.shard_numel, dtype=torch.float32, device=self.master.device)
-            self.ledger.alloc("shard_grad", _loc(self.spec.master_on_host), _nbytes(self.spec.shard_numel, torch.float32))
+            if self.master.device.type == "cpu":  # page-locked, so the device-to-host copy is non-blocking
+                self.shard_grad = dev.empty_host(n, torch.float32, pin=self.spec.pin_memory).zero_()
+            else:
+                self.shard_grad = torch.zeros(n, dtype=torch.float32, device=self.master.device)
+            self.ledger.alloc("shard_grad", _loc(self.spec.master_on_host), _nbytes(n, torch.float32))
         if self.grad_valid:
-            self.shard_grad.add_(reduced.to(self.shard_grad.device, torch.float32))
+            if reduced.device != self.shard_grad.device:  # stage through a reused host buffer
+                stage = dev.host_pool().take(n, torch.float32)
+                stage.copy_(reduced, non_blocking=dev.non_blocking_ok(reduced, stage.device))
+                dev.current_stream(reduced.device).synchronize()  # the host adds it next
+                self.shard_grad.add_(stage)
+                dev.host_pool().give(stage)
+            else:
+                self.shard_grad.add_(reduced.to(torch.float32))
         else:
-            self.shard_grad.copy_(reduced)
+            self.shard_grad.copy_(reduced, non_blocking=dev.non_blocking_ok(reduced, self.shard_grad.device))
             self.grad_valid = True
 
     def end_backward(self) -> None:

@@ -158,6 +158,13 @@ def adam_step_multi(
         weight_decay=float(weight_decay), adamw_mode=bool(adamw_mode),
         bias_correction=bool(bias_correction), div_scale=float(div_scale),
     )
+    if torch_idx:
+        # First, so accelerator kernels are queued before the host kernel starts: the device
+        # updates its chunks while the CPU updates the host-placed ones (HybridAdam's overlap).
+        _torch_adam(
+            [params[i] for i in torch_idx], [grads[i] for i in torch_idx], [exp_avgs[i] for i in torch_idx],
+            [exp_avg_sqs[i] for i in torch_idx], [out_lowps[i] for i in torch_idx], **hyper,
+        )
     if native_groups:
         native = get_native()
         threads = torch.get_num_threads()
@@ -174,11 +181,6 @@ def adam_step_multi(
                 hyper["beta2"], hyper["eps"], hyper["weight_decay"], hyper["adamw_mode"],
                 hyper["bias_correction"], hyper["div_scale"], threads, _forced_simd,
             )
-    if torch_idx:
-        _torch_adam(
-            [params[i] for i in torch_idx], [grads[i] for i in torch_idx], [exp_avgs[i] for i in torch_idx],
-            [exp_avg_sqs[i] for i in torch_idx], [out_lowps[i] for i in torch_idx], **hyper,
-        )
 
 
 def _check(p, g, m, v, o) -> None:

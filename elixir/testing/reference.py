@@ -22,6 +22,13 @@ def default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
+def to_device(batch: dict, device) -> dict:
+    """``batch`` with every tensor moved to ``device`` (unchanged when ``device`` is None)."""
+    if device is None:
+        return batch
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def shard_batch(batch: dict, rank: int, world_size: int) -> dict:
     """This rank's equal slice (dim 0) of every batched tensor; 0-d tensors are shared."""
     out = {}
@@ -50,26 +57,30 @@ def train_reference(
     optimizer_fn: OptimizerFactory = default_optimizer,
     seed: int = 0,
     model: Optional[nn.Module] = None,
+    device=None,
     **build_overrides,
 ) -> ReferenceRun:
     """Train ``steps`` steps single-process on the full batch; return losses, final state and the
-    gradients after the first backward."""
+    gradients after the first backward (on the host). With ``device`` the model and batches
+    move there first."""
     case = get_case(case) if isinstance(case, str) else case
     model = model if model is not None else build_model(case.name, seed=seed, **build_overrides)
+    if device is not None:
+        model = model.to(device)
     model.train()
     opt = optimizer_fn([p for p in model.parameters() if p.requires_grad])
     torch.manual_seed(seed + 1)  # dropout RNG stream, same as wrapped runs use
     losses, first_grads = [], {}
     for step in range(steps):
-        batch = case.make_batch(batch_size, step)
+        batch = to_device(case.make_batch(batch_size, step), device)
         opt.zero_grad(set_to_none=True)
         loss = case.loss(model, batch)
         loss.backward()
         if step == 0:
-            first_grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+            first_grads = {n: (p.grad.cpu().clone() if p.grad is not None else None) for n, p in model.named_parameters()}
         opt.step()
         losses.append(loss.item())
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return ReferenceRun(losses, state, first_grads)
 
 
@@ -81,10 +92,11 @@ class WrappedRun:
 
 
 def train_wrapped(
-    case: ZooCase | str, model, optimizer, steps: int = 3, batch_size: int = 4, seed: int = 0
+    case: ZooCase | str, model, optimizer, steps: int = 3, batch_size: int = 4, seed: int = 0, device=None
 ) -> WrappedRun:
     """The wrapped counterpart of :func:`train_reference`: each rank trains on its slice of the same
-    global batches, with the same dropout seed; warnings raised while training are collected."""
+    global batches, with the same dropout seed; warnings raised while training are collected.
+    With ``device`` the batches move there; the gradients come back on the host."""
     import warnings
 
     from elixir import distributed as edist
@@ -96,12 +108,12 @@ def train_wrapped(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(steps):
-            batch = shard_batch(case.make_batch(batch_size, step), rank, world)
+            batch = to_device(shard_batch(case.make_batch(batch_size, step), rank, world), device)
             optimizer.zero_grad()
             loss = case.loss(model, batch)
             loss.backward()
             if step == 0:
-                grads = model.full_grads()
+                grads = {k: None if g is None else g.cpu() for k, g in model.full_grads().items()}
             optimizer.step()
             t = loss.detach().clone()
             edist.all_reduce(t)

@@ -149,6 +149,8 @@ class ElixirModule(nn.Module):
         self.device = dev.default_device()
         dev.keep_host_memory()  # reuse freed host memory: no page faults per gathered chunk and gradient buffer
         self.ledger = MemoryLedger(memory_limit)
+        self.streams = dev.SideStreams(self.device)  # gather / reduce / copy streams of every chunk
+        dev.reset_peak_memory(self.device)  # torch's peak statistics beside the ledger's
         self.cache = BlockCache(search_result.cache_blocks, strict=strict_cache)
 
         named = dict(module.named_parameters())
@@ -221,7 +223,7 @@ class ElixirModule(nn.Module):
                 master_on_disk=cp.optim_placement is Placement.DISK,
                 pin_memory=bool(plan.info.get("pin_memory", True)),
             )
-            chunk = Chunk(spec, self.ledger, self.group)
+            chunk = Chunk(spec, self.ledger, self.group, streams=self.streams)
             flat = torch.zeros(cp.chunk_size, dtype=torch.float32, device=self.device)
             offset = 0
             members = []
@@ -246,11 +248,24 @@ class ElixirModule(nn.Module):
             if spec.master_on_disk:
                 self.disk_store.register(chunk)
             self.chunks.append(chunk)
+        self._move_rest_to_device()
         if self.dtype != torch.float32:
             with torch.no_grad():
                 for p in self.module.parameters():
                     if p not in self._slot_of and p.is_floating_point():
                         p.data = p.data.to(self.dtype)
+
+    def _move_rest_to_device(self) -> None:
+        """Frozen parameters and buffers go where the chunks are (a model built on the host runs on
+        the accelerator); a no-op when they are already there."""
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if p not in self._slot_of and p.device != self.device and p.device.type != "meta":
+                    p.data = p.data.to(self.device)
+            for m in self.module.modules():
+                for name, b in m._buffers.items():
+                    if b is not None and b.device != self.device and b.device.type != "meta":
+                        m._buffers[name] = b.to(self.device)
 
     def _build_schedule(self) -> Optional[Schedule]:
         order = self.plan.param_order
@@ -389,6 +404,14 @@ class ElixirModule(nn.Module):
     def _reduce_chunk(self, chunk: Chunk) -> None:
         chunk.reduce()
 
+    def _settle_reductions(self) -> None:
+        """End of backward: the compute stream waits for the reductions (device-side), and where a
+        reduced gradient was copied to host memory the host waits too, so the optimizer, clipping
+        and ``full_grads`` read finished gradients."""
+        self.streams.join()
+        if any(c.shard_grad is not None and c.shard_grad.device.type == "cpu" for c in self.chunks):
+            self.streams.synchronize()
+
     def _finalize_backward(self) -> None:
         """End of backward: agree on which params got gradients, reduce the rest, reset state."""
         try:
@@ -422,6 +445,7 @@ class ElixirModule(nn.Module):
                     c.unpin()
             self._unwind_forward()
             self.cache.release_all()
+            self._settle_reductions()
         finally:
             self._in_backward = False
 
@@ -496,7 +520,8 @@ class ElixirModule(nn.Module):
     def after_optimizer_step(self) -> None:
         """The masters changed: refresh compute shards and drop every gathered (now stale) payload."""
         for c in self.chunks:
-            c.refresh_from_master()
+            c.refresh_from_master()  # on the copy stream
+        self.streams.join()  # the next forward's compute waits for the refreshed shards
         self.cache.release_all()
 
     def drain(self) -> None:
@@ -545,10 +570,16 @@ class ElixirModule(nn.Module):
             "peak_grad_buffer_bytes": L.bytes("grad_buffer", peak=True),
             "shard_grad_bytes": L.bytes("shard_grad"),
             "device_peak_bytes": L.device_peak,
+            # torch's own statistics for the whole process on the device (0 on CPU), beside the
+            # ledger's figures for the runtime's tensors
+            "device_allocated_bytes": dev.memory_allocated(self.device),
+            "device_max_allocated_bytes": dev.max_memory_allocated(self.device),
+            "device_reserved_bytes": dev.memory_reserved(self.device),
         }
 
     def reset_peak_memory(self) -> None:
         self.ledger.reset_peaks()
+        dev.reset_peak_memory(self.device)
 
     # ------------------------------------------------------------------------------------------
     # state dict (full, unsharded, keys of the wrapped model)

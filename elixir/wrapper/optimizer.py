@@ -191,6 +191,9 @@ class ElixirOptimizer:
         :meth:`clip_grad_norm_`) in one pass, or inside the kernel on the fused path."""
         if closure is not None:
             raise NotImplementedError("ElixirOptimizer.step does not take a closure")
+        # The host is about to write masters and host shards that side-stream copies may still
+        # read (gathers of host shards, last step's refreshes): let those finish first.
+        self.module.streams.synchronize()
         self._attach_grads()
         for hook in list(self.module._pre_step_hooks):
             hook(self.module)
