@@ -210,6 +210,33 @@ def count_collectives() -> Iterator[Counter]:
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+#: Backends whose collectives take accelerator tensors only. Host tensors given to them (flags,
+#: masks, norms, a state dict's host buffers) travel through the compute device and back.
+DEVICE_ONLY_BACKENDS = {"nccl"}
+
+
+class _Done:
+    """The work handle of a collective that already finished."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _staged(group, *tensors: torch.Tensor) -> bool:
+    """Whether ``tensors`` must be staged on the compute device for ``group``'s backend."""
+    return dist.get_backend(group) in DEVICE_ONLY_BACKENDS and any(t.device.type == "cpu" for t in tensors)
+
+
+def _on_device(t: torch.Tensor) -> torch.Tensor:
+    return t.to(default_device(), copy=True)
+
+
+def _done(async_op: bool):
+    return _Done() if async_op else None
+
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup = None, async_op=False):
     """Gather equal ``shard``s from every rank into the flat ``output`` (rank order)."""
@@ -218,6 +245,11 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ProcessGro
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard)
         return None
+    if _staged(group, output, shard):
+        out = _on_device(output)
+        _all_gather_base(out, _on_device(shard), group=group)
+        output.copy_(out)
+        return _done(async_op)
     work = _all_gather_base(output, shard, group=group, async_op=async_op)
     return _track(work) if async_op else work
 
@@ -253,6 +285,11 @@ def reduce_scatter_into(
             shard_out.copy_(full)
         return None
     op = op or dist.ReduceOp.SUM
+    if _staged(group, shard_out, full):
+        out = _on_device(shard_out)
+        _reduce_scatter_base(out, _on_device(full), op=op, group=group)
+        shard_out.copy_(out)
+        return _done(async_op)
     if dist.get_backend(group) == "gloo":
         n = shard_out.numel()
         start = get_rank(group) * n
@@ -269,6 +306,11 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, op=None, async_
     _count("all_reduce")
     if get_world_size(group) == 1:
         return None
+    if _staged(group, tensor):
+        t = _on_device(tensor)
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
+        tensor.copy_(t)
+        return _done(async_op)
     work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
     return _track(work) if async_op else work
 
@@ -278,6 +320,11 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, as
     if get_world_size(group) == 1:
         return None
     global_src = dist.get_global_rank(group, src) if group is not None else src
+    if _staged(group, tensor):
+        t = _on_device(tensor)
+        dist.broadcast(t, src=global_src, group=group)
+        tensor.copy_(t)
+        return _done(async_op)
     work = dist.broadcast(tensor, src=global_src, group=group, async_op=async_op)
     return _track(work) if async_op else work
 

@@ -202,3 +202,30 @@ def test_adam_queues_device_tensors_before_the_host_kernel(monkeypatch):
     )
     assert order == ["device", "host"]
     assert torch.allclose(host, strided)
+
+
+def _staging_worker() -> tuple:
+    edist.DEVICE_ONLY_BACKENDS.add("gloo")  # in this rank: take the NCCL path for host tensors
+    r = edist.get_rank()
+    t = torch.tensor([float(r + 1)])
+    edist.all_reduce(t)
+    full = torch.empty(4)
+    edist.all_gather_into(full, torch.full((2,), float(r)))
+    out = torch.empty(2)
+    edist.reduce_scatter_into(out, torch.arange(4.0))
+    b = torch.tensor([float(r + 5)])
+    edist.broadcast(b, 0)
+    w = edist.all_reduce(torch.ones(1), async_op=True)
+    edist.wait_work(w)
+    return t.item(), full.tolist(), out.tolist(), b.item()
+
+
+@pytest.mark.dist
+def test_host_tensors_are_staged_for_device_only_backends():
+    """NCCL takes device tensors only; the host flags, masks and norms the runtime reduces go
+    through the compute device and back (here the CPU stands in for it, under gloo)."""
+    from elixir.testing import run_distributed
+
+    got = run_distributed(_staging_worker, 2, timeout=120)
+    assert got[0] == (3.0, [0.0, 0.0, 1.0, 1.0], [0.0, 2.0], 5.0)
+    assert got[1] == (3.0, [0.0, 0.0, 1.0, 1.0], [4.0, 6.0], 5.0)

@@ -17,7 +17,7 @@ import torch.nn as nn
 from elixir import distributed as edist
 from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
-from elixir.testing.reference import default_optimizer, shard_batch, train_reference, train_wrapped
+from elixir.testing.reference import default_optimizer, shard_batch, to_device, train_reference, train_wrapped
 from elixir.testing.zoo import ZOO, ZooCase, _ce_loss, _vector_batch
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
@@ -139,34 +139,36 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @functools.cache
-def reference(case: Case):
-    """The plain single-process full-batch run (shared by every world size)."""
-    return train_reference(CASES[case.model], steps=STEPS, batch_size=BATCH, optimizer_fn=opt_fn(case), model=build(case))
+def reference(case: Case, device=None):
+    """The plain single-process full-batch run (shared by every world size), on ``device``."""
+    return train_reference(CASES[case.model], steps=STEPS, batch_size=BATCH, optimizer_fn=opt_fn(case), model=build(case),
+                           device=device)
 
 
-def train_dp_emulation(case: Case, world: int) -> dict[str, torch.Tensor]:
+def train_dp_emulation(case: Case, world: int, device=None) -> dict[str, torch.Tensor]:
     """Single process, but each step sums the per-rank slices' gradients (each loss scaled by
     1/world, exact for powers of two) in rank order, as data-parallel ranks do: the wrapped run's
     per-rank arithmetic, so AdamW's amplification of reduction-order rounding mostly cancels."""
     zc = CASES[case.model]
-    model = build(case)
+    model = build(case).to(device or "cpu")
     model.train()
     opt = opt_fn(case)([p for p in model.parameters() if p.requires_grad])
     torch.manual_seed(1)
     for step in range(STEPS):
-        batch = zc.make_batch(BATCH, step)
+        batch = to_device(zc.make_batch(BATCH, step), device)
         opt.zero_grad(set_to_none=True)
         for r in range(world):
             (zc.loss(model, shard_batch(batch, r, world)) / world).backward()
         opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def compare(case: Case, got: dict, world: int) -> list[str]:
-    ref = reference(case)
+def compare(case: Case, got: dict, world: int, device=None) -> list[str]:
+    """Errors of the wrapped run ``got`` against the references, computed on ``device``."""
+    ref = reference(case, device)
     # losses and first gradients: against the plain full-batch reference. Final parameters after
     # AdamW: against the same training with the data-parallel summation order (see below).
-    final = ref.state_dict if world == 1 or case.optim != "adamw" else train_dp_emulation(case, world)
+    final = ref.state_dict if world == 1 or case.optim != "adamw" else train_dp_emulation(case, world, device)
     model = build(case)
     canonical = {id(p): n for n, p in model.named_parameters()}
     alias = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}

@@ -52,7 +52,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads):
+def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads, backend="gloo"):
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -73,7 +73,7 @@ def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads):
         torch.set_num_threads(threads)
         from elixir.distributed import init_distributed, shutdown
 
-        init_distributed(backend="gloo", timeout_s=timeout)
+        init_distributed(backend=backend, timeout_s=timeout)
         result = fn(*args, **kwargs)
         with open(os.path.join(outdir, f"result_{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
@@ -114,11 +114,13 @@ def run_distributed(
     *args: Any,
     timeout: float = 300.0,
     threads_per_rank: int | None = None,
+    backend: str = "gloo",
     **kwargs: Any,
 ) -> list[Any]:
-    """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results.
 
-    ``fn`` and its arguments must be picklable (define ``fn`` at module level).
+    ``fn`` and its arguments must be picklable (define ``fn`` at module level). ``backend`` is the
+    process group's (``"nccl"`` for one GPU per rank: rank r uses ``cuda:r``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -129,7 +131,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads),
+            args=(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads, backend),
             name=f"elixir-rank{rank}",
         )
         for rank in range(world_size)
