@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_runtime import BATCH, STEPS, CASES, Case, build, compare, opt_fn  # noqa: I001
+from test_runtime import BATCH, CASES, STEPS, Case, build, compare, opt_fn  # noqa: I001
 from test_runtime_mixed import RUNS, _mixed_worker, check_mixed
 
 from elixir import checkpoint
@@ -169,8 +169,8 @@ def test_checkpoint_round_trip_one_gpu(tmp_path, where, dtype):
 def test_streams_are_real_and_host_memory_is_pinned():
     """On CUDA the side streams are distinct CUDA streams, host shards and gradients are pinned,
     and a step leaves no side-stream work unjoined."""
-    from elixir.testing.zoo import ZOO, build_model
     from elixir.testing.reference import to_device
+    from elixir.testing.zoo import ZOO, build_model
 
     zc = ZOO["gpt2"]
     model = build_model("gpt2")

@@ -260,7 +260,6 @@ class Chunk:
         if self.grad_state is not GradState.ACCUMULATING:
             return
         spec = self.spec
-        world = spec.world_size
         buf = self.grad_buffer
         streams = self.streams
         with streams.issue(streams.reduce):  # ordered after the compute that filled the buffer
