@@ -121,3 +121,34 @@ def test_bad_arguments():
         minimum_waste_search(build_model("tied"), 0)
     with pytest.raises(ValueError, match="inp and step_fn"):
         minimum_waste_search(build_model("tied"), 1, inp={"x": 1})
+
+
+class _TwoBiasFree(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8, bias=False)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(
+    "build",
+    [lambda: torch.nn.Embedding(10, 4), lambda: torch.nn.Linear(8, 8, bias=False), _TwoBiasFree],
+    ids=["embedding", "linear_no_bias", "two_identical_linears"],
+)
+def test_models_whose_every_param_exceeds_the_cap_are_planned(build, world):
+    """Every parameter above the default cap (a quarter of the model) used to leave no parameter
+    to pack and crash with "max() arg is an empty sequence"; each now gets a chunk of its own."""
+    model = build()
+    sr = minimum_waste_search(model, world)
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(n for c in sr.chunks for n in c.params) == sorted(names)
+    numel = dict((n, p.numel()) for n, p in model.named_parameters())
+    for c in sr.chunks:
+        assert c.sharded and c.chunk_size >= sum(numel[n] for n in c.params)
+        assert c.chunk_size % (16 * world) == 0
+    assert sr.cache_blocks >= 1
+    assert sr == SearchResult.from_json(sr.to_json())

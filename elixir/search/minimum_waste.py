@@ -141,6 +141,12 @@ def search_chunk_size(numels: Sequence[int], align: int, cap: Optional[int] = No
     quarter = _up(-(-sum(numels) // MIN_CHUNKS), align)
     for thr, hi in [(t, h) for t in thresholds for h in _caps(numels, t, cap, quarter, align)]:
         body = [n for n in numels if n <= thr]
+        if not body:  # every parameter is over the threshold: each gets a chunk of its own
+            size = _up(max(numels), align)
+            pad = int(_waste_many(numels, np.array([size], dtype=np.int64), align, thr)[0])
+            if best is None or pad < best[2]:
+                best = (size, thr, pad)
+            continue
         lo = _up(max(body), align)
         hi = max(lo, hi)
         cands = set(range(lo, hi + 1, max(align, (hi - lo) // MAX_CANDIDATES // align * align or align)))
