@@ -321,6 +321,25 @@ def test_offload_dir_is_cleaned_up(tmp_path):
     em2.disk_store.close()
 
 
+def test_missing_offload_dir_is_created_and_removed_again(tmp_path):
+    """A nonexistent offload_dir (and its missing parents) is created for the run and removed
+    again when the offload file is closed; a directory that existed is left as it was."""
+    wanted = tmp_path / "new" / "deeper"
+    em, _ = _build(lambda p: _placed(p, "all"), offload_dir=str(wanted))
+    assert wanted.is_dir() and not os.listdir(wanted)  # in use (the file is open, its name unlinked)
+    em.disk_store.close()
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+    # a created directory that holds a user's file by then stays
+    em, _ = _build(lambda p: _placed(p, "all"), offload_dir=str(wanted))
+    (tmp_path / "new" / "keep.txt").write_text("user data")
+    em.disk_store.close()
+    assert sorted(os.listdir(tmp_path / "new")) == ["keep.txt"]  # only the empty directory went
+    # an existing directory stays
+    em, _ = _build(lambda p: _placed(p, "all"), offload_dir=str(tmp_path / "new"))
+    em.disk_store.close()
+    assert sorted(os.listdir(tmp_path / "new")) == ["keep.txt"]
+
+
 def test_python_fallback_trains_like_host(monkeypatch):
     """Without the native engine the thread fallback is used (with a warning) and a run with every
     chunk on disk still equals the host run bit for bit."""

@@ -5,7 +5,9 @@
 ``tempfile.gettempdir()``; with a directory given, in that directory. Once its space is reserved
 and its descriptors are open, the file's name is unlinked (and the per-run directory removed):
 the bytes stay reachable through the open descriptors and the kernel frees them when the process
-ends, so nothing is left behind even if it is killed. A directory that cannot be created or written, or that has less free space than asked
+ends, so nothing is left behind even if it is killed. A given directory that did not exist is
+created (with its missing parents) and removed again, if empty, when the file is closed (at
+interpreter exit at the latest); a directory that already existed is left as it was. A directory that cannot be created or written, or that has less free space than asked
 for, raises :class:`OffloadDirError` naming the fix.
 """
 
@@ -41,9 +43,10 @@ class OffloadLocation:
     file: OffloadFile
     path: str
     temp_dir: Optional[str]  # the per-run directory we created (removed at exit), or None
+    created_dirs: tuple[str, ...] = ()  # missing directories of offload_dir we made, outermost first
 
     def close(self) -> None:
-        _cleanup(self.file, self.path, self.temp_dir)
+        _cleanup(self.file, self.path, self.temp_dir, self.created_dirs)
 
 
 def _cleanup_names(path: str, temp_dir: Optional[str]) -> None:
@@ -55,15 +58,40 @@ def _cleanup_names(path: str, temp_dir: Optional[str]) -> None:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _cleanup(f: OffloadFile, path: str, temp_dir: Optional[str]) -> None:
+def _remove_created(created_dirs: tuple[str, ...]) -> None:
+    """Remove the directories we created, innermost first, as long as they are empty (another
+    rank's or the user's files keep them)."""
+    for d in reversed(created_dirs):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+
+
+def _cleanup(f: OffloadFile, path: str, temp_dir: Optional[str], created_dirs: tuple[str, ...] = ()) -> None:
     f.close()
     _cleanup_names(path, temp_dir)
+    _remove_created(created_dirs)
+
+
+def _missing_dirs(directory: str) -> tuple[str, ...]:
+    """The directories ``os.makedirs(directory)`` would create, outermost first."""
+    missing = []
+    d = directory
+    while d and not os.path.exists(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    return tuple(reversed(missing))
 
 
 def open_offload_file(offload_dir: Optional[str], need_bytes: int, rank: int = 0, direct: bool = False) -> OffloadLocation:
     """Create this rank's offload file in ``offload_dir`` (default: a new temporary directory) and
     reserve ``need_bytes`` in it. Raises :class:`OffloadDirError` when that is impossible."""
     temp_dir = None
+    created: tuple[str, ...] = ()
     if offload_dir is None:
         try:
             temp_dir = tempfile.mkdtemp(prefix="elixir-offload-")
@@ -74,9 +102,11 @@ def open_offload_file(offload_dir: Optional[str], need_bytes: int, rank: int = 0
         directory = os.path.abspath(os.path.expanduser(offload_dir))
         if os.path.exists(directory) and not os.path.isdir(directory):
             raise OffloadDirError(f"offload_dir {directory!r} is not a directory; {_fix(need_bytes)}")
+        created = _missing_dirs(directory)
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as e:
+            _remove_created(created)
             raise OffloadDirError(f"offload_dir {directory!r} cannot be created ({e.strerror}); {_fix(need_bytes)}") from None
     path = os.path.join(directory, f"elixir-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}.offload")
     try:
@@ -84,8 +114,9 @@ def open_offload_file(offload_dir: Optional[str], need_bytes: int, rank: int = 0
     except OSError as e:
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
+        _remove_created(created)
         raise OffloadDirError(f"offload_dir {directory!r} is not writable ({e.strerror}); {_fix(need_bytes)}") from None
-    loc = OffloadLocation(f, path, temp_dir)
+    loc = OffloadLocation(f, path, temp_dir, created)
     try:
         free = shutil.disk_usage(directory).free
         if free < need_bytes:
@@ -104,5 +135,5 @@ def open_offload_file(offload_dir: Optional[str], need_bytes: int, rank: int = 0
         loc.close()
         raise
     _cleanup_names(path, temp_dir)  # anonymous from now on: freed with the descriptors
-    weakref.finalize(loc, _cleanup, f, path, temp_dir)
+    weakref.finalize(loc, _cleanup, f, path, temp_dir, created)
     return loc

@@ -109,7 +109,9 @@ class ElixirModule(nn.Module):
         offload_dir: directory for the fp32 masters and optimizer state of chunks the plan puts
             on disk (``optim_placement == DISK``); default: a per-run directory under
             ``tempfile.gettempdir()``. The file is unlinked as soon as it is open (nothing is left
-            behind, even by a killed process). Unused when no chunk is on disk. See
+            behind, even by a killed process). A directory that does not exist is created and
+            removed again (if empty) when the file is closed; an existing one is left as it was.
+            Unused (never created) when no chunk is on disk. See
             :mod:`elixir.offload`; ``self.disk_store`` is the :class:`~elixir.offload.DiskStore`.
         offload_direct: also open the offload file with ``O_DIRECT`` (bypassing the page cache)
             for transfers whose buffers are page-aligned (torch aligns large host tensors when
