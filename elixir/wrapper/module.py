@@ -29,9 +29,9 @@ from elixir import distributed as edist
 from elixir.chunk import BlockCache, Chunk, ChunkSpec, GradState, MemoryLedger, Schedule
 from elixir.offload.for_plan import store_for_plan
 from elixir.offload.store import DiskStore
-from elixir.search.plan import Placement, SearchResult
+from elixir.search.plan import Placement
 from elixir.tracer.hooks import borrowed_children, step_params
-from elixir.wrapper.plan_check import validate_plan
+from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -94,7 +94,9 @@ class ElixirModule(nn.Module):
     Args:
         module: the model (on CPU or the compute device; identical on every rank, or synced from
             rank 0 with ``sync_module_states``).
-        search_result: the plan (from ``minimum_waste_search`` or ``optimal_search``).
+        search_result: the plan (from ``minimum_waste_search`` or ``optimal_search``), or the path of
+            a saved one (``elixir plan --out``, ``SearchResult.save``). Every rank must hold the same
+            plan: construction checks that with one small all-gather and names the ranks that differ.
         process_group: the data-parallel group (default: the world).
         prefetch: follow the plan's traced order (``param_order``) to gather ahead and evict with
             Belady's rule; without an order this only enables LRU caching.
@@ -121,7 +123,7 @@ class ElixirModule(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        search_result: SearchResult,
+        search_result: PlanLike,
         process_group=None,
         prefetch: bool = False,
         dtype: torch.dtype = torch.float,
@@ -137,11 +139,13 @@ class ElixirModule(nn.Module):
         super().__init__()
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        search_result = as_plan(search_result)
         self.module = module
         self.plan = search_result
         self.group = process_group
         self.rank = edist.get_rank(process_group)
         self.world_size = edist.get_world_size(process_group)
+        agree_on_plan(search_result, process_group)  # first: a rank whose plan differs must not hang the others
         validate_plan(module, search_result, self.world_size)
         self.dtype = dtype
         self.reduce_dtype = torch.float32 if reduce_always_fp32 else dtype

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from typing import Union
+
+import torch
 import torch.nn as nn
 
+from elixir import distributed as edist
+from elixir.device import default_device
 from elixir.search.plan import SearchResult
+
+PlanLike = Union[SearchResult, str, os.PathLike]
 
 
 class PlanMismatch(ValueError):
@@ -17,9 +27,28 @@ def _fmt(names, limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
+# dtypes a trainable parameter may have: chunks keep fp32 masters and compute in fp32, fp16 or bf16
+CHUNKABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_trainable_dtypes(module: nn.Module) -> None:
+    """Raise ``TypeError`` naming every trainable parameter whose dtype a chunk cannot hold (complex,
+    float64, integer, float8...): wrapping would silently cast it to a float dtype, and the error
+    would only surface inside forward as a dtype mismatch."""
+    bad = [f"{n} ({p.dtype})" for n, p in module.named_parameters() if p.requires_grad and p.dtype not in CHUNKABLE_DTYPES]
+    if bad:
+        raise TypeError(
+            f"elixir chunks hold float32, float16 and bfloat16 parameters only; trainable parameters of "
+            f"other dtypes: {_fmt(bad)}. Convert them before wrapping (e.g. model.float(); a complex "
+            f"parameter as two real ones via torch.view_as_real), or freeze them (requires_grad=False)"
+        )
+
+
 def validate_plan(module: nn.Module, plan: SearchResult, world_size: int) -> None:
     """Raise :class:`PlanMismatch` unless ``plan`` packs exactly ``module``'s trainable parameters
-    with their shapes, for ``world_size`` ranks."""
+    with their shapes, for ``world_size`` ranks (and ``TypeError`` for a trainable parameter of a
+    dtype chunks cannot hold, see :func:`check_trainable_dtypes`)."""
+    check_trainable_dtypes(module)
     if plan.world_size != world_size:
         raise PlanMismatch(
             f"the plan is for world size {plan.world_size} but this process group has {world_size} ranks; "
@@ -64,3 +93,53 @@ def validate_plan(module: nn.Module, plan: SearchResult, world_size: int) -> Non
         )
     if plan.cache_blocks < 1 and any(c.sharded for c in plan.chunks):
         raise PlanMismatch("the plan has sharded chunks but no rCache blocks (cache_blocks must be >= 1)")
+
+
+def as_plan(plan: PlanLike) -> SearchResult:
+    """A :class:`SearchResult`, or the path of one saved with ``SearchResult.save`` /
+    ``elixir plan --out`` (loaded with ``SearchResult.load``); anything else is a ``TypeError``."""
+    if isinstance(plan, SearchResult):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return SearchResult.load(plan)
+    raise TypeError(
+        f"search_result must be a SearchResult (from optimal_search / minimum_waste_search) or the path "
+        f"of a plan file (elixir plan --out plan.json; SearchResult.load), got {type(plan).__name__}"
+    )
+
+
+def plan_fingerprint(plan: SearchResult) -> str:
+    """A hash of everything in ``plan`` that decides the runtime's collectives: chunks (parameters,
+    shapes, sizes, sharding, placements), world size, cache blocks, prefetch depth, traced order and
+    frozen parameters. Search timings and predictions (``info``, ``prediction``) are left out."""
+    d = plan.to_json()
+    d.pop("info", None)
+    d.pop("prediction", None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+def agree_on_plan(plan: SearchResult, group=None) -> None:
+    """Check that every rank of ``group`` holds the same plan: one all-gather of an 8-byte
+    fingerprint. Raises :class:`PlanMismatch` on every rank, naming which ranks hold which plan;
+    ranks holding different plans would otherwise fail later with opaque transport errors."""
+    world = edist.get_world_size(group)
+    if world == 1:
+        return
+    mine = plan_fingerprint(plan)
+    local = torch.tensor([int(mine[:15], 16)], dtype=torch.int64, device=default_device())
+    every = torch.empty(world, dtype=torch.int64, device=default_device())
+    edist.all_gather_into(every, local, group)
+    prints = every.tolist()
+    if len(set(prints)) == 1:
+        return
+    holders: dict[int, list[int]] = {}
+    for r, f in enumerate(prints):
+        holders.setdefault(f, []).append(r)
+    groups = "; ".join(
+        f"ranks {', '.join(map(str, rs))}: plan {f:015x}" for f, rs in sorted(holders.items(), key=lambda kv: kv[1][0])
+    )
+    raise PlanMismatch(
+        f"the ranks hold different plans ({groups}); this is rank {edist.get_rank(group)}. Make the plan on "
+        f"one rank and share it (plan.save(path) then SearchResult.load(path), or "
+        f"elixir.distributed.broadcast_object(plan)), or seed every rank's search identically"
+    )
