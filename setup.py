@@ -52,7 +52,7 @@ setup(
     packages=find_packages(include=["elixir", "elixir.*"]),
     package_data={"elixir": ["data/*.json", "data/**/*.json"]},
     python_requires=">=3.9",
-    install_requires=["torch>=2.1", "numpy", "scipy", "networkx", "pybind11", "rich"],
+    install_requires=["torch>=2.1", "numpy", "scipy", "networkx", "pybind11", "rich", "safetensors"],
     extras_require={
         "hf": ["transformers", "safetensors"],
         "plot": ["matplotlib"],

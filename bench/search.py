@@ -299,7 +299,7 @@ def main() -> int:
             t0 = time.perf_counter()
             hw = measure(MeasureOptions(sizes=MeasureOptions.quick().sizes), collective_world=2, name="cpu-box-now")
             if not args.no_calibrate:
-                from elixir.calibrate import calibrate_profile
+                from elixir.hardware.calibrate import calibrate_profile
 
                 hw = calibrate_profile(hw, (1, 2))
             console.print(f"measured this box's hardware profile in {time.perf_counter() - t0:.1f} s")

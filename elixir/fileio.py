@@ -1,4 +1,9 @@
-"""Atomic file writes: a reader sees the old file or the new one, never a torn one."""
+"""Durable file writes: a reader sees the old file or the new one, never a torn one.
+
+The primitives every writer in elixir uses (hardware profiles, plans, traces, checkpoints):
+:func:`fsync_file`, :func:`fsync_dir`, :func:`atomic_write_json`. The checkpoint's whole-directory
+protocol builds on them in :mod:`elixir.checkpoint.atomic`.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,21 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush ``path``'s data to the disk."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush the directory ``path`` (its entries: files created, renamed or removed in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 1) -> None:

@@ -96,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
     if rank != 0:
         return 0
     if not args.no_calibrate and "RANK" not in os.environ:
-        from elixir.calibrate import calibrate_profile
+        from elixir.hardware.calibrate import calibrate_profile
 
         ranks = (1,) + ((args.world_size,) if args.world_size > 1 and prof.all_gather is not None else ())
         with console.status("calibrating") as status:

@@ -279,13 +279,14 @@ _CRASH_CHILD = textwrap.dedent(
     checkpoint.save({path!r}, em, opt)
     torch.save(em.state_dict(), {expected!r})
     t.train(em, opt, range(1, 2))
-    real = checkpoint._write_tensors
+    from elixir.checkpoint import format as tensor_files
+    real = tensor_files.write_tensors
     def slow(path, tensors):
         size = real(path, tensors)
         print("WRITING", flush=True)
         time.sleep(60)
         return size
-    checkpoint._write_tensors = slow
+    tensor_files.write_tensors = slow
     checkpoint.save({path!r}, em, opt)
     """
 )

@@ -1,6 +1,6 @@
 """Calibrate a hardware profile against the runtime itself, on the machine it describes.
 
-:mod:`elixir.hardware` measures each resource alone: a matmul, a memcpy, one collective, one
+:mod:`elixir.hardware.measurement` measures each resource alone: a matmul, a memcpy, one collective, one
 optimizer update. A training step uses them together: on a CPU box the ranks of a node share
 cores, memory bandwidth and caches, collectives wait for the slowest rank, and the runtime adds
 its own bookkeeping. This module runs the real runtime (``ElixirModule`` + ``ElixirOptimizer``)
@@ -252,7 +252,7 @@ def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> C
     if ranks > 1:  # the larger size also with prefetch: how much gather time hides under compute
         runs[1] = runs[1][:3] + ("pair",)
         first_gather = per_rank.all_gather_time(plan_sizes[1] * 4, ranks)
-    from elixir.testing.dist import run_distributed
+    from elixir.launch import run_distributed
 
     res = run_distributed(_worker, ranks, runs, steps, timeout=timeout, threads_per_rank=1)
 

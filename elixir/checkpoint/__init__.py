@@ -1,0 +1,41 @@
+"""Checkpoints of an ElixirModule and its ElixirOptimizer: sharded or full, atomic, reshardable.
+
+``save(path, model, optimizer, extra=None, shard=True)`` and ``load(path, model, optimizer)``
+(collective: call both on every rank; ``path`` must be on a file system every rank sees).
+
+**Sharded** (``shard=True``): every rank writes ``rank{r}-of-{W}.safetensors`` holding its fp32
+master slices and the matching elementwise optimizer state, each under a key naming the parameter
+and the *global* ``[start, end)`` range it covers in the flattened parameter; replicated chunks,
+frozen parameters and buffers are written once, by rank 0. Rank 0 writes ``index.json``: every
+tensor's file, key, range and dtype, file sizes, a fingerprint of the model (names and shapes), the
+optimizer's param groups by parameter name with its scalar state (``step``), the loss scaler, and
+whether ``extra.pt`` exists. Loading reassembles whatever ranges the current plan needs, so a
+checkpoint saved at world size N (or with another plan) loads at world size M.
+
+**Full** (``shard=False``): rank 0 writes ``model.safetensors`` (Hugging Face compatible: tied
+weights once, under the first name, as ``save_pretrained`` does; ``config.json`` too when the
+model has a HF config), ``optimizer.pt`` (a torch optimizer state dict that loads into a plain
+torch optimizer on the unwrapped model) and ``index.json``.
+
+**Atomic**: everything goes into a temporary directory beside ``path``; files and directory are
+fsynced, then the directory is renamed into place (an older checkpoint at ``path`` is first
+renamed aside and removed after). A crash at any moment leaves the previous checkpoint loadable:
+if it falls between the two renames, :func:`load` finds the renamed-aside copy.
+
+**Bad input** (missing or truncated files, another model's checkpoint, a dtype that is not the
+saved one, mismatched optimizer groups) raises :class:`CheckpointError` on every rank before
+anything in the model or optimizer is modified.
+
+**Where each part lives**: ``format.py`` (safetensors files, on the ``safetensors`` library),
+``index.py`` (``index.json``, typed), ``atomic.py`` (the whole-directory commit), ``layout.py``
+(what of the model and optimizer a checkpoint holds), ``save.py``, ``load.py``, ``consolidate.py``,
+``errors.py`` (:class:`CheckpointError` and the one rule for raising it on every rank).
+"""
+
+from elixir.checkpoint.consolidate import consolidate
+from elixir.checkpoint.errors import CheckpointError
+from elixir.checkpoint.index import FORMAT, VERSION, Entry, Index
+from elixir.checkpoint.load import load
+from elixir.checkpoint.save import save
+
+__all__ = ["CheckpointError", "save", "load", "consolidate", "FORMAT", "VERSION", "Index", "Entry"]

@@ -1,0 +1,70 @@
+"""The whole-directory commit: a crash at any moment leaves the previous checkpoint loadable.
+
+Everything is written into a staging directory beside the target (``.NAME.tmp-*``); files and
+directory are fsynced (:mod:`elixir.fileio`), then the directory is renamed into place. An older
+checkpoint at the target is first renamed aside (``.NAME.old-*``) and removed after; if a crash
+falls between the two renames, :func:`resolve` finds the renamed-aside copy.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import uuid
+import warnings
+
+from elixir.checkpoint.errors import CheckpointError
+from elixir.checkpoint.index import INDEX
+from elixir.fileio import fsync_dir
+
+
+def staging_dir(path: str) -> str:
+    """Create and return a fresh staging directory for a checkpoint at ``path``, after removing
+    debris of earlier saves that crashed. Refuses to replace anything that is not a checkpoint."""
+    target = os.path.abspath(path)
+    parent, name = os.path.split(target)
+    if os.path.exists(target) and not os.path.isfile(os.path.join(target, INDEX)):
+        raise CheckpointError(
+            f"{target} exists and is not an elixir checkpoint (no {INDEX}); refusing to replace it — "
+            "choose another path or remove it yourself"
+        )
+    os.makedirs(parent, exist_ok=True)
+    debris = glob.glob(os.path.join(parent, f".{name}.tmp-*"))  # left by a save that crashed
+    if os.path.isfile(os.path.join(target, INDEX)):  # the target is whole: older copies are debris too
+        debris += glob.glob(os.path.join(parent, f".{name}.old-*"))
+    for stale in debris:
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    os.mkdir(tmp)
+    return tmp
+
+
+def commit(tmp: str, path: str) -> None:
+    """Move the finished staging directory ``tmp`` into place at ``path``."""
+    fsync_dir(tmp)
+    target = os.path.abspath(path)
+    parent, name = os.path.split(target)
+    if os.path.exists(target):
+        aside = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
+        os.rename(target, aside)
+        os.rename(tmp, target)
+        fsync_dir(parent)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+        fsync_dir(parent)
+
+
+def resolve(path: str) -> str:
+    """``path``, or the renamed-aside previous checkpoint when a save died between its renames."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        return target
+    parent, name = os.path.split(target)
+    aside = sorted(glob.glob(os.path.join(parent, f".{name}.old-*")), key=os.path.getmtime)
+    aside = [a for a in aside if os.path.isfile(os.path.join(a, INDEX))]
+    if aside:
+        warnings.warn(f"elixir: {path} is missing (a save was interrupted); loading the previous checkpoint {aside[-1]}", stacklevel=3)
+        return aside[-1]
+    raise CheckpointError(f"no checkpoint at {path}")

@@ -1,0 +1,72 @@
+"""What of an ElixirModule and its ElixirOptimizer a checkpoint holds, named so that another world
+size or plan can find it: parameters by name and flattened range, other tensors by state-dict key,
+param groups by parameter name."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from elixir.checkpoint.index import encode
+from elixir.wrapper import optim_state
+from elixir.wrapper.module import ElixirModule
+from elixir.wrapper.optimizer import ElixirOptimizer, Fragment
+
+
+def fingerprint(em: ElixirModule) -> dict:
+    """Names and shapes of the model's parameters (chunked) and other state-dict tensors."""
+    return {
+        "params": {s.name: list(s.shape) for s in em.slots},
+        "tensors": {k: list(v.shape) for k, v in module_tensors(em).items()},
+    }
+
+
+def module_tensors(em: ElixirModule) -> dict[str, torch.Tensor]:
+    """State-dict entries not held in chunks (frozen params, buffers), once each, by first key."""
+    managed = {id(p) for p in em.params}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for k, t in em.module.state_dict(keep_vars=True).items():
+        if id(t) in managed or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[k] = t
+    return out
+
+
+def frag_range(em: ElixirModule, f: Fragment) -> tuple[str, int, int]:
+    """The parameter a fragment belongs to, and the fragment's range in the flattened parameter."""
+    start = optim_state.fragment_start(em, f)
+    return em.slots[f.param_index].name, start, start + (f.hi - f.lo)
+
+
+def writes_fragment(em: ElixirModule, f: Fragment) -> bool:
+    """Replicated chunks are identical everywhere: only rank 0 writes them."""
+    return em.chunks[f.chunk].spec.sharded or em.rank == 0
+
+
+def fragments(em: ElixirModule, eo: Optional[ElixirOptimizer]) -> list[Fragment]:
+    """This rank's fragments: the optimizer's, or when none is given the same cut of the chunks."""
+    if eo is not None:
+        return eo.fragments
+    out = []
+    for c in em.chunks:
+        lo, n = c.spec.shard_offset, c.spec.shard_numel
+        for i in em._chunk_params[c.index]:
+            s = em.slots[i]
+            a, b = max(lo, s.offset), min(lo + n, s.offset + s.numel)
+            if a < b:
+                out.append(Fragment(i, c.index, a - lo, b - lo, c.master[a - lo : b - lo]))
+    return out
+
+
+def optimizer_meta(eo: ElixirOptimizer, em: ElixirModule) -> dict:
+    """The optimizer's class and param groups, with parameters by name."""
+    frozen_names = {id(p): n for n, p in em.module.named_parameters()}
+    groups = []
+    for group, entries in zip(eo.optim.param_groups, eo.layout.groups):
+        g = {k: encode(v, f"hyper-parameter {k!r}") for k, v in group.items() if k not in ("params", "param_names")}
+        g["params"] = [em.slots[e].name if isinstance(e, int) else frozen_names.get(id(e), "?") for e in entries]
+        groups.append(g)
+    return {"class": type(eo.optim).__name__, "param_groups": groups}

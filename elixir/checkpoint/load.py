@@ -1,0 +1,202 @@
+"""Read a checkpoint back, at any world size and with any plan: validate and read everything on
+every rank first, agree, and only then modify the model and optimizer."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from elixir.checkpoint import atomic
+from elixir.checkpoint.errors import CheckpointError, agree
+from elixir.checkpoint.format import Reader, dtype_of
+from elixir.checkpoint.index import Index, decode
+from elixir.checkpoint.layout import fingerprint, frag_range, fragments, module_tensors, optimizer_meta
+from elixir.offload.pipeline import disk_mapped
+from elixir.wrapper import optim_state
+from elixir.wrapper.module import ElixirModule
+from elixir.wrapper.optimizer import ElixirOptimizer
+
+
+def load(path: str, model: ElixirModule, optimizer: Optional[ElixirOptimizer] = None, strict: bool = True) -> Any:
+    """Load a checkpoint written by :func:`~elixir.checkpoint.save` (at any world size, with any
+    plan) into ``model`` and ``optimizer``; return the saved ``extra`` (None if none). Collective:
+    call on every rank. Nothing is modified unless every rank validated and read everything it needs."""
+    if not isinstance(model, ElixirModule):
+        raise TypeError("checkpoint.load needs the ElixirModule")
+    em = model
+    with disk_mapped(em, optimizer, writable=True):  # disk-placed masters: mapped, written in place
+        plan = _load_staged(path, em, optimizer, strict)
+    return plan["extra"]
+
+
+def _load_staged(path: str, em: ElixirModule, optimizer: Optional[ElixirOptimizer], strict: bool) -> dict:
+    error = None
+    plan = None
+    try:
+        root = atomic.resolve(path)
+        index = Index.read(root)
+        _check_model(index, em, strict)
+        if optimizer is not None and index.optimizer is None:
+            raise CheckpointError("the checkpoint holds no optimizer state; call load(path, model) without the optimizer")
+        plan = (_prepare_sharded if index.kind == "sharded" else _prepare_full)(root, index, em, optimizer)
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:
+        error = f"reading the checkpoint failed: {type(e).__name__}: {e}"
+    agree(em.group, em.world_size, error)
+    _commit_load(em, optimizer, plan)
+    return plan
+
+
+def _check_model(index: Index, em: ElixirModule, strict: bool) -> None:
+    mine = fingerprint(em)
+    theirs = index.model
+    problems = []
+    for kind in ("params", "tensors"):
+        a, b = theirs.get(kind, {}), mine[kind]
+        missing = [n for n in b if n not in a]
+        unexpected = [n for n in a if n not in b]
+        shapes = [f"{n}: {a[n]} saved, {b[n]} here" for n in b if n in a and list(a[n]) != list(b[n])]
+        if shapes:
+            problems.append("shapes differ: " + "; ".join(shapes[:5]))
+        if strict and (missing or unexpected):
+            problems.append(f"{kind} missing from the checkpoint {missing[:5]}, unknown to the model {unexpected[:5]}")
+    if problems:
+        raise CheckpointError(
+            "the checkpoint does not match this model (another model's checkpoint?): " + " | ".join(problems)
+        )
+
+
+def _group_check(index: Index, eo: ElixirOptimizer, em: ElixirModule) -> list[dict]:
+    saved_cls, cls = index.optimizer.get("class"), type(eo.optim).__name__
+    if saved_cls != cls:
+        warnings.warn(
+            f"elixir: optimizer state saved by {saved_cls} is loaded into {cls}; its state keys must mean the "
+            "same (e.g. CPUAdam <-> AdamW)", stacklevel=4,
+        )
+    saved = index.optimizer["param_groups"]
+    current = optimizer_meta(eo, em)["param_groups"]
+    if len(saved) != len(current):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} param groups, this one {len(current)}")
+    for gi, (s, c) in enumerate(zip(saved, current)):
+        if s["params"] != c["params"]:
+            diff = [n for n in s["params"] if n not in c["params"]][:3] + [n for n in c["params"] if n not in s["params"]][:3]
+            raise CheckpointError(f"param group {gi} holds other parameters in the checkpoint than here (e.g. {diff}, or another order)")
+    return [{k: decode(v) for k, v in g.items()} for g in saved]
+
+
+def load_extra(root: str, index: Index) -> Any:
+    """The ``extra`` saved with the checkpoint, or None."""
+    if not index.extra:
+        return None
+    try:
+        return torch.load(os.path.join(root, "extra.pt"), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"extra.pt is unreadable: {e}") from None
+
+
+def scalar_state(reader: Reader, pieces: dict, scalars: dict, pname: str, start: int, end: int) -> dict:
+    """One parameter's optimizer state over ``[start, end)`` of it, in the saved key order."""
+    st = {}
+    for k in scalars["__order__"]:
+        if k in scalars:
+            st[k] = decode(scalars[k])
+        else:
+            found = pieces.get((k, pname), [])
+            if not found:
+                raise CheckpointError(f"optimizer state {k!r} of {pname} is missing from the checkpoint")
+            st[k] = reader.assemble(found, start, end, dtype_of(found[0].dtype), f"state {k} of {pname}")
+    return st
+
+
+def _prepare_sharded(root: str, index: Index, em: ElixirModule, eo: Optional[ElixirOptimizer]) -> dict:
+    reader = Reader(root)
+    pieces = index.pieces()
+    module_entries = {e.name: e for e in index.entries if e.kind == "module"}
+    saved_params = index.model["params"]
+    values = []  # (fragment, fp32 values)
+    for f in fragments(em, eo):
+        pname, start, end = frag_range(em, f)
+        if pname not in saved_params:
+            continue  # strict=False
+        values.append((f, reader.assemble(pieces.get(("param", pname), []), start, end, torch.float32, f"parameter {pname}")))
+    module_vals = {}
+    for k, t in module_tensors(em).items():
+        e = module_entries.get(k)
+        if e is None:
+            continue
+        module_vals[k] = reader.read(e.file, e.key, t.dtype)
+    opt = None
+    if eo is not None:
+        groups = _group_check(index, eo, em)
+        scalars = index.optimizer["scalars"]
+        new_state = []
+        for f in eo.fragments:
+            pname, start, end = frag_range(em, f)
+            sc = scalars.get(pname)
+            if sc:
+                new_state.append((f, scalar_state(reader, pieces, sc, pname, start, end)))
+        opt = {"state": new_state, "groups": groups}
+    return {"values": values, "module": module_vals, "opt": opt, "scaler": index.loss_scaler, "extra": load_extra(root, index)}
+
+
+def _prepare_full(root: str, index: Index, em: ElixirModule, eo: Optional[ElixirOptimizer]) -> dict:
+    reader = Reader(root)
+    h = reader.handle("model.safetensors")
+    keys = set(h.keys())
+
+    def key_of(name: str) -> str:
+        k = index.aliases.get(name, name)
+        if k not in keys:
+            raise CheckpointError(f"{name} is missing from model.safetensors")
+        return k
+
+    values = []
+    for f in fragments(em, eo):
+        pname, start, end = frag_range(em, f)
+        if pname not in index.model["params"]:
+            continue  # strict=False
+        values.append((f, reader.read_flat("model.safetensors", key_of(pname), torch.float32, start, end)))
+    module_vals = {k: reader.read("model.safetensors", key_of(k), t.dtype) for k, t in module_tensors(em).items()}
+    opt = None
+    if eo is not None:
+        _group_check(index, eo, em)
+        try:
+            osd = torch.load(os.path.join(root, "optimizer.pt"), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise CheckpointError(f"optimizer.pt is unreadable or truncated: {e}") from None
+        try:
+            optim_state.check_groups(eo, osd["param_groups"])
+        except optim_state.OptimStateMismatch as e:
+            raise CheckpointError(str(e)) from None
+        opt = {"full": osd}
+    return {"values": values, "module": module_vals, "opt": opt, "scaler": index.loss_scaler, "extra": load_extra(root, index)}
+
+
+def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict) -> None:
+    with torch.no_grad():
+        em.cache.release_all()
+        for f, v in plan["values"]:
+            c = em.chunks[f.chunk]
+            c.master[f.lo : f.hi].copy_(v)
+            if c.shard is not c.master:
+                c.shard[f.lo : f.hi].copy_(v)
+        tensors = module_tensors(em)
+        for k, v in plan["module"].items():
+            tensors[k].data.copy_(v)
+    if eo is not None and plan["opt"] is not None:
+        if "full" in plan["opt"]:
+            optim_state.scatter_full_state(eo, plan["opt"]["full"])
+        else:
+            new_state = {}
+            for f, st in plan["opt"]["state"]:
+                new_state[f.tensor] = {
+                    k: (v.to(f.tensor.device) if isinstance(v, torch.Tensor) and v.dim() >= 1 else v) for k, v in st.items()
+                }
+            optim_state.install_state(eo, new_state, plan["opt"]["groups"])
+        if eo.scaler is not None and plan["scaler"] is not None:
+            eo.scaler.load_state_dict(plan["scaler"])
+        eo.zero_grad()

@@ -1,0 +1,201 @@
+"""Write a checkpoint: sharded (one file per rank) or full (Hugging Face compatible), atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Optional
+
+import torch
+
+from elixir.checkpoint import atomic
+from elixir.checkpoint import format as tensor_files
+from elixir.checkpoint.errors import CheckpointError, agree
+from elixir.checkpoint.index import Entry, Index, encode
+from elixir.checkpoint.layout import (
+    fingerprint,
+    frag_range,
+    fragments,
+    module_tensors,
+    optimizer_meta,
+    writes_fragment,
+)
+from elixir.fileio import fsync_file
+from elixir.offload.pipeline import disk_mapped
+from elixir.wrapper import optim_state
+from elixir.wrapper.module import ElixirModule
+from elixir.wrapper.optimizer import ElixirOptimizer
+
+
+def save(
+    path: str,
+    model: ElixirModule,
+    optimizer: Optional[ElixirOptimizer] = None,
+    extra: Any = None,
+    shard: bool = True,
+) -> None:
+    """Write a checkpoint of ``model`` (and ``optimizer``, ``extra``) to the directory ``path``,
+    atomically. Collective: call on every rank. See :mod:`elixir.checkpoint` for the layout."""
+    if not isinstance(model, ElixirModule):
+        raise TypeError("checkpoint.save needs the ElixirModule")
+    if optimizer is not None and optimizer.module is not model:
+        raise ValueError("the optimizer wraps another ElixirModule than the model given")
+    _check_extra(extra)
+    em = model
+    tmp = None
+    error = None
+    if em.rank == 0:
+        try:
+            tmp = atomic.staging_dir(path)
+        except (OSError, CheckpointError) as e:
+            error = str(e)
+    tmp = agree(em.group, em.world_size, error, tmp)[0]
+    try:
+        if shard:
+            with disk_mapped(em, optimizer):  # disk-placed masters and state: mapped from the file
+                error = _save_sharded(tmp, em, optimizer, extra)
+        else:
+            error = _save_full(tmp, em, optimizer, extra)
+        if em.rank == 0 and not error:
+            try:
+                atomic.commit(tmp, path)
+            except OSError as e:
+                error = f"could not move the checkpoint into place at {path}: {e}"
+        agree(em.group, em.world_size, error)
+    except BaseException:
+        if em.rank == 0 and tmp and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _check_extra(obj: Any, where: str = "extra") -> None:
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, x in enumerate(obj):
+            _check_extra(x, f"{where}[{i}]")
+        return
+    if isinstance(obj, dict):
+        for k, x in obj.items():
+            if not isinstance(k, (str, int)):
+                raise CheckpointError(f"{where} has a key of type {type(k).__name__}; use str or int keys")
+            _check_extra(x, f"{where}[{k!r}]")
+        return
+    raise CheckpointError(
+        f"{where} is a {type(obj).__name__}; extra may hold only dicts, lists, tuples, tensors, numbers, "
+        "strings and None (store e.g. a scheduler's state_dict(), not the scheduler)"
+    )
+
+
+def _save_torch(obj: Any, path: str) -> int:
+    torch.save(obj, path)
+    fsync_file(path)
+    return os.path.getsize(path)
+
+
+def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any) -> Optional[str]:
+    """Write this rank's file; rank 0 also the index. Returns rank 0's error, if any."""
+    error = None
+    meta: dict[str, Any] = {}
+    try:
+        fname = f"rank{em.rank:05d}-of-{em.world_size:05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        entries = []
+        scalars: dict[str, dict] = {}
+        state = eo.optim.state if eo is not None else {}
+        for f in fragments(em, eo):
+            if not writes_fragment(em, f):
+                continue
+            pname, start, end = frag_range(em, f)
+            key = f"param/{pname}/{start}"
+            tensors[key] = em.chunks[f.chunk].master[f.lo : f.hi]  # written from the master's memory
+            entries.append(Entry("param", pname, key, "float32", fname, start, end))
+            st = state.get(f.tensor) or {}
+            for k, v in st.items():
+                if optim_state._elementwise(v, f.hi - f.lo):
+                    skey = f"state/{k}/{pname}/{start}"
+                    tensors[skey] = v.detach().reshape(-1)
+                    entries.append(Entry("state", pname, skey, tensor_files.dtype_name(v.dtype), fname, start, end, state_key=k))
+                else:
+                    scalars.setdefault(pname, {})[k] = encode(v, f"optimizer state {k!r}")
+            if st:
+                # key order of this parameter's state (so loading rebuilds it identically)
+                scalars.setdefault(pname, {})["__order__"] = list(st.keys())
+        if em.rank == 0:
+            for k, t in module_tensors(em).items():
+                key = f"module/{k}"
+                tensors[key] = t.detach()
+                entries.append(Entry("module", k, key, tensor_files.dtype_name(t.dtype), fname, shape=list(t.shape)))
+        size = tensor_files.write_tensors(os.path.join(tmp, fname), tensors)
+        meta = {"file": fname, "size": size, "entries": entries, "scalars": scalars}
+    except Exception as e:  # report to every rank instead of leaving them in a collective
+        error = f"writing this rank's shard failed: {type(e).__name__}: {e}"
+    metas = agree(em.group, em.world_size, error, meta)
+    if em.rank != 0:
+        return None
+    try:
+        _write_sharded_index(tmp, em, eo, extra, metas)
+    except Exception as e:
+        return f"writing the checkpoint index failed: {type(e).__name__}: {e}"
+    return None
+
+
+def _write_sharded_index(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any, metas: list) -> None:
+    all_scalars: dict[str, dict] = {}
+    for m in metas:
+        for pname, d in m["scalars"].items():
+            all_scalars.setdefault(pname, {}).update(d)
+    index = Index(
+        kind="sharded",
+        world_size=em.world_size,
+        model=fingerprint(em),
+        files={m["file"]: m["size"] for m in metas},
+        entries=[e for m in metas for e in m["entries"]],
+        optimizer=None if eo is None else {**optimizer_meta(eo, em), "scalars": all_scalars},
+        loss_scaler=None if eo is None or eo.scaler is None else eo.scaler.state_dict(),
+        extra=extra is not None,
+    )
+    if extra is not None:
+        index.files["extra.pt"] = _save_torch(extra, os.path.join(tmp, "extra.pt"))
+    index.write(tmp)
+
+
+def _save_full(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any) -> Optional[str]:
+    """Gather (collective) and write on rank 0. Returns rank 0's error, if any."""
+    sd = em.state_dict(rank0_only=True)
+    osd = eo.state_dict(rank0_only=True) if eo is not None else None
+    error = None
+    if em.rank == 0:
+        try:
+            files = {}
+            seen: dict[int, str] = {}
+            tensors = {}
+            for k, t in em.module.state_dict(keep_vars=True).items():
+                if id(t) in seen:  # a tied alias: saved once, under the first name (as HF does)
+                    continue
+                seen[id(t)] = k
+                tensors[k] = sd[k].contiguous()
+            files["model.safetensors"] = tensor_files.write_tensors(os.path.join(tmp, "model.safetensors"), tensors)
+            config = getattr(em.module, "config", None)
+            if config is not None and hasattr(config, "to_json_file"):
+                config.to_json_file(os.path.join(tmp, "config.json"))
+                fsync_file(os.path.join(tmp, "config.json"))
+            scaler = None
+            if osd is not None:
+                scaler = osd.pop("loss_scaler", None)
+                files["optimizer.pt"] = _save_torch(osd, os.path.join(tmp, "optimizer.pt"))
+            if extra is not None:
+                files["extra.pt"] = _save_torch(extra, os.path.join(tmp, "extra.pt"))
+            Index(
+                kind="full",
+                world_size=em.world_size,
+                model=fingerprint(em),
+                files=files,
+                aliases={k: seen[id(t)] for k, t in em.module.state_dict(keep_vars=True).items() if seen[id(t)] != k},
+                optimizer=None if eo is None else optimizer_meta(eo, em),
+                loss_scaler=scaler,
+                extra=extra is not None,
+            ).write(tmp)
+        except Exception as e:
+            error = f"writing the full checkpoint failed: {type(e).__name__}: {e}"
+    return error

@@ -1,0 +1,34 @@
+"""What a machine can do, as versioned JSON the search reads.
+
+- :mod:`~elixir.hardware.profile`: the schema (:class:`HardwareProfile`, :class:`BandwidthCurve`)
+  and the costs derived from it;
+- :mod:`~elixir.hardware.registry`: the profiles shipped with elixir, by name;
+- :mod:`~elixir.hardware.measurement`: times this machine's resources one by one (``elixir hwprofile``);
+- :mod:`~elixir.hardware.calibrate`: times them together under the runtime.
+
+Only the last two spawn processes.
+"""
+
+from elixir.hardware.measurement import (
+    MeasureOptions,
+    measure,
+    measure_collectives,
+    measure_copy_curve,
+    measure_disk,
+    measure_elementwise_curve,
+    measure_matmul,
+    measure_matmul_curve,
+    measure_op_overhead,
+    measure_optimizer,
+    measure_train_flops,
+)
+from elixir.hardware.profile import HARDWARE_SCHEMA_VERSION, BandwidthCurve, GiB, HardwareProfile, MiB
+from elixir.hardware.registry import default_profile, load_profile, reference_profiles
+
+__all__ = [
+    "HARDWARE_SCHEMA_VERSION", "BandwidthCurve", "GiB", "HardwareProfile", "MiB",
+    "default_profile", "load_profile", "reference_profiles",
+    "MeasureOptions", "measure", "measure_collectives", "measure_copy_curve", "measure_disk",
+    "measure_elementwise_curve", "measure_matmul", "measure_matmul_curve", "measure_op_overhead",
+    "measure_optimizer", "measure_train_flops",
+]
