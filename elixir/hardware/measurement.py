@@ -369,8 +369,22 @@ def measure(
         prof = _measure_local(o, col, name, say) if edist.get_rank() == 0 else None
         return edist.broadcast_object(prof, 0)
     if collective_world >= 2:
-        col = run_distributed(_collectives_worker, collective_world, o.sizes, o.repeats, timeout=600)[0]
+        backend = local_backend(collective_world)
+        if backend is None:
+            say(f"collectives skipped: {collective_world} ranks need as many GPUs for NCCL, "
+                f"this machine has {torch.cuda.device_count()}")
+        else:
+            col = run_distributed(_collectives_worker, collective_world, o.sizes, o.repeats, timeout=600,
+                                  backend=backend)[0]
     return _measure_local(o, col, name, say)
+
+
+def local_backend(ranks: int) -> Optional[str]:
+    """The backend for ``ranks`` local ranks spawned to measure this machine: NCCL with one GPU per
+    rank where CUDA is present (None when there are fewer GPUs than ranks), gloo on CPU."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    return "nccl" if torch.cuda.device_count() >= ranks else None
 
 
 def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
