@@ -248,8 +248,8 @@ def run_trial(spec: dict) -> dict:
         )
         out["search_s"] = time.perf_counter() - t_search
         if system == "elixir-host":  # every shard and every optimizer state in host memory
-            chunks = tuple(dataclasses.replace(c, shard_placement=Placement.HOST, optim_placement=Placement.HOST)
-                           for c in plan.chunks)
+            chunks = tuple(dataclasses.replace(c, sharded=True, shard_placement=Placement.HOST,
+                                               optim_placement=Placement.HOST) for c in plan.chunks)
             plan = dataclasses.replace(plan, chunks=chunks, cache_blocks=max(plan.cache_blocks, 3),
                                        prefetch_depth=max(plan.prefetch_depth, 1))
         else:
@@ -259,6 +259,7 @@ def run_trial(spec: dict) -> dict:
         out["plan"] = {
             "chunks": len(plan.chunks), "chunk_size": max((c.chunk_size for c in plan.chunks), default=0),
             "cache_blocks": plan.cache_blocks, "prefetch_depth": plan.prefetch_depth,
+            "sharded": sum(c.sharded for c in plan.chunks),
             "placements": sorted({f"{c.shard_placement.value}/{c.optim_placement.value}" for c in plan.chunks}),
         }
         em = ElixirModule(model, plan, prefetch=True, dtype=bf16, offload_dir=offload_dir)
@@ -335,11 +336,52 @@ def measure_hardware(out_path: str, offload_dir: str) -> dict:
             "adam_host_Mparams_per_s": prof.optimizer_params_per_s.get("host", 0) / 1e6}
 
 
+def adam_overlap(spec: dict) -> dict:
+    """HybridAdam with parameters on the device and on the host in one step: the device kernels
+    are queued first, so the host kernel runs while the device works. Times each side alone and
+    both together (medians of 5, after a warm-up) and reports how much of the shorter side hid."""
+    import torch
+
+    from elixir import device as dev
+    from elixir.optim import HybridAdam
+
+    d = dev.default_device()
+    n_dev, n_host = spec["device_params"], spec["host_params"]
+
+    def make(n: int, where) -> list:
+        ps = [torch.zeros(n // 8, device=where, requires_grad=True) for _ in range(8)]
+        for p in ps:
+            p.grad = torch.full_like(p, 1e-3)
+        return ps
+
+    on_dev, on_host = make(n_dev, d), make(n_host, "cpu")
+    opt = HybridAdam(on_dev + on_host, lr=1e-4)
+
+    def timed(params: list) -> float:
+        grads = [p.grad for p in params]
+        opt.step_params(params, grads)  # warm-up (creates state)
+        times = []
+        for _ in range(5):
+            dev.synchronize(d)
+            t = time.perf_counter()
+            opt.step_params(params, grads)
+            dev.synchronize(d)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    t_dev, t_host, t_both = timed(on_dev), timed(on_host), timed(on_dev + on_host)
+    hidden = (t_dev + t_host - t_both) / max(min(t_dev, t_host), 1e-9)
+    return {"system": "adam-overlap", "status": "ok", "device_params": n_dev, "host_params": n_host,
+            "device_s": t_dev, "host_s": t_host, "both_s": t_both, "overlap": hidden, "device": dev.describe(d)}
+
+
 def _child(args: argparse.Namespace) -> int:
     spec = json.loads(args.trial)
     try:
         if spec["system"] == "hwprofile":
             res = measure_hardware(spec["profile_out"], spec["offload_dir"])
+        elif spec["system"] == "adam-overlap":
+            res = adam_overlap(spec)
         else:
             res = run_trial(spec)
     except BaseException as e:  # noqa: BLE001 - everything goes into the result
@@ -433,6 +475,12 @@ class Bench:
             self.results["notes"].append(f"hardware profile not measured ({res.get('status')}); planned with {self.hardware}")
         self.save()
 
+    def part_adam(self, budget: float) -> None:
+        tiny = self.args.tiny
+        spec = {"system": "adam-overlap", "device_params": 1 << (16 if tiny else 30), "host_params": 1 << (12 if tiny else 24)}
+        self.results["adam"] = self.trial(spec, min(budget, self.remaining()))
+        self.save()
+
     def part_step(self, budget: float) -> None:
         a = self.args
         end = time.monotonic() + budget
@@ -483,6 +531,8 @@ class Bench:
             self.hardware = a.hardware
         elif "hw" in parts:
             self.part_hw(min(60.0, 0.12 * a.budget_s))
+        if "adam" in parts:
+            self.part_adam(min(45.0, 0.08 * a.budget_s))
         rest = self.remaining()
         if "step" in parts:
             self.part_step(rest * (0.45 if "capacity" in parts else 1.0))
@@ -522,6 +572,14 @@ def render_markdown(r: dict) -> str:
         lines += [f"Measured: host->device {hw['h2d_pinned_GBps']:.1f} GB/s pinned, {hw['h2d_pageable_GBps']:.1f} GB/s "
                   f"pageable; Adam {hw['adam_device_Mparams_per_s']:.0f} Mparam/s on the device, "
                   f"{hw['adam_host_Mparams_per_s']:.0f} Mparam/s on the host.", ""]
+    ad = r.get("adam") or {}
+    if ad.get("status") == "ok":
+        lines += ["## HybridAdam: the host step under the device step", "",
+                  f"{ad['device_params'] / 1e6:.1f}M parameters on the device, {ad['host_params'] / 1e6:.1f}M on the host: "
+                  f"device alone {ad['device_s'] * 1e3:.1f} ms, host alone {ad['host_s'] * 1e3:.1f} ms, both in one step "
+                  f"{ad['both_s'] * 1e3:.1f} ms: {100 * ad['overlap']:.0f}% of the shorter side hidden.", ""]
+    elif ad:
+        lines += [f"HybridAdam overlap: {ad.get('status')}", ""]
     step = [s for s in r.get("step", [])]
     if step:
         lines += [f"## Step time, {a['size']} ({param_count(a['size']) / 1e9:.2f}B params), batch {a['batch']} x seq {a['seq']}, "
@@ -577,7 +635,7 @@ def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="output folder (results, tables, logs)")
     p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget for everything (default 540)")
-    p.add_argument("--parts", nargs="+", default=["hw", "step", "capacity"], choices=["hw", "step", "capacity"])
+    p.add_argument("--parts", nargs="+", default=["hw", "adam", "step", "capacity"], choices=["hw", "adam", "step", "capacity"])
     p.add_argument("--size", default="1.1B", choices=sorted(SIZES), help="model of the step-time part")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)

@@ -7,9 +7,10 @@
 #
 # MODE (each fits the 10-minute limit of one call):
 #   all       (default) install, environment, cuda tests (at most 200 s), then the bench's hardware
-#             profile and step-time parts in the time left (the whole call stays under ~9.5 min)
+#             profile, HybridAdam overlap and step-time parts in the time left (under ~9.5 min)
 #   tests     install, environment, cuda tests only
-#   bench     install, environment, the whole bench (hardware profile, step time, capacity; 540 s)
+#   bench     install, environment, the whole bench (hardware profile, Adam overlap, step time,
+#             capacity; 540 s)
 #   capacity  install, environment, the bench's capacity part alone (540 s; reuses OUTDIR/hw.json)
 #
 # Files in OUTDIR: env.txt, install.log, cuda_tests.log, cuda_tests.xml (junit), gpu_bench.json,
@@ -106,7 +107,7 @@ fi
 # 5. the bench
 BENCH=()
 case "$MODE" in
-  all) left=$(( 560 - $(elapsed) )); BENCH=(--parts hw step --budget-s "$left") ;;
+  all) left=$(( 560 - $(elapsed) )); BENCH=(--parts hw adam step --budget-s "$left") ;;
   bench) BENCH=(--budget-s 540) ;;
   capacity)
     BENCH=(--parts capacity --budget-s 540)
