@@ -10,7 +10,10 @@ A chunk knows nothing about models. It owns:
 - ``master``: the fp32 slice the optimizer updates (the same tensor as ``shard`` when the compute
   dtype is fp32 and both live in the same place);
 - ``grad_buffer``: the full-size gradient buffer filled during backward, freed once reduced;
-- ``shard_grad``: this rank's reduced gradient (persistent; ``grad_valid`` says if it holds data).
+- ``shard_grad``: this rank's reduced gradient in ``spec.grad_dtype`` (fp32 by default; bf16/fp16
+  halve it, and the fused CPU Adam kernel reads them as they are); ``grad_valid`` says if it holds
+  data. It lives until :meth:`drop_grad` (the fused backward-and-step frees it once the chunk is
+  stepped, so that the shard gradients of all chunks never exist at once).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class ChunkSpec:
         world_size, rank: the data-parallel group layout.
         dtype: compute dtype of payload and shard.
         reduce_dtype: dtype gradients are reduced in.
+        grad_dtype: dtype of the reduced shard gradient kept until the optimizer step (fp32, or
+            bf16/fp16 to halve its bytes: exact when it equals ``reduce_dtype`` and nothing is
+            accumulated across backwards; otherwise the fp32 sum is rounded once per backward).
         device: the compute device.
         shard_on_host: keep the compute shard in host memory between uses.
         master_on_host: keep the fp32 master shard in host memory.
@@ -53,6 +59,7 @@ class ChunkSpec:
     rank: int
     dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
+    grad_dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     shard_on_host: bool = False
     master_on_host: bool = False
@@ -274,10 +281,11 @@ class Chunk:
         world = spec.world_size
         self._zero_unwritten()
         direct = (
-            spec.sharded and world > 1 and not self.grad_valid and self.shard_grad is not None
-            and self.shard_grad.dtype == buf.dtype and self.shard_grad.device == buf.device
+            spec.sharded and world > 1 and not self.grad_valid
+            and spec.grad_dtype == buf.dtype and self.master.device == buf.device
         )
-        if direct:  # reduce-scatter straight into the (empty) shard gradient
+        if direct:
+            self._alloc_shard_grad()  # reduce-scatter straight into the (empty) shard gradient
             edist.reduce_scatter_into(self.shard_grad, buf, self.group)
             self.shard_grad.div_(world)
             self.grad_valid = True
@@ -294,26 +302,43 @@ class Chunk:
                 out.div_(world)
             self._accumulate_shard_grad(out)
 
+    @property
+    def shard_grad_bytes(self) -> int:
+        return _nbytes(self.spec.shard_numel, self.spec.grad_dtype)
+
+    def _alloc_shard_grad(self) -> None:
+        if self.shard_grad is None:
+            n, dt = self.spec.shard_numel, self.spec.grad_dtype
+            if self.master.device.type == "cpu":  # page-locked, so the device-to-host copy is non-blocking
+                self.shard_grad = dev.empty_host(n, dt, pin=self.spec.pin_memory)
+            else:
+                self.shard_grad = torch.empty(n, dtype=dt, device=self.master.device)
+            self.ledger.alloc("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
+            self.grad_valid = False
+
     def _accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
         n = self.spec.shard_numel
-        if self.shard_grad is None:
-            if self.master.device.type == "cpu":  # page-locked, so the device-to-host copy is non-blocking
-                self.shard_grad = dev.empty_host(n, torch.float32, pin=self.spec.pin_memory).zero_()
-            else:
-                self.shard_grad = torch.zeros(n, dtype=torch.float32, device=self.master.device)
-            self.ledger.alloc("shard_grad", _loc(self.spec.master_on_host), _nbytes(n, torch.float32))
+        self._alloc_shard_grad()
         if self.grad_valid:
             if reduced.device != self.shard_grad.device:  # stage through a reused host buffer
-                stage = dev.host_pool().take(n, torch.float32)
+                stage = dev.host_pool().take(n, self.shard_grad.dtype)
                 stage.copy_(reduced, non_blocking=dev.non_blocking_ok(reduced, stage.device))
                 dev.current_stream(reduced.device).synchronize()  # the host adds it next
                 self.shard_grad.add_(stage)
                 dev.host_pool().give(stage)
             else:
-                self.shard_grad.add_(reduced.to(torch.float32))
+                self.shard_grad.add_(reduced.to(self.shard_grad.dtype))
         else:
             self.shard_grad.copy_(reduced, non_blocking=dev.non_blocking_ok(reduced, self.shard_grad.device))
             self.grad_valid = True
+
+    def drop_grad(self) -> None:
+        """Free the shard gradient (after the fused backward-and-step consumed it); the next
+        reduction allocates a fresh one."""
+        if self.shard_grad is not None:
+            self.shard_grad = None
+            self.ledger.free("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
+        self.grad_valid = False
 
     def end_backward(self) -> None:
         """Reset the per-backward gradient state (after finalisation)."""

@@ -121,3 +121,68 @@ def disk_mapped(em, eo=None, writable: bool = False) -> Iterator[None]:
         for i in sorted(store.chunks):
             with staged(store, [i], before_write=lambda j: bind_state(store, eo, j)):
                 pass
+
+
+class BackwardStager:
+    """Stages disk chunks one at a time in the order their gradients become final during backward
+    (the fused backward-and-step), overlapping their reads and writes with the backward compute.
+
+    :meth:`run` stages chunk ``i`` (already read ahead when it was the expected one), queues the
+    read of the next expected chunk (``order``: the reverse of the plan order, as backward visits
+    chunks), runs ``work(i)`` and queues ``i``'s write. A write is finished before the next chunk is
+    staged, so at most **two** chunks are in host memory, as in :func:`run_pipelined`: the one
+    being stepped and the one being read (or written). A wrong guess costs one discarded read.
+    :meth:`drain` (end of backward) finishes the last write and drops an unused read-ahead.
+    """
+
+    def __init__(self, store: DiskStore, order: Sequence[int]) -> None:
+        self.store = store
+        self.order = list(order)
+        self.ahead: Optional[int] = None  # read queued or done, not yet worked on
+        self.writing: Optional[int] = None
+        self.done: set[int] = set()
+
+    def _next(self) -> Optional[int]:
+        for i in self.order:
+            if i not in self.done:
+                return i
+        return None
+
+    def run(self, index: int, work: Callable[[int], None]) -> None:
+        st = self.store
+        try:
+            if self.writing is not None:
+                st.finish(self.writing)
+                self.writing = None
+            if self.ahead is not None and self.ahead != index:
+                st.offload(self.ahead, write=False)  # guessed wrong: the disk copy is current
+                self.ahead = None
+            if self.ahead == index:
+                st.finish(index)
+                self.ahead = None
+            else:
+                st.stage(index)
+            self.done.add(index)
+            nxt = self._next()
+            if nxt is not None:
+                st.start_read(nxt)
+                self.ahead = nxt
+            work(index)
+            st.start_write(index)
+            self.writing = index
+        except BaseException:
+            self.ahead = self.writing = None
+            st.settle()
+            raise
+
+    def drain(self) -> None:
+        """Finish the last write and drop an unused read-ahead; ready for the next backward."""
+        st = self.store
+        try:
+            if self.writing is not None:
+                st.finish(self.writing)
+            if self.ahead is not None:
+                st.offload(self.ahead, write=False)
+        finally:
+            self.ahead = self.writing = None
+            self.done.clear()

@@ -146,6 +146,12 @@ class SearchResult:
         search: which search produced the plan.
         prediction: the search's predictions, if it made any.
         info: free-form extra data (waste statistics, search time, the traced setting, ...).
+        grad_dtype: dtype of the reduced shard gradients kept until the optimizer steps
+            (``"float32"``, or ``"bfloat16"``/``"float16"`` for half the bytes).
+        fused_step: step each chunk's optimizer as soon as its gradient is reduced, during
+            backward, and free the gradient then (so the shard gradients of all chunks never
+            exist at once); the optimizer falls back to a separate step, with its reason, where
+            something needs every gradient first (clipping, fp16 overflow checks).
     """
 
     chunks: tuple[ChunkPlan, ...]
@@ -157,6 +163,12 @@ class SearchResult:
     search: str = "manual"
     prediction: Optional[Prediction] = None
     info: dict[str, Any] = field(default_factory=dict)
+    grad_dtype: str = "float32"
+    fused_step: bool = False
+
+    def __post_init__(self) -> None:
+        if self.grad_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"plan grad_dtype must be float32, float16 or bfloat16, got {self.grad_dtype!r}")
 
     # ---- derived views (pure functions of the data) ----
 
@@ -197,6 +209,8 @@ class SearchResult:
             "param_order": None if self.param_order is None else [sorted(s) for s in self.param_order],
             "prediction": None if self.prediction is None else dataclasses.asdict(self.prediction),
             "info": self.info,
+            "grad_dtype": self.grad_dtype,
+            "fused_step": self.fused_step,
         }
 
     @classmethod
@@ -219,6 +233,8 @@ class SearchResult:
             search=d.get("search", "manual"),
             prediction=None if pred is None else Prediction(**pred),
             info=dict(d.get("info", {})),
+            grad_dtype=d.get("grad_dtype", "float32"),
+            fused_step=bool(d.get("fused_step", False)),
         )
 
     def save(self, path: str | os.PathLike) -> None:

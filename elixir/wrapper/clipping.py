@@ -60,7 +60,8 @@ def global_grad_norm(em: ElixirModule, norm_type: float = 2.0) -> GradNorm:
             v = torch.maximum(-lo, hi).double().cpu()
             partial = torch.maximum(partial, v)
         else:
-            v = torch.linalg.vector_norm(g, p).double().cpu()  # fp32 per chunk, as torch's per tensor
+            # fp32 per chunk, as torch's per tensor (bf16/fp16 gradients are upcast on the fly)
+            v = torch.linalg.vector_norm(g, p, dtype=torch.float32).double().cpu()
             partial = partial + (v * v if p == 2.0 else v**p)
         if not torch.isfinite(v):
             # find out which (the partial goes to 0 so MAX/SUM across ranks stay well defined)

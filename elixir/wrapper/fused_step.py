@@ -38,7 +38,7 @@ def fused_step(eo: ElixirOptimizer, div_scale: float, skip: Container[int] = (),
     em = eo.module
     params, grads, outs = [], [], []
     for f in eo.fragments if only is None else eo.chunk_fragments(only):
-        g = f.tensor.grad
+        g = eo.grad_of(f)  # fp32, or bf16/fp16 read as it is by the kernel
         if g is None or f.chunk in skip:
             continue
         c = em.chunks[f.chunk]

@@ -29,7 +29,7 @@ from elixir import distributed as edist
 from elixir.chunk import BlockCache, Chunk, ChunkSpec, GradState, MemoryLedger, Schedule
 from elixir.offload.for_plan import store_for_plan
 from elixir.offload.store import DiskStore
-from elixir.search.plan import Placement
+from elixir.search.plan import Placement, dtype_from_name
 from elixir.tracer.hooks import borrowed_children, step_params
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
 
@@ -118,6 +118,10 @@ class ElixirModule(nn.Module):
         offload_direct: also open the offload file with ``O_DIRECT`` (bypassing the page cache)
             for transfers whose buffers are page-aligned (torch aligns large host tensors when
             ``THP_MEM_ALLOC_ENABLE=1``); everything else stays buffered.
+        grad_dtype: dtype of the reduced shard gradients kept for the optimizer (``torch.float32``,
+            or ``torch.bfloat16``/``torch.float16`` to halve their bytes; CPUAdam/HybridAdam read
+            them as they are, other optimizers get an fp32 copy of one chunk at a time). Default:
+            the plan's ``grad_dtype`` (fp32 when it names none).
     """
 
     def __init__(
@@ -135,11 +139,17 @@ class ElixirModule(nn.Module):
         sync_module_states: bool = True,
         offload_dir: Optional[str] = None,
         offload_direct: bool = False,
+        grad_dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
         search_result = as_plan(search_result)
+        if grad_dtype is None:
+            grad_dtype = dtype_from_name(search_result.grad_dtype)
+        if grad_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"grad_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {grad_dtype}")
+        self.grad_dtype = grad_dtype
         self.module = module
         self.plan = search_result
         self.group = process_group
@@ -187,6 +197,9 @@ class ElixirModule(nn.Module):
         self._fwd_stack: list[tuple] = []
         self._no_sync = False
         self._pre_step_hooks: list = []
+        self._grad_ready_hooks: list = []
+        self._backward_end_hooks: list = []
+        self._grad_ready = [False] * len(self.chunks)  # this backward: announced to the hooks
         self._drift_warned = False
         self.observed_order: list[frozenset] = []  # sharded chunk sets of the last iteration
         self.schedule = self._build_schedule() if prefetch else None
@@ -223,6 +236,7 @@ class ElixirModule(nn.Module):
                 rank=self.rank,
                 dtype=self.dtype,
                 reduce_dtype=self.reduce_dtype,
+                grad_dtype=self.grad_dtype,
                 device=self.device,
                 shard_on_host=sharded and cp.shard_placement is Placement.HOST,
                 master_on_host=cp.optim_placement is not Placement.DEVICE,
@@ -396,6 +410,13 @@ class ElixirModule(nn.Module):
         slot = self._slot_of[p]
         chunk = self.chunks[slot.chunk]
         i, ci = slot.index, slot.chunk
+        if self._grad_ready[ci]:
+            raise RuntimeError(
+                f"elixir: a gradient of {slot.name!r} arrived after its chunk's gradient was final and "
+                "the optimizer had stepped it during backward (fused_step): the parameter is used "
+                "again after its gradient was complete (e.g. across reentrant checkpoint segments). "
+                "Use ElixirOptimizer(..., fused_step=False) for this model."
+            )
         chunk.add_grad(slot.offset, g)
         p.grad = None
         if not self._expected[i]:
@@ -409,6 +430,32 @@ class ElixirModule(nn.Module):
 
     def _reduce_chunk(self, chunk: Chunk) -> None:
         chunk.reduce()
+        if self._grad_ready_hooks and not self._grad_ready[chunk.index]:
+            # Early (during backward): final only when every parameter of the chunk got its
+            # gradient here, so it has one on every rank; otherwise wait for the agreement.
+            if all(self._arrived[i] for i in self._chunk_params[chunk.index]):
+                for i in self._chunk_params[chunk.index]:
+                    self.has_grad[i] = True
+                self._announce(chunk)
+
+    def _announce(self, chunk: Chunk) -> None:
+        self._grad_ready[chunk.index] = True
+        for fn in self._grad_ready_hooks:
+            fn(chunk)
+
+    def register_grad_ready_hook(self, fn) -> None:
+        """``fn(chunk)`` runs once per backward (outside ``no_sync``) for every chunk whose reduced
+        shard gradient is final: during backward as soon as all of the chunk's parameters got
+        their gradients, else at the end of backward once the ranks agreed on which did
+        (``has_grad`` is current for the chunk's parameters either way). A gradient that arrives
+        for a chunk after that raises, since what ``fn`` did with it (an optimizer step) cannot be
+        undone. ``fn`` may free the shard gradient (:meth:`Chunk.drop_grad`)."""
+        self._grad_ready_hooks.append(fn)
+
+    def register_backward_end_hook(self, fn) -> None:
+        """``fn(module)`` runs at the end of every backward outside ``no_sync``, after the last
+        grad-ready hook."""
+        self._backward_end_hooks.append(fn)
 
     def _settle_reductions(self) -> None:
         """End of backward: the compute stream waits for the reductions (device-side), and where a
@@ -436,16 +483,21 @@ class ElixirModule(nn.Module):
                 if self.world_size > 1:
                     edist.all_reduce(mask, self.group, op=torch.distributed.ReduceOp.MAX)
                 got = mask.tolist()
+                self.has_grad = [a or bool(b) for a, b in zip(self.has_grad, got[:n])]
                 for c in self.chunks:
                     if got[n + c.index]:
                         c.open_grad()
                         self._reduce_chunk(c)
+                    if self._grad_ready_hooks and not self._grad_ready[c.index] and c.grad_valid:
+                        self._announce(c)
                     c.end_backward()
-                self.has_grad = [a or bool(b) for a, b in zip(self.has_grad, got[:n])]
+                for fn in self._backward_end_hooks:
+                    fn(self)
             self._expected = [False] * n
             self._arrived = [False] * n
             self._n_expected = [0] * k
             self._n_arrived = [0] * k
+            self._grad_ready = [False] * k
             while self._bwd_stack:
                 for c in self._bwd_stack.pop().chunks:
                     c.unpin()
@@ -537,7 +589,7 @@ class ElixirModule(nn.Module):
         self.cache.drain()
 
     def iter_shards(self) -> Iterator[tuple[Chunk, torch.Tensor, Optional[torch.Tensor]]]:
-        """(chunk, fp32 master shard, fp32 shard gradient or None) for this rank, plan order."""
+        """(chunk, fp32 master shard, shard gradient in ``grad_dtype`` or None) for this rank, plan order."""
         for c in self.chunks:
             yield c, c.master, (c.shard_grad if c.grad_valid else None)
 
@@ -548,7 +600,7 @@ class ElixirModule(nn.Module):
             full = torch.zeros(c.spec.capacity, dtype=torch.float32, device=self.device)
             if c.grad_valid:
                 if c.spec.sharded:
-                    edist.all_gather_into(full, c.shard_grad.to(self.device), self.group)
+                    edist.all_gather_into(full, c.shard_grad.to(self.device, torch.float32), self.group)
                 else:
                     full.copy_(c.shard_grad)
             elif c.spec.sharded:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -20,6 +21,7 @@ import torch
 from elixir.offload.pipeline import run_pipelined, staged
 from elixir.optim.loss_scaler import DynamicLossScaler, LossScalePolicy
 from elixir.wrapper import optim_state
+from elixir.wrapper.backward_step import BackwardStep, fallback_reason
 from elixir.wrapper.clipping import clip_coefficient, global_grad_norm
 from elixir.wrapper.fused_step import fused_step, lowp_target, uses_fused_path
 from elixir.wrapper.loss_scaling import scale_outputs
@@ -56,6 +58,11 @@ class ElixirOptimizer:
         offload_dir: where the module keeps disk-placed masters and optimizer state. The module
             owns that store (``ElixirModule(..., offload_dir=...)``); giving another directory
             here is an error, and it is ignored when no chunk is on disk.
+        fused_step: step each chunk as soon as its gradient is final, during backward, and free
+            the gradient then (:mod:`elixir.wrapper.backward_step`); ``step()`` then only closes
+            the iteration. Default: the plan's ``fused_step``. Where ``max_norm`` clipping or fp16
+            loss scaling needs every gradient first, it falls back to the separate step with a
+            warning (``fused_step_fallback`` holds the reason). Accumulate with ``no_sync()``.
 
     Chunks the plan puts on disk are stepped one at a time while staged (the next one is read
     while one steps, so at most two are in host memory; :mod:`elixir.offload.pipeline`), and
@@ -81,6 +88,7 @@ class ElixirOptimizer:
         norm_type: float = 2.0,
         init_step: bool = False,
         offload_dir: Optional[str] = None,
+        fused_step: Optional[bool] = None,
     ) -> None:
         if not isinstance(module, ElixirModule):
             raise TypeError("ElixirOptimizer needs the ElixirModule (wrap the model first)")
@@ -104,11 +112,20 @@ class ElixirOptimizer:
         self.layout = optim_state.capture_layout(module, optimizer)
         self._rebuild_groups()
         self._sync_grads: list[Callable] = []
+        self._lowp_grads: dict[int, torch.Tensor] = {}  # id(fragment tensor) -> its bf16/fp16 gradient
         self._init_precision(
             LossScalePolicy(initial_scale, min_scale, max_scale, growth_factor, backoff_factor, growth_interval, hysteresis),
             max_norm,
             norm_type,
         )
+        self.backward_step: Optional[BackwardStep] = None
+        self.fused_step_fallback: Optional[str] = None
+        if module.plan.fused_step if fused_step is None else fused_step:
+            self.fused_step_fallback = fallback_reason(self.max_norm, self.scaler is not None)
+            if self.fused_step_fallback is None:
+                self.backward_step = BackwardStep(self)
+            else:
+                warnings.warn(f"elixir: fused_step falls back to a separate optimizer step: {self.fused_step_fallback}", stacklevel=2)
         if pre_state is not None:
             optim_state.scatter_full_state(self, pre_state)
             self.bind_disk_state()
@@ -174,14 +191,28 @@ class ElixirOptimizer:
 
     # ---- stepping ----------------------------------------------------------------------------
 
-    def _attach_grads(self) -> None:
+    def _attach_grads(self, chunk: Optional[int] = None) -> None:
+        """Give every fragment (of chunk ``chunk`` only, when given) its slice of the reduced
+        shard gradient: as ``.grad`` when it is fp32, else kept aside (torch refuses a
+        low-precision ``.grad`` on an fp32 tensor) for :meth:`grad_of`."""
         m = self.module
-        for f in self.fragments:
+        for f in self.fragments if chunk is None else self.chunk_fragments(chunk):
             c = m.chunks[f.chunk]
-            if c.grad_valid and m.has_grad[f.param_index]:
-                f.tensor.grad = c.shard_grad[f.lo : f.hi]
-            else:
-                f.tensor.grad = None
+            g = c.shard_grad[f.lo : f.hi] if c.grad_valid and m.has_grad[f.param_index] else None
+            if g is not None and g.dtype != f.tensor.dtype:
+                self._lowp_grads[id(f.tensor)] = g
+                g = None
+            f.tensor.grad = g
+
+    def grad_of(self, f: Fragment) -> Optional[torch.Tensor]:
+        """The gradient attached to fragment ``f`` for this step (any dtype), or None."""
+        g = f.tensor.grad
+        return g if g is not None else self._lowp_grads.get(id(f.tensor))
+
+    def _detach_grads(self, frags: Optional[list] = None) -> None:
+        for f in self.fragments if frags is None else frags:
+            f.tensor.grad = None
+            self._lowp_grads.pop(id(f.tensor), None)
 
     def step(self, closure: Optional[Callable] = None):
         """One optimizer step on the shards, then refresh what the next gather reads.
@@ -194,6 +225,11 @@ class ElixirOptimizer:
         # The host is about to write masters and host shards that side-stream copies may still
         # read (gathers of host shards, last step's refreshes): let those finish first.
         self.module.streams.synchronize()
+        if self.backward_step is not None:
+            self.backward_step.finish_step()
+            if not any(c.grad_valid for c in self.module.chunks):
+                self.last_step_skipped = False
+                return None  # every chunk stepped during backward
         self._attach_grads()
         for hook in list(self.module._pre_step_hooks):
             hook(self.module)
@@ -214,8 +250,7 @@ class ElixirOptimizer:
         finally:
             self._grad_factor = None
             self._found_inf = None
-            for f in self.fragments:
-                f.tensor.grad = None
+            self._detach_grads()
         if self.fused and len(fresh) == len(self.module.chunks):
             # the kernel wrote every compute shard: skip the master -> shard copies of
             # after_optimizer_step() and only drop the stale gathered payloads
@@ -228,8 +263,7 @@ class ElixirOptimizer:
         self.module.zero_grad()
         self._grad_factor = None
         self._found_inf = None
-        for f in self.fragments:
-            f.tensor.grad = None
+        self._detach_grads()
 
     # ---- precision, clipping, state (issue 5) --------------------------------------------------
 
@@ -271,6 +305,11 @@ class ElixirOptimizer:
 
         Call it between backward and :meth:`step`; the clip is applied at ``step`` in the same
         pass as unscaling (or inside the fused kernel). Each call clips the result of the last."""
+        if self.backward_step is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ cannot clip with fused_step: each chunk was stepped during backward, "
+                "before the global norm was known. Use ElixirOptimizer(..., fused_step=False, max_norm=...)."
+            )
         gn = global_grad_norm(self.module, norm_type)
         factor = self._pending_factor()
         self._found_inf = bool(self._found_inf) or gn.found_inf
@@ -291,6 +330,9 @@ class ElixirOptimizer:
             if disk:
                 self._step_disk(lambda i: fused_step(self, div, only=i), kernel_writes_lowp=True)
             return fresh | disk
+        if self.module.grad_dtype != torch.float32:
+            self.plain_step(factor)  # scaled in the fp32 copies, not in place in low precision
+            return set()
         if float(factor) != 1.0:
             for c in self.module.chunks:
                 if c.grad_valid and c.shard_grad is not None:
@@ -298,9 +340,18 @@ class ElixirOptimizer:
         self.plain_step()
         return set()
 
-    def plain_step(self) -> None:
+    def plain_step(self, factor: Optional[torch.Tensor] = None) -> None:
         """``optimizer.step()`` over every fragment with a gradient: one call for the resident
-        chunks, then one per disk chunk while it is staged."""
+        chunks, then one per disk chunk while it is staged. With low-precision shard gradients
+        (which torch optimizers do not take for fp32 params), one call per chunk on an fp32 copy
+        of that chunk's gradients, times ``factor``."""
+        if self.module.grad_dtype != torch.float32:
+            disk = set(self.disk_chunks)
+            for c in self.module.chunks:
+                if c.index not in disk:
+                    self._plain_chunk(c.index, factor)
+            self._step_disk(lambda i: self._plain_chunk(i, factor), kernel_writes_lowp=False)
+            return
         if not self.disk_chunks:
             self.optim.step()
             return
@@ -314,6 +365,45 @@ class ElixirOptimizer:
                 self.optim.step()
 
         self._step_disk(one, kernel_writes_lowp=False)
+
+    def _plain_chunk(self, i: int, factor: Optional[torch.Tensor] = None) -> None:
+        """Step chunk ``i``'s fragments that have a gradient with the inner optimizer, on fp32
+        copies of their gradients (times ``factor``)."""
+        frags = [f for f in self.chunk_fragments(i) if self.grad_of(f) is not None]
+        if not frags:
+            return
+        for f in frags:
+            g = self.grad_of(f)
+            if g.dtype != f.tensor.dtype:
+                g = g.to(f.tensor.dtype)
+                if factor is not None and float(factor) != 1.0:
+                    g.mul_(factor.to(g.device))
+            f.tensor.grad = g
+        mine = {id(f.tensor) for f in frags}
+        try:
+            with self._only(lambda p: id(p) in mine):
+                self.optim.step()
+        finally:
+            self._detach_grads(frags)
+
+    def step_chunk(self, i: int) -> None:
+        """Step chunk ``i`` alone with its reduced gradient (no scale, no clip) and refresh its
+        compute shard: the fused backward-and-step's unit (the chunk is staged if on disk)."""
+        c = self.module.chunks[i]
+        frags = self.chunk_fragments(i)
+        self._attach_grads(i)
+        try:
+            if self.fused:
+                fused_step(self, 1.0, only=i)
+                written = lowp_target(c)
+            else:
+                self._plain_chunk(i)
+                written = False
+            if not written and c.shard is not c.master:
+                with torch.no_grad():
+                    c.shard.copy_(c.master)
+        finally:
+            self._detach_grads(frags)
 
     @contextlib.contextmanager
     def _only(self, keep: Callable[[torch.Tensor], bool]) -> Iterator[None]:
@@ -340,7 +430,7 @@ class ElixirOptimizer:
 
     def _step_disk(self, step_chunk: Callable[[int], None], kernel_writes_lowp: bool) -> None:
         """Step the disk chunks that hold a gradient, refreshing each compute shard while staged."""
-        todo = [i for i in self.disk_chunks if any(f.tensor.grad is not None for f in self.chunk_fragments(i))]
+        todo = [i for i in self.disk_chunks if any(self.grad_of(f) is not None for f in self.chunk_fragments(i))]
 
         def work(i: int) -> None:
             step_chunk(i)
