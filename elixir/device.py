@@ -369,3 +369,49 @@ def keep_host_memory() -> bool:
         return False
     _HOST_ALLOCATOR_TUNED = ok
     return ok
+
+
+def host_allocator_stats() -> dict[str, int]:
+    """glibc malloc's view of this process (``mallinfo2``): ``heap_bytes`` obtained from the OS
+    for its arenas, ``heap_in_use_bytes`` of it handed out, ``heap_free_bytes`` free but kept
+    (resident once touched: with :func:`keep_host_memory` freed memory is never returned, so RSS
+    keeps the heap's high-water mark), and ``mmapped_bytes`` in separate mappings. Empty where
+    not glibc."""
+    try:
+        import ctypes
+
+        class _MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        mi = libc.mallinfo2()
+    except (OSError, AttributeError):
+        return {}
+    return {"heap_bytes": mi.arena, "heap_in_use_bytes": mi.uordblks, "heap_free_bytes": mi.fordblks,
+            "mmapped_bytes": mi.hblkhd}
+
+
+def release_free_host_memory() -> bool:
+    """Return the host memory malloc holds free to the OS (``malloc_trim(0)``: whole free pages
+    anywhere in the heap, not only at its top), keeping the allocations in use. Called once per
+    optimizer step: within a step freed buffers are still reused without page faults (see
+    :func:`keep_host_memory`), but holes that transient buffers of different sizes (disk staging,
+    lazily created state) leave behind cannot pile up across steps. False where not glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(ctypes.c_size_t(0))
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now, in bytes (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

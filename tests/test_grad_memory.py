@@ -242,3 +242,49 @@ def test_plan_carries_grad_dtype_and_fused_step(tmp_path):
     assert eo.backward_step is not None
     with pytest.raises(ValueError, match="grad_dtype"):
         dataclasses.replace(plan, grad_dtype="int8")
+
+
+def _layers_profile(dtype: str, n: int = 8, numel: int = 100_000):
+    from elixir.search.step_profile import BACKWARD, FORWARD, StepProfile
+
+    names = [f"layers.{i}.w" for i in range(n)]
+    return StepProfile(
+        params=tuple((x, (numel,)) for x in names), steps=tuple((x,) for x in names) + tuple((x,) for x in reversed(names)),
+        step_kinds=(FORWARD,) * n + (BACKWARD,) * n, matmul_param_numel=n * numel, tokens=64, dtype=dtype,
+        activation_bytes=1 << 20,
+    )
+
+
+def test_search_picks_lean_gradients_when_memory_binds():
+    from elixir.hardware import load_profile
+    from elixir.search import DoesNotFitError
+    from elixir.search.optimal import search_profile
+    from elixir.search.cost_model import Setting, evaluate_plan
+
+    hw = load_profile("cpu-box")
+    prof = _layers_profile("bfloat16")
+    ample = search_profile(prof, 1, hardware=hw, device_memory=1 << 30, host_memory=1 << 30, disk=1 << 34)
+    assert (ample.grad_dtype, ample.fused_step) == ("float32", False)  # memory does not bind: the default
+    # the least host memory the default (fp32 gradients kept, separate step) needs with disk allowed
+    need = None
+    for host in (2**k for k in range(16, 31)):
+        try:
+            search_profile(prof, 1, hardware=hw, device_memory=2 << 20, host_memory=host, disk=1 << 34,
+                           grad_dtype=torch.float32, fused_step=False)
+            need = host
+            break
+        except DoesNotFitError:
+            pass
+    assert need is not None
+    lean = search_profile(prof, 1, hardware=hw, device_memory=2 << 20, host_memory=need * 6 // 10, disk=1 << 34)
+    assert (lean.grad_dtype, lean.fused_step) == ("bfloat16", True)
+    # its prediction is what evaluating the plan under its own options gives
+    st = Setting(world=1, elem=2, reduce_elem=2, opt_bytes=8, hardware=hw.per_rank(1), dtype="bfloat16")
+    ev = evaluate_plan(prof, lean, st)
+    assert ev.host_bytes == lean.prediction.peak_host_bytes and ev.device_bytes == lean.prediction.peak_device_bytes
+    # fp16 never fuses (its loss scaling needs every gradient first); an explicit False is kept
+    fp16 = search_profile(_layers_profile("float16"), 1, hardware=hw, device_memory=2 << 20, host_memory=need, disk=1 << 34)
+    assert not fp16.fused_step
+    with pytest.raises(DoesNotFitError):
+        search_profile(prof, 1, hardware=hw, device_memory=2 << 20, host_memory=need * 6 // 10, disk=1 << 34, fused_step=False,
+                       grad_dtype=torch.float32)

@@ -82,6 +82,8 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
 
 
 def _search(profile, world, budgets, **kw):
+    kw.setdefault("fused_step", False)  # the oracle keeps every shard gradient (tests/test_grad_memory.py: the rest)
+    kw.setdefault("grad_dtype", torch.float32)
     return search_profile(profile, world, hardware=HW, device_memory=budgets[0], host_memory=budgets[1],
                           disk=budgets[2], policy=POLICY, **kw)
 

@@ -14,14 +14,16 @@ replicated chunks (as :func:`~elixir.search.minimum_waste.minimum_waste_search` 
 
 - device, fixed: activation peak + buffers + ``blocks * C * e`` (rCache) + ``G * C * r`` (gradient
   buffers: ``G`` is the most chunks whose backward is in progress at once) + replicated payloads
-  and their gradient buffers;
+  and their gradient buffers (+ one shard gradient ``s g`` in flight with the fused step);
 - per sharded chunk, by placement of (shard, optimizer state):
-  ``DD``: device ``s(e + m + 4 + k)``; ``DH``: device ``s e``, host ``s(4 + 4 + k)``;
-  ``HH``: host ``s(e + m + 4 + k)``; ``DK``/``HK``: as ``DH``/``HH`` with master and state
+  ``DD``: device ``s(e + m + g + k)``; ``DH``: device ``s e``, host ``s(4 + g + k)``;
+  ``HH``: host ``s(e + m + g + k)``; ``DK``/``HK``: as ``DH``/``HH`` with master and state
   (``s(4 + k)``) on disk and up to :data:`DISK_STAGING` chunks' worth staged in host memory
   while the optimizer streams them (``elixir/offload/pipeline.py`` reads one ahead).
   ``m`` is 4 for the fp32 master copy, 0 when the compute dtype is fp32 and shard and master live
-  together (the runtime then uses one tensor);
+  together (the runtime then uses one tensor); ``g`` is the shard gradient's element size (4 in
+  fp32, 2 with bf16/fp16 ``grad_dtype``), and 0 with the fused backward-and-step, which frees each
+  chunk's gradient as soon as it has stepped the chunk (:mod:`elixir.wrapper.backward_step`);
 - a safety margin (:class:`MemoryPolicy`) is held back from each budget for allocator
   fragmentation and workspaces that the tracer does not see.
 
@@ -35,6 +37,10 @@ replicated chunks + host->device copies of host shards at each gather + per-plac
 phase (device Adam; or grad shard device->host, host Adam, updated shard host->device; plus disk
 read and write of master and state). With ``overlap`` hardware and a prefetch depth >= 1,
 communication during forward/backward hides under compute: ``max(compute, comm) + one gather``.
+With the fused backward-and-step the disk transfers run on the I/O threads while backward
+computes (two thirds of the compute: backward costs twice the forward's FLOPs), so up to that much
+of the disk time hides, less one chunk's read that nothing precedes; the optimizer arithmetic
+itself runs on the same cores as backward and hides nothing on a CPU box.
 """
 
 from __future__ import annotations
@@ -261,19 +267,26 @@ class Setting:
     hardware: HardwareProfile
     dtype: str
     pin: bool = True
+    grad_elem: int = 4  # shard-gradient element size (grad_dtype)
+    fused_step: bool = False  # the fused backward-and-step (no persistent shard gradients)
+
+    @property
+    def kept_grad(self) -> int:
+        """Bytes per element of the shard gradient kept until the optimizer step."""
+        return 0 if self.fused_step else self.grad_elem
 
 
 def per_chunk_bytes(st: Setting, shard: int) -> dict[str, tuple[int, int, int]]:
     """(device, host, disk) bytes of one sharded chunk's state for each placement."""
-    e, k = st.elem, st.opt_bytes
+    e, k, g = st.elem, st.opt_bytes, st.kept_grad
     m_same = 0 if e == 4 else 4  # fp32 master shares the shard tensor when they live together
     return {
-        "DD": (shard * (e + m_same + 4 + k), 0, 0),
-        "DH": (shard * e, shard * (4 + 4 + k), 0),
-        "HH": (0, shard * (e + m_same + 4 + k), 0),
-        "DK": (shard * e, shard * 4, shard * (4 + k)),
-        "HK": (0, shard * (e + 4), shard * (4 + k)),
-        "HD": (shard * (4 + 4 + k), shard * e, 0),  # only scored for given plans
+        "DD": (shard * (e + m_same + g + k), 0, 0),
+        "DH": (shard * e, shard * (4 + g + k), 0),
+        "HH": (0, shard * (e + m_same + g + k), 0),
+        "DK": (shard * e, shard * g, shard * (4 + k)),
+        "HK": (0, shard * (e + g), shard * (4 + k)),
+        "HD": (shard * (4 + g + k), shard * e, 0),  # only scored for given plans
     }
 
 
@@ -328,15 +341,25 @@ def fixed_device_bytes(profile: StepProfile, layout: Layout, st: Setting, blocks
         # their gradients arrive at both ends of backward, so their buffers live throughout
         "grad_buffers": (layout.grad_buffers * layout.chunk_size + repl) * st.reduce_elem,
         "replicated": repl * st.elem,
+        # fused step: the one chunk's shard gradient between its reduction and its step
+        "grad_in_flight": _largest_shard(layout, st.world) * st.grad_elem if st.fused_step else 0,
     }
+
+
+def _largest_shard(layout: Layout, world: int) -> int:
+    """Elements of the largest shard gradient one rank holds (a sharded chunk's shard or a whole
+    replicated chunk)."""
+    return max([layout.chunk_size // world if layout.n_sharded else 0]
+               + [c for c, s in zip(layout.capacities, layout.sharded) if not s])
 
 
 def replicated_optimizer_bytes(layout: Layout, st: Setting, where: str) -> tuple[int, int]:
     """(device, host) bytes of the replicated chunks' master, gradient and optimizer state."""
     repl = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
+    g = st.kept_grad
     if where == "D":
-        return repl * ((0 if st.elem == 4 else 4) + 4 + st.opt_bytes), 0
-    return 0, repl * (4 + 4 + st.opt_bytes)
+        return repl * ((0 if st.elem == 4 else 4) + g + st.opt_bytes), 0
+    return 0, repl * (4 + g + st.opt_bytes)
 
 
 def compute_seconds(profile: StepProfile, hw: HardwareProfile, dtype: str) -> float:
@@ -519,6 +542,15 @@ def _finish(
         fb = comm["compute"] + fb_comm
         hidden = 0.0
     breakdown = dict(comm, h2d_gather=t_h2d, optimizer=t_opt, overlap_hidden=-hidden)
+    n_disk = sum(k[1] == "K" for k in kinds)
+    if st.fused_step and n_disk and layout.n_sharded:
+        # the backward stager reads and writes disk chunks while backward computes (2/3 of the
+        # compute); the first chunk's read has nothing before it to hide under
+        nbytes = layout.chunk_size // st.world * (4 + st.opt_bytes)
+        t_disk = n_disk * hw.disk_time(nbytes, nbytes)
+        fused_hidden = min(t_disk - hw.disk_time(nbytes, 0), 2.0 / 3.0 * comm["compute"])
+        breakdown["fused_step_hidden"] = -fused_hidden
+        t_opt -= fused_hidden
     placements = []
     it = iter(kinds)
     for s in layout.sharded:
@@ -558,6 +590,10 @@ _CODE = {"device": "D", "host": "H", "disk": "K"}
 
 def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     """Predicted memory and step time of an existing plan under the same model as the search."""
+    import dataclasses
+
+    st = dataclasses.replace(st, grad_elem=2 if plan.grad_dtype in ("bfloat16", "float16") else 4,
+                             fused_step=bool(plan.fused_step))
     lay = layout_from_plan(profile, plan)
     order = [c for c in plan.chunks if c.sharded] + [c for c in plan.chunks if not c.sharded]
     kinds = tuple(_CODE[c.shard_placement.value] + _CODE[c.optim_placement.value] for c in order if c.sharded)

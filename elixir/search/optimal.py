@@ -113,7 +113,8 @@ def _block_candidates(layout: Layout, world: int = 2) -> list[int]:
 
 class _Searcher:
     def __init__(self, profile: StepProfile, world: int, hardware: HardwareProfile, budgets: Budgets,
-                 optimizer_type: str, overlap: bool, policy: MemoryPolicy, reduce_dtype: Optional[str]) -> None:
+                 optimizer_type: str, overlap: bool, policy: MemoryPolicy, reduce_dtype: Optional[str],
+                 grad_dtype: str = "float32", fused_step: bool = False) -> None:
         key = optimizer_type.lower()
         if key not in OPTIMIZER_STATE_BYTES:
             raise ValueError(f"optimizer_type {optimizer_type!r} not known; use one of {sorted(OPTIMIZER_STATE_BYTES)}")
@@ -128,8 +129,12 @@ class _Searcher:
         self.setting = Setting(
             world=world, elem=_elem(profile.dtype), reduce_elem=_elem(reduce_dtype or profile.dtype),
             opt_bytes=OPTIMIZER_STATE_BYTES[key], hardware=hardware.per_rank(hardware.ranks_per_node(world)),
-            dtype=profile.dtype,
+            dtype=profile.dtype, grad_elem=_elem(grad_dtype), fused_step=fused_step,
         )
+        self.optimizer_type = optimizer_type
+        self.reduce_dtype = reduce_dtype
+        self.grad_dtype = grad_dtype
+        self.fused_step = fused_step
         self.usable = policy.usable(budgets.device, budgets.host, budgets.disk)
         self._layouts: dict[int, Layout] = {}
 
@@ -320,7 +325,8 @@ def _summary(ev: Evaluation) -> str:
     return " ".join(f"{k}x{v}" for k, v in sorted(c.items()))
 
 
-def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: Layout, info: dict) -> SearchResult:
+def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: Layout, info: dict,
+                     grad_dtype: str = "float32", fused_step: bool = False) -> SearchResult:
     shapes = dict(profile.params)
     chunks = []
     for names, cap, sharded, pl in zip(layout.chunks, layout.capacities, layout.sharded, ev.placements):
@@ -341,7 +347,7 @@ def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: L
     return SearchResult(
         chunks=tuple(chunks), world_size=world, cache_blocks=blocks, prefetch_depth=ev.prefetch_depth,
         frozen_params=tuple(profile.frozen), param_order=tuple(tuple(sorted(s)) for s in profile.steps) if traced else None,
-        search="optimal", prediction=pred, info=info,
+        search="optimal", prediction=pred, info=info, grad_dtype=grad_dtype, fused_step=fused_step,
     )
 
 
@@ -359,11 +365,20 @@ def search_profile(
     reduce_dtype: Optional[torch.dtype] = None,
     verbose: bool = False,
     console=None,
+    grad_dtype: Optional[torch.dtype] = None,
+    fused_step: Optional[bool] = None,
 ) -> SearchResult:
     """The search proper, on a ready :class:`StepProfile` (``optimal_search`` traces, then calls this).
 
     Budgets are bytes per rank; ``None`` takes the hardware profile's device memory and its host
     memory shared by the ranks of one node; ``disk`` None or 0 forbids disk offload.
+
+    ``grad_dtype`` and ``fused_step`` fix the plan's shard-gradient dtype and fused
+    backward-and-step; ``None`` lets the search choose: fp32 gradients and a separate step, unless
+    memory binds (no plan fits, or the best one offloads optimizer state or shards), in which case
+    it also scores gradients in the compute dtype (bf16/fp16) with the fused step (not for fp16,
+    whose loss scaling needs every gradient first) and keeps the faster plan that fits. A plan
+    with ``fused_step`` assumes no ``max_norm`` clipping: pass ``fused_step=False`` if you clip.
     """
     t0 = time.perf_counter()
     policy = policy or MemoryPolicy()
@@ -373,9 +388,28 @@ def search_profile(
     if host_memory is None:
         host_memory = hw.host_memory_bytes // hw.ranks_per_node(world)
     budgets = Budgets(int(device_memory), int(host_memory), int(disk or 0))
-    s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy,
-                  None if reduce_dtype is None else dtype_name(reduce_dtype))
-    best, results, scored = s.run()
+    rd = None if reduce_dtype is None else dtype_name(reduce_dtype)
+    g0 = "float32" if grad_dtype is None else dtype_name(grad_dtype)
+    s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, g0, bool(fused_step))
+    found, error = None, None
+    try:
+        found = s.run()
+    except DoesNotFitError as e:
+        error = e
+    lean_grad = profile.dtype if grad_dtype is None and profile.dtype in ("bfloat16", "float16") else g0
+    lean_fused = profile.dtype != "float16" if fused_step is None else fused_step
+    binds = found is None or any(p not in ("DD", "RD") for p in found[0].placements)
+    if binds and (lean_grad, lean_fused) != (g0, bool(fused_step)):
+        lean = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, lean_grad, lean_fused)
+        try:
+            other = lean.run()
+        except DoesNotFitError as e:  # the leanest configuration's suggestions are the useful ones
+            other, error = None, e
+        if other is not None and (found is None or other[0].step_time < found[0].step_time):
+            s, found = lean, other
+    if found is None:
+        raise error
+    best, results, scored = found
     layout = s.layout_of(best)
     runners = _runner_ups(results, 5)
     info = {
@@ -397,7 +431,7 @@ def search_profile(
             for e in runners
         ],
     }
-    result = to_search_result(profile, world, best, layout, info)
+    result = to_search_result(profile, world, best, layout, info, grad_dtype=s.grad_dtype, fused_step=s.fused_step)
     if verbose:
         why = _explain(s, best)
         print_report(result, runners, console, why)
@@ -449,6 +483,7 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     t.add_row("rCache blocks / prefetch depth", f"{result.cache_blocks} / {result.prefetch_depth}")
     t.add_row("gathers per step", str(info.get("gathers_per_step")))
     t.add_row("placements (shard, optimizer)", runners[0] and _summary(runners[0]) if runners else "")
+    t.add_row("shard gradients / fused backward-and-step", f"{result.grad_dtype} / {'yes' if result.fused_step else 'no'}")
     b = info["budgets"]
     u = info["usable_after_margins"]
     t.add_row("peak device / usable / budget", f"{_fmt(p.peak_device_bytes)} / {_fmt(u['device'])} / {_fmt(b['device'])}")
@@ -492,6 +527,8 @@ def optimal_search(
     hardware: Optional[HardwareProfile] = None,
     policy: Optional[MemoryPolicy] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    grad_dtype: Optional[torch.dtype] = None,
+    fused_step: Optional[bool] = None,
 ) -> SearchResult:
     """Plan ``model`` for ``group_size`` ranks: the lowest predicted step time that fits.
 
@@ -508,6 +545,9 @@ def optimal_search(
         hardware: the hardware profile (default: the shipped profile of this project's CPU box).
         policy: the safety margins.
         reduce_dtype: gradient reduction dtype (default: the compute dtype).
+        grad_dtype, fused_step: the plan's shard-gradient dtype and fused backward-and-step; None
+            lets the search choose them when memory binds (see :func:`search_profile`). Pass
+            ``fused_step=False`` when training clips gradients (``max_norm``).
 
     Raises:
         DoesNotFitError: nothing fits; the message names the smallest changes that would.
@@ -521,6 +561,7 @@ def optimal_search(
     return search_profile(
         profile, group_size, hardware=hardware, device_memory=device_memory, host_memory=host_memory, disk=disk,
         optimizer_type=optimizer_type, overlap=overlap, policy=policy, reduce_dtype=reduce_dtype, verbose=verbose,
+        grad_dtype=grad_dtype, fused_step=fused_step,
     )
 
 

@@ -112,7 +112,7 @@ def train_wrapped(
             optimizer.zero_grad()
             loss = case.loss(model, batch)
             loss.backward()
-            if step == 0:
+            if step == 0 and getattr(optimizer, "backward_step", None) is None:  # (the fused step consumed them)
                 grads = {k: None if g is None else g.cpu() for k, g in model.full_grads().items()}
             optimizer.step()
             t = loss.detach().clone()

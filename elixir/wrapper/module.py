@@ -595,6 +595,11 @@ class ElixirModule(nn.Module):
 
     def full_grads(self) -> dict[str, Optional[torch.Tensor]]:
         """Every trainable parameter's full fp32 gradient (None when it got none). Collective."""
+        if self._grad_ready_hooks:
+            raise RuntimeError(
+                "full_grads: with the fused backward-and-step (fused_step) each chunk's gradient is "
+                "consumed by its optimizer step during backward; use fused_step=False to inspect gradients"
+            )
         out: dict[str, Optional[torch.Tensor]] = {}
         for c in self.chunks:
             full = torch.zeros(c.spec.capacity, dtype=torch.float32, device=self.device)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from elixir import device as dev
 from elixir.offload.pipeline import run_pipelined, staged
 from elixir.optim.loss_scaler import DynamicLossScaler, LossScalePolicy
 from elixir.wrapper import optim_state
@@ -431,6 +432,10 @@ class ElixirOptimizer:
     def _step_disk(self, step_chunk: Callable[[int], None], kernel_writes_lowp: bool) -> None:
         """Step the disk chunks that hold a gradient, refreshing each compute shard while staged."""
         todo = [i for i in self.disk_chunks if any(self.grad_of(f) is not None for f in self.chunk_fragments(i))]
+        # what backward freed (activations, gradient buffers) stays in malloc's heap under
+        # device.keep_host_memory; staging buffers rarely fit its holes, so hand it back first
+        # rather than hold both at once
+        dev.release_free_host_memory()
 
         def work(i: int) -> None:
             step_chunk(i)
