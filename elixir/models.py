@@ -156,6 +156,11 @@ def lm_step_fn(model: nn.Module, batch: dict) -> torch.Tensor:
 
 
 def enable_checkpointing(model: nn.Module, reentrant: bool = False) -> nn.Module:
-    """Turn on HF gradient checkpointing of every layer (reentrant or not)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    """Turn on HF gradient checkpointing of every layer (reentrant or not), through
+    ``activation_checkpointing_enable`` where transformers has it (its older name warns)."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model.train()

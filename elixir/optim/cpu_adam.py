@@ -30,6 +30,11 @@ class CPUAdam(torch.optim.Optimizer):
         adamw_mode: decoupled weight decay (AdamW) when True, L2 (Adam) when False. Stored in each
             group under torch's key ``decoupled_weight_decay``.
         amsgrad: not implemented; True raises NotImplementedError.
+        nvme_offload_fraction, nvme_offload_dir: accepted for ColossalAI compatibility at their
+            defaults only. elixir puts optimizer state on disk per chunk, in the plan, not in the
+            optimizer: a chunk with ``optim_placement`` DISK keeps its fp32 master and Adam state in
+            ``ElixirModule(..., offload_dir=...)`` (``optimal_search(..., disk=...)`` chooses
+            which chunks); a nonzero fraction raises and names that.
 
     ``state_dict`` is torch's format (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``; torch's
     group keys plus ``bias_correction``), so ``torch.optim.AdamW`` loads it and vice versa.
@@ -48,7 +53,16 @@ class CPUAdam(torch.optim.Optimizer):
         bias_correction: bool = True,
         adamw_mode: bool = True,
         amsgrad: bool = False,
+        nvme_offload_fraction: float = 0.0,
+        nvme_offload_dir: Optional[str] = None,
     ) -> None:
+        if nvme_offload_fraction or nvme_offload_dir is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}(nvme_offload_fraction=..., nvme_offload_dir=...) is not how elixir "
+                "offloads to disk (NVMe): the plan places optimizer state per chunk. Use "
+                "optimal_search(..., disk=<bytes per rank>) (or set a chunk's optim_placement to "
+                "Placement.DISK) and ElixirModule(..., offload_dir='/path/on/nvme'); see docs/optimizer.md"
+            )
         if amsgrad:
             raise NotImplementedError(
                 f"{type(self).__name__} does not implement AMSGrad; use torch.optim.AdamW(amsgrad=True) "

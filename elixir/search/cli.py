@@ -90,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from elixir.hardware import load_profile
-    from elixir.search.optimal import DoesNotFitError, search_profile
+    from elixir.search.optimal import DoesNotFitError, human_count, search_profile
     from elixir.search.plan import dtype_from_name
 
     t0 = time.perf_counter()
@@ -126,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
         result.save(args.out)
         console.print(f"wrote {args.out}")
     console.print(
-        f"{profile.total_numel / 1e9:.2f}B trainable parameters; traced in {t_trace:.2f} s "
+        f"{human_count(profile.total_numel)} trainable parameters; traced in {t_trace:.2f} s "
         f"({profile.info.get('source')}); total {time.perf_counter() - t0:.2f} s. "
         f"Hardware {hw.name} ({'measured' if hw.measured else 'reference figures, not measured'}).",
         soft_wrap=True,

@@ -297,9 +297,9 @@ def _opt_name(opt_bytes: int) -> str:
     return {8: "adam", 4: "sgd", 0: "none"}[opt_bytes]
 
 
-def _count(n: int) -> str:
-    """Elements, short: 531.5M, 12.3k."""
-    for unit, k in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+def human_count(n: int) -> str:
+    """A count, short, in the unit that fits: 531.5M, 12.3k, 6.7B, 840."""
+    for unit, k in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= k:
             return f"{n / k:.1f}{unit}"
     return str(n)
@@ -421,7 +421,7 @@ def search_profile(
         "margins": {"device": policy.device_margin, "host": policy.host_margin, "disk": policy.disk_margin},
         "predicted_memory": {k: int(v) for k, v in best.memory.items()},
         "gathers_per_step": best.gathers,
-        "waste": 1 - layout.used / max(1, layout.chunk_size * layout.n_sharded),
+        "waste": 1 - layout.used / (layout.chunk_size * layout.n_sharded) if layout.n_sharded else 0.0,
         "profile": {k: v for k, v in profile.info.items() if isinstance(v, (str, int, float, list, tuple, dict))},
         "activation_bytes": profile.activation_bytes,
         "runner_ups": [
@@ -478,8 +478,12 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     t = Table(title=f"elixir optimal plan: world {result.world_size}, hardware {info.get('hardware')}")
     t.add_column("what")
     t.add_column("value", justify="right")
-    t.add_row("chunk size", f"{result.chunk_size:,} elements ({len(sharded)} sharded, {len(result.chunks) - len(sharded)} replicated)")
-    t.add_row("padding waste", f"{100 * info.get('waste', 0):.2f}%")
+    if sharded:
+        t.add_row("chunk size", f"{result.chunk_size:,} elements ({len(sharded)} sharded, {len(result.chunks) - len(sharded)} replicated)")
+        t.add_row("padding waste", f"{100 * info.get('waste', 0):.2f}% of the sharded chunks")
+    else:
+        t.add_row("chunks", f"all {len(result.chunks)} replicated (data parallel: nothing sharded, nothing gathered)")
+        t.add_row("padding waste", f"{100 * result.waste():.2f}%")
     t.add_row("rCache blocks / prefetch depth", f"{result.cache_blocks} / {result.prefetch_depth}")
     t.add_row("gathers per step", str(info.get("gathers_per_step")))
     t.add_row("placements (shard, optimizer)", runners[0] and _summary(runners[0]) if runners else "")
@@ -502,7 +506,7 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
         r.add_column(col, justify="right", no_wrap=col != "placements")
     best = runners[0].step_time if runners else 0
     for e in runners:
-        r.add_row(_count(e.chunk_size), str(e.blocks), str(e.prefetch_depth), _summary(e), _fmt(e.device_bytes),
+        r.add_row(human_count(e.chunk_size), str(e.blocks), str(e.prefetch_depth), _summary(e), _fmt(e.device_bytes),
                   _fmt(e.host_bytes), f"{e.step_time:.4f}", f"{e.step_time / best:.3f}x" if best else "")
     console.print(r)
     console.print("placements: DD shard+optimizer on device, DH shard on device / optimizer on host, HH both on host, "

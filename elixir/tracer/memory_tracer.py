@@ -32,13 +32,21 @@ __all__ = ["PeakInfo", "MemoryProfile", "memory_profiling", "cuda_memory_profili
 
 @dataclass(frozen=True)
 class PeakInfo:
-    """Where the activation peak occurs: after op ``op_index`` (``op_name``) in ``phase``."""
+    """Where the activation peak occurs: after op ``op_index`` (``op_name``) in ``phase``, inside
+    the step of ``module`` (the parameter-owning module whose forward, recomputation or backward
+    started last before that op; "" when none had)."""
 
     phase: str
     op_index: int
     op_name: str
     activation_bytes: int
     total_bytes: int  # params + buffers + inputs + grads + activations at that op
+    module: str = ""
+
+    def where(self) -> str:
+        """In words a user knows: the phase and the module (the aten op only as a detail)."""
+        at = f"{self.phase} of {self.module or 'the model'}"
+        return f"{at} (op {_short_op(self.op_name)})" if self.op_name else at
 
 
 @dataclass(frozen=True)
@@ -133,14 +141,14 @@ class MemoryProfile:
             ("buffer_occ", self.buffer_occ, ""),
             ("grad_occ", self.grad_occ, "as AccumulateGrad produces them"),
             ("activation_occ", self.activation_occ,
-             f"peak in {self.peak.phase} after op #{self.peak.op_index} {self.peak.op_name}"),
+             f"peak in the {self.peak.where()}"),
             *((f"  {ph} peak", v, "activations") for ph, v in self.phase_peaks.items()),
             ("input_occ", self.input_occ, "the batch"),
             ("total_peak", self.total_peak, "params+buffers+inputs+grads+activations"),
         ]
         if self.largest_temporary is not None:
             lt = self.largest_temporary
-            rows.append(("largest temporary", lt.nbytes, f"{lt.phase} op #{lt.op_index} {lt.op_name}"))
+            rows.append(("largest temporary", lt.nbytes, f"in {lt.phase} (op {_short_op(lt.op_name)})"))
         for name, v, note in rows:
             t.add_row(name, f"{v:,}", _human(v), note)
         t.caption = (
@@ -204,6 +212,23 @@ def _runs(phases: list, want: str) -> tuple:
     return tuple(out)
 
 
+def _module_at(tr: StepTrace, op_index: int) -> str:
+    """The module whose step started last at or before op ``op_index`` ("" before any step)."""
+    name = ""
+    for st in tr.steps:
+        if st.op_index > op_index:
+            break
+        name = st.module or "the root module"
+    return name
+
+
+def _short_op(op: object) -> str:
+    """``aten.sum.dim_IntList`` -> ``sum``: the op's base name, without namespace and overload."""
+    text = str(op)
+    parts = text.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else text
+
+
 def profile_from_trace(tr: StepTrace) -> MemoryProfile:
     """Summarise a raw :class:`~elixir.tracer.run.StepTrace`."""
     acc = tr.acc
@@ -212,7 +237,7 @@ def profile_from_trace(tr: StepTrace) -> MemoryProfile:
     if act:
         i = max(range(len(act)), key=act.__getitem__)
         total = max(a + g for a, g in zip(act, grad)) + static
-        peak = PeakInfo(phases[i], i, str(acc.t_name[i]), act[i], act[i] + grad[i] + static)
+        peak = PeakInfo(phases[i], i, str(acc.t_name[i]), act[i], act[i] + grad[i] + static, _module_at(tr, i))
     else:  # pragma: no cover - a step always runs ops
         total, peak = static, PeakInfo("forward", 0, "", 0, static)
     phase_peaks: dict = {}
