@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
@@ -181,6 +181,19 @@ class SideStreams:
             yield event
             event.record(stream)
         self.issued += 1
+
+    def after(self, stream, wait: Callable[[], object]):
+        """Run ``wait`` (the wait of an asynchronous collective issued from ``stream``) with
+        ``stream`` current, and return an event recorded right after it. On NCCL the wait orders
+        ``stream`` after the collective, so buffers the collective read (freed into ``stream``'s
+        pool when the work handle lets go of them) are not reused before it finished; the event
+        covers the collective and everything queued on ``stream`` before it. On CPU the wait
+        blocks the host until the collective's thread is done."""
+        with use_stream(stream):
+            wait()
+            event = new_event(self.device)
+            event.record(stream)
+        return event
 
     def wait(self, event) -> None:
         """Make the caller's stream wait for ``event`` (a no-op on CPU, once it was recorded)."""

@@ -181,10 +181,11 @@ class Chunk:
     def wait(self) -> None:
         """Finish an asynchronous gather (GATHERING -> HOLD); no-op otherwise."""
         if self.state is ChunkState.GATHERING:
-            if self._work is not None:  # an async collective (gloo thread, or the NCCL stream)
-                edist.wait_work(self._work)
-                self._work = None
-            self.streams.wait(self._ready)  # the compute stream waits for this chunk only
+            streams = self.streams
+            if self._work is not None:  # an async collective (a gloo thread, or the NCCL stream)
+                work, self._work = self._work, None
+                self._ready = streams.after(streams.gather, lambda: edist.wait_work(work))
+            streams.wait(self._ready)  # the compute stream waits for this chunk only
             self._ready = None
             self._move(ChunkState.HOLD)
 
