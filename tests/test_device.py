@@ -124,9 +124,13 @@ def test_late_gradient_is_staged_through_the_host_pool():
     c.init_from(torch.zeros(8))
     c.add_grad(0, torch.ones(8))
     c.reduce()
+    pool = dev.host_pool()
+    before = pool.allocated + pool.reused
     c.add_grad(0, torch.full((8,), 2.0))  # a second backward without zero_grad accumulates
     c.reduce()
     assert c.shard_grad.tolist() == [3.0] * 8
+    assert pool.allocated + pool.reused == before + 1  # one staging buffer taken (and given back)
+    assert c.streams.reduce.synchronized >= 1  # the host waited for the copy before adding
 
 
 def _host_plan(plan):

@@ -310,7 +310,7 @@ class Chunk:
     def _alloc_shard_grad(self) -> None:
         if self.shard_grad is None:
             n, dt = self.spec.shard_numel, self.spec.grad_dtype
-            if self.master.device.type == "cpu":  # page-locked, so the device-to-host copy is non-blocking
+            if self.spec.master_on_host:  # page-locked, so the device-to-host copy is non-blocking
                 self.shard_grad = dev.empty_host(n, dt, pin=self.spec.pin_memory)
             else:
                 self.shard_grad = torch.empty(n, dtype=dt, device=self.master.device)
@@ -321,7 +321,7 @@ class Chunk:
         n = self.spec.shard_numel
         self._alloc_shard_grad()
         if self.grad_valid:
-            if reduced.device != self.shard_grad.device:  # stage through a reused host buffer
+            if self.spec.master_on_host:  # from the device: staged through a reused host buffer
                 stage = dev.host_pool().take(n, self.shard_grad.dtype)
                 stage.copy_(reduced, non_blocking=dev.non_blocking_ok(reduced, stage.device))
                 dev.current_stream(reduced.device).synchronize()  # the host adds it next

@@ -462,7 +462,7 @@ class ElixirModule(nn.Module):
         reduced gradient was copied to host memory the host waits too, so the optimizer, clipping
         and ``full_grads`` read finished gradients."""
         self.streams.join()
-        if any(c.shard_grad is not None and c.shard_grad.device.type == "cpu" for c in self.chunks):
+        if any(c.shard_grad is not None and c.spec.master_on_host for c in self.chunks):
             self.streams.synchronize()
 
     def _finalize_backward(self) -> None:
