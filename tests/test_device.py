@@ -233,3 +233,29 @@ def test_host_tensors_are_staged_for_device_only_backends():
     got = run_distributed(_staging_worker, 2, timeout=120)
     assert got[0] == (3.0, [0.0, 0.0, 1.0, 1.0], [0.0, 2.0], 5.0)
     assert got[1] == (3.0, [0.0, 0.0, 1.0, 1.0], [4.0, 6.0], 5.0)
+
+
+def test_backward_step_waits_on_the_host_only_for_host_chunks():
+    """The fused backward-and-step steps each chunk as its gradient is final: a host-placed chunk
+    makes the host wait for the side streams, a device-placed one only the compute stream."""
+    zc = ZOO["gpt2"]
+    model = build_model("gpt2")
+    plan = minimum_waste_search(model, 1)
+    chunks = [dataclasses.replace(c, shard_placement=Placement.HOST, optim_placement=Placement.HOST) if i % 2 else c
+              for i, c in enumerate(plan.chunks)]
+    em = ElixirModule(model, dataclasses.replace(plan, chunks=tuple(chunks)))
+    eo = ElixirOptimizer(em, CPUAdam([p for p in em.parameters() if p.requires_grad], lr=1e-2), fused_step=True)
+    calls = []
+    s = em.streams
+    real_sync, real_join = s.synchronize, s.join
+    s.synchronize = lambda: (calls.append("host"), real_sync())[1]
+    s.join = lambda: (calls.append("device"), real_join())[1]
+    seen = []
+    real_settle = em.settle_chunk
+    em.settle_chunk = lambda c: (seen.append(c.spec.master_on_host), calls.clear(), real_settle(c), seen.append(tuple(calls)))
+    zc.loss(em, zc.make_batch(4, 0)).backward()
+    eo.step()
+    pairs = list(zip(seen[::2], seen[1::2]))
+    assert {host for host, _ in pairs} == {True, False}  # both kinds were stepped during backward
+    for host, what in pairs:
+        assert what == (("host",) if host else ("device",)), (host, what)

@@ -63,7 +63,7 @@ class BackwardStep:
             )
         self.stepped.add(i)
         eo = self.eo
-        eo.module.streams.synchronize()  # the reduction may still run on its side stream
+        eo.module.settle_chunk(chunk)  # the reduction may still run on its side stream
         if self.stager is not None and i in self.stager.store.chunks:
             self.stager.run(i, self._step_disk_chunk)
         else:

@@ -457,6 +457,17 @@ class ElixirModule(nn.Module):
         grad-ready hook."""
         self._backward_end_hooks.append(fn)
 
+    def settle_chunk(self, chunk: Chunk) -> None:
+        """Before ``chunk`` is stepped during backward: its reduction (on the reduce stream) must be
+        done where the step reads the gradient. A host master is stepped by the host, which waits
+        (and may then write host memory no side-stream copy still reads); a device master is
+        stepped on the compute stream, which only has to wait on the device, so the host keeps
+        queueing backward work."""
+        if chunk.spec.master_on_host:
+            self.streams.synchronize()
+        else:
+            self.streams.join()
+
     def _settle_reductions(self) -> None:
         """End of backward: the compute stream waits for the reductions (device-side), and where a
         reduced gradient was copied to host memory the host waits too, so the optimizer, clipping
