@@ -1,19 +1,44 @@
-"""Step time and peak memory: Elixir against torch DDP, FSDP2 and plain torch, in one invocation.
+"""Step time and peak memory: Elixir against torch DDP, FSDP2, DeepSpeed ZeRO-3 and plain torch.
 
-GPT-2 from ``transformers`` at 81.9M parameters (n_embd 768, 6 layers, vocabulary 50257), batch 2
-per rank, sequence 128, AdamW. Every system runs in fresh processes (world 2 through torchrun, gloo;
-world 1 as one plain process), so each peak RSS is its own. Step time is the median over the timed
-steps after warm-up, as seen by rank 0. Ratios compare runs of the same invocation only.
+Every line runs in fresh processes (world 2 through torchrun over gloo; world 1 as one plain
+process), so each peak RSS is its own. Step time is the median over the timed steps after warm-up,
+as seen by rank 0. Ratios compare lines of the same invocation only.
 
-    python bench/step_time.py                      # the default line-up (5-6 min on a quiet 2-core box)
-    python bench/step_time.py --systems elixir:2 ddp:2 --steps 4
+    python bench/step_time.py                          # the issue's full line-up (see DEFAULT_LINES)
+    python bench/step_time.py --systems elixir-optimal:2 fsdp2-fused:2 deepspeed:2 --steps 4
+    python bench/step_time.py --systems elixir-optimal:2@medium fsdp2-fused:2@medium
     python bench/step_time.py --json results.json
 
-A line is ``system:world``; systems: ``elixir`` (torch AdamW on the shards), ``elixir-hybrid``
-(elixir's HybridAdam), ``elixir-bf16`` (bf16 chunks, fp32 masters, HybridAdam), ``ddp``, ``fsdp2``,
-``plain`` (no wrapper; world 1 only), and ``ddp-fused``, ``fsdp2-fused``, ``plain-fused`` (torch
-AdamW ``fused=True``). Plain ``elixir`` is compared with the peers on the same torch AdamW (default,
-per-tensor loop), ``elixir-hybrid`` with the peers on torch's fused AdamW.
+A line is ``system:world[@model]``. Models: ``small`` (GPT-2 from ``transformers`` at 81.9M
+parameters: n_embd 768, 6 layers, vocabulary 50257, tied embedding), ``medium`` (GPT-2 medium's
+shape: n_embd 1024, 24 layers, 354.8M) and ``tiny`` (for smoke tests). Batch 2 per rank,
+sequence 128, AdamW.
+
+Systems:
+
+- ``elixir-optimal`` (fp32) and ``elixir-optimal-bf16`` (bf16 chunks, fp32 masters): the plan
+  ``optimal_search`` picks by itself for this step (traced) and the per-rank budget ``--budget``
+  (default: the box's memory divided by the ranks); elixir's HybridAdam. The line records the
+  search's predicted step time next to the measured one.
+- ``elixir-tight``: the same search under the tight per-rank device budget ``--tight-budget``
+  (default: ``--tight-fraction`` of the way from the least budget any plan fits in to the budget
+  ``elixir-optimal``'s plan needs), enforced
+  by the runtime's memory ledger (``memory_limit``: an allocation past it raises), so the plan is
+  proven to fit.
+- ``elixir`` / ``elixir-hybrid`` / ``elixir-bf16``: ``minimum_waste_search``'s plan, with torch
+  AdamW / HybridAdam / bf16 chunks and HybridAdam.
+- ``ddp``, ``fsdp2`` (per block plus root), ``plain`` (world 1 only), each with torch AdamW, and
+  ``-fused`` variants with ``fused=True``; ``ddp-bf16`` (autocast bf16), ``fsdp2-bf16``
+  (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), ``fsdp2-offload``
+  (``CPUOffloadPolicy``); all ``-bf16``/``-offload`` peers use fused AdamW.
+- ``deepspeed`` (ZeRO-3, fp32), ``deepspeed-bf16``, ``deepspeed-offload`` (ZeRO-3 with optimizer
+  state and parameters offloaded to CPU), built outside ``zero.Init`` (broken with transformers
+  5.x), gloo through ``deepspeed.init_distributed``, torch's fused AdamW as the client optimizer
+  (``zero_force_ds_cpu_optimizer: false``, so no JIT build of DeepSpeedCPUAdam).
+
+On this CPU-only box "device" and "host" are the same memory: the tight budget is an emulated
+device budget (the ledger) for elixir, and every line reports its peak RSS (whole process, model
+construction included) and its RSS above the process's baseline after start-up.
 """
 
 from __future__ import annotations
@@ -27,30 +52,61 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
-SYSTEMS = ("elixir", "elixir-hybrid", "elixir-bf16", "ddp", "ddp-fused", "fsdp2", "fsdp2-fused", "plain", "plain-fused")
-DEFAULT_LINES = (
-    "elixir:2", "ddp:2", "fsdp2:2", "elixir-hybrid:2", "ddp-fused:2", "fsdp2-fused:2", "elixir-bf16:2",
-    "elixir:1", "plain:1", "elixir-hybrid:1", "plain-fused:1",
+GiB = 2**30
+
+ELIXIR_SYSTEMS = ("elixir-optimal", "elixir-optimal-bf16", "elixir-tight", "elixir", "elixir-hybrid", "elixir-bf16")
+PEER_SYSTEMS = (
+    "ddp", "ddp-fused", "ddp-bf16", "fsdp2", "fsdp2-fused", "fsdp2-bf16", "fsdp2-offload",
+    "deepspeed", "deepspeed-bf16", "deepspeed-offload", "plain", "plain-fused",
 )
-# (numerator, denominator, target): the issue's targets, same-optimizer pairs first.
+SYSTEMS = ELIXIR_SYSTEMS + PEER_SYSTEMS
+
+MODELS = {  # name: (n_embd, n_layer, n_head)
+    "tiny": (64, 2, 2),
+    "small": (768, 6, 12),
+    "medium": (1024, 24, 16),
+}
+
+# The issue's done-when figures, in one invocation: fp32 at 81.9M, bf16, 350M, and the tight budget.
+DEFAULT_LINES = (
+    "elixir-optimal:2", "fsdp2-fused:2", "ddp-fused:2", "deepspeed:2", "elixir:2", "fsdp2:2", "ddp:2",
+    "elixir-optimal-bf16:2", "fsdp2-bf16:2", "ddp-bf16:2", "deepspeed-bf16:2",
+    "elixir-tight:2", "fsdp2-offload:2", "deepspeed-offload:2",
+    "elixir-optimal:2@medium", "fsdp2-fused:2@medium", "deepspeed:2@medium",
+)
+# (numerator, denominator, step-time target, memory target): the issue's targets. The memory
+# target compares per-rank peak RSS.
 RATIOS = (
-    ("elixir:2", "fsdp2:2", 0.8),
-    ("elixir:2", "ddp:2", 1.1),
-    ("elixir:1", "plain:1", 1.05),
-    ("elixir-hybrid:2", "fsdp2-fused:2", 0.8),
-    ("elixir-hybrid:2", "ddp-fused:2", 1.1),
-    ("elixir-hybrid:1", "plain-fused:1", 1.05),
-    ("elixir-bf16:2", "elixir-hybrid:2", None),
+    ("elixir-optimal:2", "fsdp2-fused:2", 0.8, 1.0),
+    ("elixir-optimal:2", "fsdp2:2", 0.8, 1.0),
+    ("elixir-optimal:2", "deepspeed:2", 0.8, None),
+    ("elixir-optimal:2", "ddp-fused:2", 1.05, None),
+    ("elixir-optimal:2", "ddp:2", 1.05, None),
+    ("elixir:2", "fsdp2:2", 0.8, 1.0),
+    ("elixir:2", "ddp:2", 1.1, None),
+    ("elixir:1", "plain:1", 1.05, None),
+    ("elixir-hybrid:2", "fsdp2-fused:2", 0.8, None),
+    ("elixir-hybrid:1", "plain-fused:1", 1.05, None),
+    ("elixir-optimal-bf16:2", "fsdp2-bf16:2", 0.8, None),
+    ("elixir-optimal-bf16:2", "deepspeed-bf16:2", 0.8, None),
+    ("elixir-optimal-bf16:2", "ddp-bf16:2", None, None),
+    ("elixir-bf16:2", "fsdp2-bf16:2", None, None),
+    ("elixir-tight:2", "fsdp2-offload:2", 1.0, None),
+    ("elixir-tight:2", "deepspeed-offload:2", 1.0, None),
+    ("elixir-optimal:2@medium", "fsdp2-fused:2@medium", 1.0, None),
+    ("elixir-optimal:2@medium", "fsdp2:2@medium", 1.0, None),
+    ("elixir-optimal:2@medium", "deepspeed:2@medium", 1.0, None),
 )
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """The workload (the same for every line)."""
+    """The workload (the same for every line of one model) and the budgets."""
 
+    model: str = "small"
     n_embd: int = 768
     n_layer: int = 6
     n_head: int = 12
@@ -61,22 +117,52 @@ class BenchConfig:
     warmup: int = 2
     steps: int = 6
     seed: int = 0
+    budget: Optional[int] = None  # per-rank device budget for elixir-optimal (bytes); None: box memory / ranks
+    tight_budget: Optional[int] = None  # per-rank device budget for elixir-tight (bytes)
+    tight_fraction: float = 0.5  # else this fraction of elixir-optimal's predicted device bytes
+
+    def for_model(self, name: str, layers: Optional[int] = None) -> "BenchConfig":
+        if name not in MODELS:
+            raise SystemExit(f"unknown model {name!r}; choose from {sorted(MODELS)}")
+        e, n, h = MODELS[name]
+        return replace(self, model=name, n_embd=e, n_layer=layers or n, n_head=h)
 
 
 @dataclass
 class LineResult:
     system: str
     world: int
+    model: str
     step_s: float
     step_times: list[float]
     peak_rss: list[int]  # bytes, per rank
+    base_rss: list[int]  # bytes, per rank, after start-up (imports, process group), before the model
     losses: list[float]
     params: int
     extra: dict = field(default_factory=dict)
 
     @property
     def key(self) -> str:
-        return f"{self.system}:{self.world}"
+        return line_key(self.system, self.world, self.model)
+
+
+def line_key(system: str, world: int, model: str) -> str:
+    return f"{system}:{world}" + ("" if model == "small" else f"@{model}")
+
+
+def parse_line(line: str) -> tuple[str, int, str]:
+    head, _, model = line.partition("@")
+    system, _, world_s = head.partition(":")
+    if system not in SYSTEMS:
+        raise SystemExit(f"unknown system {system!r} in {line!r}; choose from {SYSTEMS}")
+    if not world_s.isdigit() or int(world_s) < 1:
+        raise SystemExit(f"line {line!r}: write system:world[@model], e.g. elixir-optimal:2@medium")
+    model = model or "small"
+    if model not in MODELS:
+        raise SystemExit(f"unknown model {model!r} in {line!r}; choose from {sorted(MODELS)}")
+    if system.startswith("plain") and int(world_s) != 1:
+        raise SystemExit(f"{line!r}: plain torch runs at world 1 only")
+    return system, int(world_s), model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,7 +173,7 @@ def build_model(cfg: BenchConfig):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     c = GPT2Config(
-        vocab_size=cfg.vocab, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
+        vocab_size=cfg.vocab, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=max(1024, cfg.seq),
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     return GPT2LMHeadModel(c)
@@ -101,60 +187,176 @@ def make_batch(cfg: BenchConfig, step: int, rank: int, world: int):
     return ids[rank * cfg.batch : (rank + 1) * cfg.batch]
 
 
+def box_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _train_step(model, batch):
+    loss = model(**batch).loss
+    loss.backward()
+    return loss
+
+
+def _runtime_share(plan) -> int:
+    """Bytes of the plan's predicted device peak that the runtime's ledger does not hold:
+    activations, buffers, and the optimizer moments of device-placed chunks (the inner optimizer
+    allocates those)."""
+    mem = plan.info["predicted_memory"]
+    moments = sum((c.chunk_size // plan.world_size if c.sharded else c.chunk_size) * 8
+                  for c in plan.chunks if c.optim_placement.value == "device")
+    return mem.get("activations", 0) + mem.get("buffers", 0) + moments
+
+
+def _optimal_plan(system: str, model, cfg: BenchConfig, world: int, dtype, extra: dict):
+    """``optimal_search``'s plan for this line's budget; records what it predicts."""
+    from elixir.search import optimal_search
+
+    ids = make_batch(cfg, 0, 0, world)
+    inp = {"input_ids": ids, "labels": ids}
+    host = box_memory() // world
+    budget = cfg.budget or host
+
+    def search(device_memory: int):
+        return optimal_search(model, world, unified_dtype=dtype, overlap=True, inp=inp, step_fn=_train_step,
+                              device_memory=device_memory, host_memory=host)
+
+    t0 = time.perf_counter()
+    sr = search(budget)
+    limit = None
+    if system == "elixir-tight":
+        if cfg.tight_budget:
+            budget = cfg.tight_budget
+        else:  # between the least budget any plan fits in and what the unconstrained plan needs
+            from elixir.search.optimal import DoesNotFitError
+
+            try:
+                search(1)
+                least = 1
+            except DoesNotFitError as e:
+                least = e.needs["device_memory"]
+            need = int(sr.prediction.peak_device_bytes / (1 - sr.info["margins"]["device"])) + 1
+            budget = least + int(cfg.tight_fraction * max(0, need - least))
+        extra["least_budget"] = least if not cfg.tight_budget else None
+        sr = search(budget)
+        # the ledger enforces what the plan may use of the budget: after the safety margin, less
+        # what the runtime does not account (activations, buffers, device optimizer moments)
+        limit = max(1, sr.info["usable_after_margins"]["device"] - _runtime_share(sr))
+    extra.update(
+        search_s=time.perf_counter() - t0, budget=budget, memory_limit=limit,
+        predicted_step_s=sr.prediction.step_time_s, predicted_device_bytes=sr.prediction.peak_device_bytes,
+        predicted_host_bytes=sr.prediction.peak_host_bytes, predicted_breakdown=sr.prediction.breakdown,
+        plan=plan_summary(sr),
+    )
+    return sr, limit
+
+
+def plan_summary(sr) -> dict:
+    from collections import Counter
+
+    code = {"device": "D", "host": "H", "disk": "K"}
+    kinds = Counter(("S" if c.sharded else "R") + code[c.shard_placement.value] + code[c.optim_placement.value]
+                    for c in sr.chunks)
+    shared = [n for c in sr.chunks for n in c.params if "wte" in n]
+    tied_sharded = any(c.sharded for c in sr.chunks for n in c.params if "wte" in n)
+    return {"search": sr.search, "chunk_size": sr.chunk_size, "chunks": len(sr.chunks), "cache_blocks": sr.cache_blocks,
+            "prefetch_depth": sr.prefetch_depth, "kinds": dict(kinds), "tied_embedding_sharded": tied_sharded if shared else None,
+            "waste": sr.waste()}
+
+
 def wrap(system: str, model, cfg: BenchConfig, world: int):
     """Return ``(model, optimizer, extra)`` for ``system``."""
     import torch
 
     extra: dict = {}
+    bf16 = system.endswith("-bf16")
     if system.startswith("elixir"):
         from elixir.optim import HybridAdam
         from elixir.search import minimum_waste_search
         from elixir.wrapper import ElixirModule, ElixirOptimizer
 
-        dtype = torch.bfloat16 if system == "elixir-bf16" else torch.float32
-        t0 = time.perf_counter()
-        sr = minimum_waste_search(model, world, unified_dtype=dtype)
-        extra.update(search_s=time.perf_counter() - t0, chunk_size=sr.chunk_size, chunks=len(sr.chunks),
-                     waste=sr.waste(), cache_blocks=sr.cache_blocks)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        limit = None
+        if system in ("elixir-optimal", "elixir-optimal-bf16", "elixir-tight"):
+            sr, limit = _optimal_plan(system, model, cfg, world, dtype, extra)
+        else:
+            t0 = time.perf_counter()
+            sr = minimum_waste_search(model, world, unified_dtype=dtype)
+            extra.update(search_s=time.perf_counter() - t0, plan=plan_summary(sr))
         if system == "elixir":
             inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         else:
             inner = HybridAdam(model.parameters(), lr=cfg.lr)
-        wrapped = ElixirModule(model, sr, dtype=dtype, output_fp32=True)
+        wrapped = ElixirModule(model, sr, dtype=dtype, output_fp32=True, memory_limit=limit,
+                               prefetch=sr.param_order is not None)
         return wrapped, ElixirOptimizer(wrapped, inner), extra
-    fused = system.endswith("-fused")
+    fused = system.endswith(("-fused", "-bf16", "-offload"))
     if system.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model), torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=fused), extra
     if system.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
+        kw: dict = {}
+        if bf16:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if system == "fsdp2-offload":
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
         for block in model.transformer.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **kw)
+        fully_shard(model, mesh=mesh, **kw)
         return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=fused), extra
+    if system.startswith("deepspeed"):
+        import deepspeed
+
+        zero: dict = {"stage": 3}
+        if system == "deepspeed-offload":
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+            zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+        ds_config = {
+            "train_micro_batch_size_per_gpu": cfg.batch,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": zero,
+            "bf16": {"enabled": bf16},
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 1 << 30,
+        }
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+        engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        return engine, ds_opt, extra
     if system.startswith("plain"):
-        if world != 1:
-            raise SystemExit("plain torch runs at world 1 only")
         return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=fused), extra
     raise SystemExit(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def worker(system: str, cfg: BenchConfig, out: str, profile: Optional[str]) -> None:
+    import contextlib
+
     import torch
     import torch.distributed as dist
 
+    if system.startswith("deepspeed"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
     from elixir import distributed as edist
 
     info = edist.init_distributed(backend="gloo")
     rank, world = info.rank, info.world_size
+    base_rss = _rss_now()
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)
     params = sum(p.numel() for p in model.parameters())
     model, optim, extra = wrap(system, model, cfg, world)
+    is_ds = system.startswith("deepspeed")
+    autocast = system == "ddp-bf16"
 
     comm = _time_collectives(edist) if system.startswith("elixir") else None
     phases: list[tuple[float, float, float, float]] = []  # forward, backward, optimizer, collectives
@@ -163,15 +365,23 @@ def worker(system: str, cfg: BenchConfig, out: str, profile: Optional[str]) -> N
         ids = make_batch(cfg, i, rank, world)
         c0 = comm.total if comm else 0.0
         t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with ctx:
+            loss = model(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
-        loss.backward()
+        if is_ds:
+            model.backward(loss)
+        else:
+            loss.backward()
         t2 = time.perf_counter()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+        if is_ds:
+            model.step()
+        else:
+            optim.step()
+            optim.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         phases.append((t1 - t0, t2 - t1, t3 - t2, (comm.total - c0) if comm else float("nan")))
-        return float(loss.detach())
+        return float(loss.detach().float())
 
     losses, times = [], []
     for i in range(cfg.warmup + cfg.steps):
@@ -199,12 +409,16 @@ def worker(system: str, cfg: BenchConfig, out: str, profile: Optional[str]) -> N
     extra["phases"] = {k: statistics.median(p[j] for p in timed_phases)
                        for j, k in enumerate(("forward", "backward", "optimizer", "collectives"))}
     rss_all = edist.all_gather_object(rss)
+    base_all = edist.all_gather_object(base_rss)
     if rank == 0:
         timed = times[cfg.warmup :]
-        res = LineResult(system, world, statistics.median(timed), timed, rss_all, losses, params, extra)
+        res = LineResult(system, world, cfg.model, statistics.median(timed), timed, rss_all, base_all, losses, params, extra)
         with open(out, "w") as f:
             json.dump(asdict(res), f)
+    if hasattr(model, "drain"):
+        model.drain()
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -237,22 +451,20 @@ def _time_collectives(edist) -> _CollectiveTimer:
 # orchestrator
 
 
-def run_line(line: str, cfg: BenchConfig, timeout: float, profile_dir: Optional[str]) -> LineResult:
-    system, world_s = line.split(":")
-    world = int(world_s)
-    if system not in SYSTEMS:
-        raise SystemExit(f"unknown system {system!r}; choose from {SYSTEMS}")
+def run_line(line: str, base: BenchConfig, layers: Optional[int], timeout: float, profile_dir: Optional[str]) -> LineResult:
+    system, world, model = parse_line(line)
+    cfg = base.for_model(model, layers)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         args = [os.path.abspath(__file__), "--worker", system, "--out", out, "--config", json.dumps(asdict(cfg))]
         if profile_dir:
-            args += ["--profile", os.path.join(profile_dir, f"{system}-w{world}.txt")]
+            args += ["--profile", os.path.join(profile_dir, f"{system}-w{world}-{model}.txt")]
         if world > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--standalone", *args]
         else:
             cmd = [sys.executable, *args]
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
-                   TRANSFORMERS_VERBOSITY="error")
+                   TRANSFORMERS_VERBOSITY="error", DS_BUILD_OPS="0")
         proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"{line} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -262,60 +474,104 @@ def run_line(line: str, cfg: BenchConfig, timeout: float, profile_dir: Optional[
 
 def ratios(results: dict[str, LineResult]) -> list[dict]:
     rows = []
-    for num, den, target in RATIOS:
+    for num, den, t_target, m_target in RATIOS:
         if num in results and den in results:
             a, b = results[num], results[den]
             rows.append({
                 "ratio": f"{num} / {den}",
                 "time": a.step_s / b.step_s,
                 "peak_rss": max(a.peak_rss) / max(b.peak_rss),
-                "target": target,
+                "time_target": t_target,
+                "rss_target": m_target,
             })
     return rows
+
+
+def _fmt_gib(b: Optional[int]) -> str:
+    return "-" if b is None else f"{b / GiB:.2f}"
 
 
 def print_results(results: dict[str, LineResult], cfg: BenchConfig, wall: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
-    any_r = next(iter(results.values()))
-    t = Table(title=f"step time: GPT-2 {any_r.params / 1e6:.1f}M, batch {cfg.batch}/rank, seq {cfg.seq}, "
-                    f"median of {cfg.steps} steps after {cfg.warmup} warm-up")
-    for col in ("line", "step (s)", "min..max (s)", "fwd / bwd / opt (s)", "elixir comm (s)",
-                "peak RSS/rank (GiB)", "first losses"):
-        t.add_column(col, justify="right")
-    for key, r in results.items():
-        ph = r.extra.get("phases", {})
-        comm = ph.get("collectives", float("nan"))
-        t.add_row(key, f"{r.step_s:.3f}", f"{min(r.step_times):.2f}..{max(r.step_times):.2f}",
-                  " / ".join(f"{ph.get(k, float('nan')):.2f}" for k in ("forward", "backward", "optimizer")),
-                  "-" if comm != comm else f"{comm:.2f}",
-                  " / ".join(f"{b / 2**30:.2f}" for b in r.peak_rss), " ".join(f"{x:.3f}" for x in r.losses[:2]))
-    console.print(t)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    by_model: dict[str, list[LineResult]] = {}
+    for r in results.values():
+        by_model.setdefault(r.model, []).append(r)
+    for model, rs in by_model.items():
+        t = Table(title=f"step time: GPT-2 {model} ({rs[0].params / 1e6:.1f}M), batch {cfg.batch}/rank, seq {cfg.seq}, "
+                        f"median of {cfg.steps} steps after {cfg.warmup} warm-up")
+        for col in ("line", "step (s)", "min..max (s)", "fwd / bwd / opt (s)", "elixir comm (s)",
+                    "peak RSS/rank (GiB)", "above start (GiB)", "first losses"):
+            t.add_column(col, justify="right")
+        for r in rs:
+            ph = r.extra.get("phases", {})
+            comm = ph.get("collectives", float("nan"))
+            t.add_row(r.key, f"{r.step_s:.3f}", f"{min(r.step_times):.2f}..{max(r.step_times):.2f}",
+                      " / ".join(f"{ph.get(k, float('nan')):.2f}" for k in ("forward", "backward", "optimizer")),
+                      "-" if comm != comm else f"{comm:.2f}",
+                      " / ".join(f"{b / GiB:.2f}" for b in r.peak_rss),
+                      " / ".join(f"{(p - b) / GiB:.2f}" for p, b in zip(r.peak_rss, r.base_rss)),
+                      " ".join(f"{x:.3f}" for x in r.losses[:2]))
+        console.print(t)
+    plans = [r for r in results.values() if "plan" in r.extra]
+    if plans:
+        pt = Table(title="elixir plans: the search's prediction against the measurement (rank 0)")
+        for col in ("line", "search", "chunk", "blocks/depth", "chunk kinds", "tied emb.", "budget (GiB)",
+                    "pred. step (s)", "measured (s)", "meas/pred", "pred. device (GiB)", "ledger peak (GiB)"):
+            pt.add_column(col, justify="right")
+        for r in plans:
+            p, x = r.extra["plan"], r.extra
+            pred = x.get("predicted_step_s")
+            kinds = " ".join(f"{k}x{v}" for k, v in sorted(p["kinds"].items()))
+            tied = {True: "sharded", False: "replicated", None: "-"}[p.get("tied_embedding_sharded")]
+            pt.add_row(r.key, p["search"], f"{p['chunk_size']:,}", f"{p['cache_blocks']}/{p['prefetch_depth']}", kinds, tied,
+                       _fmt_gib(x.get("budget")), "-" if pred is None else f"{pred:.3f}", f"{r.step_s:.3f}",
+                       "-" if not pred else f"{r.step_s / pred:.2f}", _fmt_gib(x.get("predicted_device_bytes")),
+                       _fmt_gib(x.get("memory", {}).get("device_peak_bytes")))
+        console.print(pt)
+        console.print("chunk kinds: S/R sharded/replicated, then shard and optimizer placement (D device, H host, "
+                      "K disk); the ledger peak is the runtime's own tensors (no activations, no inner-optimizer moments)")
     rt = Table(title="ratios (same invocation)")
-    for col in ("ratio", "step time", "target", "peak RSS (max rank)", "met"):
+    for col in ("ratio", "step time", "target", "peak RSS (max rank)", "target ", "met"):
         rt.add_column(col, justify="right")
     for row in ratios(results):
-        tgt = row["target"]
-        # the memory target (peak RSS <= FSDP2's) applies to the FSDP2 comparisons only
-        mem_ok = "fsdp2" not in row["ratio"].split(" / ")[1] or row["peak_rss"] <= 1.0 + 1e-9
-        met = "" if tgt is None else ("yes" if row["time"] <= tgt and mem_ok else "NO")
-        rt.add_row(row["ratio"], f"{row['time']:.2f}", "-" if tgt is None else f"<= {tgt}", f"{row['peak_rss']:.2f}", met)
+        tt, mt = row["time_target"], row["rss_target"]
+        if tt is None and mt is None:
+            met = ""
+        else:
+            ok = (tt is None or row["time"] <= tt) and (mt is None or row["peak_rss"] <= mt + 1e-9)
+            met = "yes" if ok else "NO"
+        rt.add_row(row["ratio"], f"{row['time']:.2f}", "-" if tt is None else f"<= {tt}", f"{row['peak_rss']:.2f}",
+                   "-" if mt is None else f"<= {mt}", met)
     console.print(rt)
+    tight = [r for r in results.values() if r.system == "elixir-tight"]
+    for r in tight:
+        rivals = [x for x in results.values() if x.model == r.model and x.system.endswith("-offload") and x.world == r.world]
+        faster = [x.key for x in rivals if x.step_s < r.step_s]
+        console.print(f"tight budget {_fmt_gib(r.extra.get('budget'))} GiB per rank: elixir's plan ran under the ledger "
+                      f"limit ({_fmt_gib(r.extra.get('memory_limit'))} GiB of runtime tensors); "
+                      + (f"slower than {', '.join(faster)}" if faster else
+                         f"fastest of {', '.join([r.key] + [x.key for x in rivals])}"))
     console.print(f"total wall time {wall:.0f} s; load average at end {os.getloadavg()[0]:.1f} "
                   f"(other processes on the box make timings noisy; compare ratios only)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", nargs="+", default=list(DEFAULT_LINES), help="lines to run, as system:world")
+    p.add_argument("--systems", nargs="+", default=list(DEFAULT_LINES), help="lines to run, as system:world[@model]")
     p.add_argument("--steps", type=int, default=BenchConfig.steps, help="timed steps per line")
     p.add_argument("--warmup", type=int, default=BenchConfig.warmup, help="untimed steps per line")
-    p.add_argument("--layers", type=int, default=BenchConfig.n_layer, help="GPT-2 blocks (6 gives 81.9M)")
+    p.add_argument("--layers", type=int, help="override every model's number of GPT-2 blocks (smoke tests)")
+    p.add_argument("--budget", type=float, help="per-rank device budget of elixir-optimal, GiB (default: box memory / ranks)")
+    p.add_argument("--tight-budget", type=float, help="per-rank device budget of elixir-tight, GiB")
+    p.add_argument("--tight-fraction", type=float, default=BenchConfig.tight_fraction,
+                   help="without --tight-budget: this fraction of the way from the least budget any plan fits in to what "
+                        "elixir-optimal's plan needs")
     p.add_argument("--json", dest="json_path", help="write all results to this file")
     p.add_argument("--profile-dir", help="write a torch.profiler table of the first timed step of each line here")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per line")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per line")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -324,24 +580,37 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.worker:
         worker(args.worker, BenchConfig(**json.loads(args.config)), args.out, args.profile)
         return 0
-    cfg = BenchConfig(steps=args.steps, warmup=args.warmup, n_layer=args.layers)
+    gib = lambda x: None if x is None else int(x * GiB)  # noqa: E731
+    cfg = BenchConfig(steps=args.steps, warmup=args.warmup, budget=gib(args.budget), tight_budget=gib(args.tight_budget),
+                      tight_fraction=args.tight_fraction)
+    for line in args.systems:
+        parse_line(line)  # refuse a bad line before running anything
     if args.profile_dir:
         os.makedirs(args.profile_dir, exist_ok=True)
     t0 = time.perf_counter()
     results: dict[str, LineResult] = {}
+    failed: dict[str, str] = {}
     for line in args.systems:
         print(f"running {line} ...", file=sys.stderr, flush=True)
-        r = run_line(line, cfg, args.timeout, args.profile_dir)
+        try:
+            r = run_line(line, cfg, args.layers, args.timeout, args.profile_dir)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # one broken line must not lose the others
+            failed[line] = str(e)[-2000:]
+            print(f"  {line} FAILED: {str(e)[-1500:]}", file=sys.stderr, flush=True)
+            continue
         results[r.key] = r
-        print(f"  {line}: {r.step_s:.3f} s/step, peak RSS {max(r.peak_rss) / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+        print(f"  {line}: {r.step_s:.3f} s/step, peak RSS {max(r.peak_rss) / GiB:.2f} GiB", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t0
-    print_results(results, cfg, wall)
+    if results:
+        print_results(results, cfg, wall)
+    if failed:
+        print(f"FAILED lines: {', '.join(failed)}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"config": asdict(cfg), "command": " ".join(sys.argv), "wall_s": wall,
                        "results": {k: asdict(v) for k, v in results.items()}, "ratios": ratios(results),
-                       "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}, f, indent=1)
-    return 0
+                       "failed": failed, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}, f, indent=1)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
