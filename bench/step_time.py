@@ -520,7 +520,7 @@ def print_results(results: dict[str, LineResult], cfg: BenchConfig, wall: float)
         pt = Table(title="elixir plans: the search's prediction against the measurement (rank 0)")
         for col in ("line", "search", "chunk", "blocks/depth", "chunk kinds", "tied emb.", "budget (GiB)",
                     "pred. step (s)", "measured (s)", "meas/pred", "pred. device (GiB)", "ledger peak (GiB)"):
-            pt.add_column(col, justify="right")
+            pt.add_column(col, justify="right", no_wrap=col == "line")
         for r in plans:
             p, x = r.extra["plan"], r.extra
             pred = x.get("predicted_step_s")

@@ -57,12 +57,13 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
     elem = 4 if profile.dtype == "float32" else 2
     stt = Setting(world=world, elem=elem, reduce_elem=elem, opt_bytes=8, hardware=HW, dtype=profile.dtype)
     types = ["DD", "DH", "HH"] + (["DK", "HK"] if disk > 0 else [])
-    for c in chunk_size_candidates(profile, world):
-        lay = pack(profile, c, world)
-        n = lay.n_sharded
+    tied_modes = (False, True) if profile.shared and world > 1 else (False,)
+    for c, tied in itertools.product(chunk_size_candidates(profile, world), tied_modes):
+        lay = pack(profile, c, world, tied)
+        n = lay.n_sharded - lay.own  # sharded tied chunks stay DD, in the fixed bytes
         cb = per_chunk_bytes(stt, c // world if n else 0)
         # at world size 1 device shards stay whole and need no block: 0 blocks when all are there
-        block_options = ([0] if world == 1 or not n else []) + ([max(1, lay.min_blocks)] if n else [])
+        block_options = ([0] if world == 1 or not lay.n_sharded else []) + ([max(1, lay.min_blocks)] if lay.n_sharded else [])
         for blocks, rw in itertools.product(block_options, ("D", "H")):
             base = sum(fixed_device_bytes(profile, lay, stt, blocks).values())
             rd, rh = replicated_optimizer_bytes(lay, stt, rw)

@@ -6,8 +6,11 @@ No constant is fitted: bandwidths, optimizer throughput and matmul throughput al
 hardware profile; byte counts come from the plan and the tracer.
 
 **Layout.** For a chunk size ``C`` the trainable parameters are packed greedily, in order of first
-use, into chunks of capacity ``C`` (a multiple of ``world * ALIGN``); tied parameters get their own
-replicated chunks (as :func:`~elixir.search.minimum_waste.minimum_waste_search` does).
+use, into chunks of capacity ``C`` (a multiple of ``world * ALIGN``). Tied parameters get chunks of
+their own, either replicated (all-reduced gradient, whole master and optimizer state on every rank)
+or sharded (``shard_shared``: gathered wherever a module uses them, gradient reduce-scattered once
+both uses have contributed, optimizer state split); the search prices both and keeps the faster
+that fits. A sharded tied chunk keeps its shard and optimizer state on the device (``DD``).
 
 **Memory, per rank** (bytes; ``s = C / world`` shard elements, ``e`` the compute element size,
 ``r`` the reduce element size, ``k`` optimizer-state bytes per element: 8 for Adam, 4 for SGD):
@@ -101,11 +104,18 @@ class Layout:
     sharded_ids: tuple[int, ...]
     min_blocks: int
     grad_buffers: int  # most sharded chunks with backward in progress at once
-    used: int  # parameter elements in sharded chunks
+    used: int  # parameter elements in sharded chunks of size chunk_size
+    own: int = 0  # the last `own` sharded chunks hold one tied parameter each, sized to it (shard_shared)
 
     @property
     def n_sharded(self) -> int:
         return len(self.sharded_ids)
+
+    @property
+    def own_capacities(self) -> tuple[int, ...]:
+        """Capacities of the sharded tied chunks (the last ``own`` sharded chunks)."""
+        n = self.n_sharded
+        return tuple(self.capacities[n - self.own : n]) if self.own else ()
 
 
 def round_up(x: int, m: int) -> int:
@@ -116,11 +126,11 @@ def round_up(x: int, m: int) -> int:
 class _PackContext:
     """What packing needs from a profile, precomputed once as arrays."""
 
-    sh_names: tuple[str, ...]  # sharded params in use order
+    sh_names: tuple[str, ...]  # untied params in use order
     sh_numel: tuple[int, ...]
-    shared: tuple[tuple[str, int], ...]  # replicated params in use order, with numel
-    acc_step: np.ndarray  # int64, step of each (step, sharded param) access
-    acc_param: np.ndarray  # int64, index into sh_names
+    shared: tuple[tuple[str, int], ...]  # tied params in use order, with numel
+    acc_step: np.ndarray  # int64, step of each (step, param) access
+    acc_param: np.ndarray  # int64, index into sh_names + the names of shared
     backward: np.ndarray  # bool per step
     n_steps: int
 
@@ -135,7 +145,7 @@ def _context(profile: StepProfile) -> _PackContext:
     numel = profile.numel
     order = profile.use_order()
     sh_names = [n for n in order if n not in profile.shared]
-    index = {n: i for i, n in enumerate(sh_names)}
+    index = {n: i for i, n in enumerate(sh_names + [n for n in order if n in profile.shared])}
     steps, params = [], []
     for t, st in enumerate(profile.steps):
         for n in st:
@@ -155,8 +165,9 @@ def _context(profile: StepProfile) -> _PackContext:
     return ctx
 
 
-def pack(profile: StepProfile, chunk_size: int, world: int) -> Layout:
-    """Greedy in-order packing of ``profile``'s parameters into chunks of ``chunk_size``.
+def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool = False) -> Layout:
+    """Greedy in-order packing of ``profile``'s parameters into chunks of ``chunk_size``; each tied
+    parameter gets a chunk of its own, replicated, or sharded with ``shard_shared``.
 
     The cache trace lists, per step, the sharded chunks it needs (the runtime pins a chunk only
     while a module using it runs, and the last backward step's chunks until the next backward step,
@@ -167,7 +178,7 @@ def pack(profile: StepProfile, chunk_size: int, world: int) -> Layout:
     ctx = _context(profile)
     if ctx.sh_numel and chunk_size < max(ctx.sh_numel):
         raise ValueError(f"chunk size {chunk_size} is smaller than the largest parameter")
-    param_chunk = np.empty(len(ctx.sh_names), dtype=np.int64)
+    param_chunk = np.full(len(ctx.sh_names) + len(ctx.shared), -1, dtype=np.int64)
     chunks: list[list[str]] = []
     used, c = chunk_size + 1, -1
     for i, (n, k) in enumerate(zip(ctx.sh_names, ctx.sh_numel)):
@@ -181,17 +192,21 @@ def pack(profile: StepProfile, chunk_size: int, world: int) -> Layout:
     n_sh = len(chunks)
     caps = [chunk_size] * n_sh
     sharded = [True] * n_sh
-    for n, k in ctx.shared:
+    own = len(ctx.shared) if shard_shared and world > 1 else 0
+    for j, (n, k) in enumerate(ctx.shared):
         chunks.append([n])
-        caps.append(k)
-        sharded.append(False)
-    return _layout(ctx, chunk_size, chunks, caps, sharded, param_chunk)
+        if own:
+            param_chunk[len(ctx.sh_names) + j] = len(chunks) - 1
+        caps.append(round_up(k, ALIGN * world) if own else k)
+        sharded.append(bool(own))
+    return _layout(ctx, chunk_size, chunks, caps, sharded, param_chunk, own)
 
 
 def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharded: list,
-            param_chunk: np.ndarray) -> Layout:
-    """The cache trace and counts for chunks; ``param_chunk[i]`` is the sharded chunk of
-    ``ctx.sh_names[i]`` (-1 if it is in no sharded chunk). Sharded chunks come first."""
+            param_chunk: np.ndarray, own: int = 0) -> Layout:
+    """The cache trace and counts for chunks; ``param_chunk[i]`` is the sharded chunk of the i-th
+    name of ``ctx.sh_names`` then ``ctx.shared`` (-1 if it is in no sharded chunk). Sharded chunks
+    come first, the ``own`` sharded tied chunks last among them."""
     n_sh = sum(sharded)
     n_steps = ctx.n_steps
     grad_buffers = 0
@@ -234,7 +249,7 @@ def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharde
     return Layout(
         chunk_size=chunk_size, chunks=tuple(tuple(c) for c in chunks), capacities=tuple(caps),
         sharded=tuple(sharded), trace=trace, sharded_ids=tuple(range(n_sh)), min_blocks=min_blocks,
-        grad_buffers=grad_buffers, used=sum(k for k, c in zip(ctx.sh_numel, param_chunk) if c >= 0),
+        grad_buffers=grad_buffers, used=sum(k for k, c in zip(ctx.sh_numel, param_chunk) if c >= 0), own=own,
     )
 
 
@@ -247,7 +262,7 @@ def replicate(profile: StepProfile, layout: Layout) -> Layout:
     caps = [round_up(sum(numel[n] for n in names), ALIGN) if sh else cap
             for names, cap, sh in zip(layout.chunks, layout.capacities, layout.sharded)]
     return _layout(ctx, layout.chunk_size, [list(c) for c in layout.chunks], caps, [False] * len(caps),
-                   np.full(len(ctx.sh_names), -1, dtype=np.int64))
+                   np.full(len(ctx.sh_names) + len(ctx.shared), -1, dtype=np.int64))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,22 +343,29 @@ class Evaluation:
     breakdown: dict[str, float] = field(default_factory=dict)
     memory: dict[str, int] = field(default_factory=dict)
     gathers: int = 0
+    shard_shared: bool = False  # tied parameters in sharded chunks of their own (Layout.own)
 
 
 def fixed_device_bytes(profile: StepProfile, layout: Layout, st: Setting, blocks: int) -> dict[str, int]:
     """Device bytes that do not depend on placement."""
     repl = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
-    return {
+    # a sharded tied chunk larger than the others takes a larger block while gathered, and a larger
+    # gradient buffer (from the first use's backward to the last's: both ends of backward)
+    own_extra = sum(max(0, c - layout.chunk_size) for c in layout.own_capacities)
+    out = {
         "activations": int(profile.activation_bytes),
         "buffers": int(profile.buffer_bytes),
-        "rcache": blocks * layout.chunk_size * st.elem,
+        "rcache": (blocks * layout.chunk_size + (own_extra if blocks else 0)) * st.elem,
         # sharded: the most chunks whose backward is in progress at once; replicated (tied) chunks:
         # their gradients arrive at both ends of backward, so their buffers live throughout
-        "grad_buffers": (layout.grad_buffers * layout.chunk_size + repl) * st.reduce_elem,
+        "grad_buffers": (layout.grad_buffers * layout.chunk_size + own_extra + repl) * st.reduce_elem,
         "replicated": repl * st.elem,
         # fused step: the one chunk's shard gradient between its reduction and its step
         "grad_in_flight": _largest_shard(layout, st.world) * st.grad_elem if st.fused_step else 0,
     }
+    if layout.own:
+        out["tied_shards"] = sum(per_chunk_bytes(st, c // st.world)["DD"][0] for c in layout.own_capacities)
+    return out
 
 
 def _largest_shard(layout: Layout, world: int) -> int:
@@ -381,17 +403,25 @@ def replicated_optimizer_time(st: Setting, numel: int, where: str) -> float:
             + hw.h2d_time(numel * st.elem, st.pin))
 
 
-def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int) -> dict[str, float]:
+def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int,
+               own_gathers: Optional[np.ndarray] = None) -> dict[str, float]:
+    """Compute and collective seconds of one step; ``gathers`` counts every all-gather,
+    ``own_gathers`` those of each sharded tied chunk (``layout.own_capacities``)."""
     hw, w = st.hardware, st.world
     full = layout.chunk_size * st.elem
     repl = [c for c, s in zip(layout.capacities, layout.sharded) if not s]
     ar = 0.0
     if w > 1:
         ar = sum(hw.all_reduce_time(c * st.reduce_elem, w) for c in repl)
+    n = layout.n_sharded - layout.own
+    own = layout.own_capacities
+    own_gathers = [] if own_gathers is None else list(own_gathers)
     return {
         "compute": compute_seconds(profile, hw, st.dtype),
-        "all_gather": gathers * hw.all_gather_time(full, w) if layout.n_sharded else 0.0,
-        "reduce_scatter": layout.n_sharded * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, w),
+        "all_gather": ((gathers - sum(own_gathers)) * hw.all_gather_time(full, w) if n else 0.0)
+        + sum(g * hw.all_gather_time(c * st.elem, w) for g, c in zip(own_gathers, own)),
+        "reduce_scatter": n * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, w)
+        + sum(hw.reduce_scatter_time(c * st.reduce_elem, w) for c in own),
         "all_reduce": ar,
     }
 
@@ -412,11 +442,15 @@ def place(
     placement; only host-shard gathers depend on the chunk. So the best placement keeps on the
     device the shards of the most-gathered chunks, and is found exactly by scanning ``y`` (chunks
     with optimizer state on device), with as many device shards ``x >= y`` as fit, and the fewest
-    optimizer states on disk ``z`` that make host memory fit.
+    optimizer states on disk ``z`` that make host memory fit. Sharded tied chunks (``layout.own``)
+    are not scanned: they stay ``DD``, priced in the fixed part.
     """
     dev_budget, host_budget, disk_budget = budgets
     hw = st.hardware
-    n = layout.n_sharded
+    n = layout.n_sharded - layout.own
+    own_gathers, per_chunk_gathers = per_chunk_gathers[n:], per_chunk_gathers[:n]
+    own_kinds = ("DD",) * layout.own
+    t_own_opt = sum(hw.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
     shard = layout.chunk_size // st.world if n else 0
     fixed = fixed_device_bytes(profile, layout, st, blocks)
     base_dev = sum(fixed.values())
@@ -426,8 +460,8 @@ def place(
     # host-shard gather cost if the n - x least gathered chunks have host shards
     h2d_gather = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
     suffix = np.concatenate([np.cumsum(g_sorted[::-1])[::-1], [0]]) if n else np.zeros(1)
-    gathers = int(per_chunk_gathers.sum())
-    comm = comm_times(profile, layout, st, gathers)
+    gathers = int(per_chunk_gathers.sum() + own_gathers.sum())
+    comm = comm_times(profile, layout, st, gathers, own_gathers)
     # At world size 1 the runtime keeps device-placed chunks whole and resident (no cache block,
     # no gather, no reduction copy); only host-placed shards go through the rCache.
     solo = st.world == 1
@@ -442,9 +476,9 @@ def place(
         if dev_free < 0 or host_free < 0:
             continue
         repl_opt_numel = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
-        t_repl_opt = replicated_optimizer_time(st, repl_opt_numel, rwhere)
+        t_repl_opt = replicated_optimizer_time(st, repl_opt_numel, rwhere) + t_own_opt
         if n == 0:
-            cand = _finish(layout, st, blocks, depth, (), fixed, rd, rh, 0, comm, t_repl_opt, 0.0, gathers, rwhere)
+            cand = _finish(layout, st, blocks, depth, own_kinds, fixed, rd, rh, 0, comm, t_repl_opt, 0.0, gathers, rwhere)
             if best is None or cand.step_time < best.step_time:
                 best = cand
             continue
@@ -509,7 +543,7 @@ def place(
             c_comm = dict(comm, all_gather=0.0, reduce_scatter=0.0)  # counted in t_h2d above
             c_gathers = int(suffix[xi])
         cand = _finish(
-            layout, st, blocks, depth, tuple(kinds), fixed, rd + dev, rh + host, disk, c_comm,
+            layout, st, blocks, depth, tuple(kinds) + own_kinds, fixed, rd + dev, rh + host, disk, c_comm,
             t_repl_opt + float(t_opt[yi]), float(t_h2d[yi]), c_gathers, rwhere,
         )
         if cand.device_bytes > dev_budget or cand.host_bytes > host_budget or cand.disk_bytes > disk_budget:
@@ -559,7 +593,7 @@ def _finish(
     return Evaluation(
         chunk_size=layout.chunk_size, blocks=blocks, prefetch_depth=depth, placements=tuple(placements),
         device_bytes=sum(fixed.values()) + dev_var, host_bytes=host, disk_bytes=disk,
-        step_time=fb + t_opt, breakdown=breakdown, memory=memory, gathers=gathers,
+        step_time=fb + t_opt, breakdown=breakdown, memory=memory, gathers=gathers, shard_shared=layout.own > 0,
     )
 
 
@@ -573,16 +607,25 @@ def simulate_layout(layout: Layout, blocks: int) -> np.ndarray:
 def layout_from_plan(profile: StepProfile, plan) -> Layout:
     """The :class:`Layout` of an existing plan (``SearchResult``), e.g. from another search."""
     ctx = _context(profile)
-    index = {n: i for i, n in enumerate(ctx.sh_names)}
-    param_chunk = np.full(len(ctx.sh_names), -1, dtype=np.int64)
-    order = [c for c in plan.chunks if c.sharded] + [c for c in plan.chunks if not c.sharded]
+    shared = {n for n, _ in ctx.shared}
+    index = {n: i for i, n in enumerate(ctx.sh_names + tuple(shared_name for shared_name, _ in ctx.shared))}
+    param_chunk = np.full(len(index), -1, dtype=np.int64)
+    order = _plan_order(plan, shared)
+    own = sum(c.sharded and set(c.params) <= shared for c in order)
+    body = [c.chunk_size for c in order if c.sharded and not set(c.params) <= shared]
     for ci, c in enumerate(order):
         if c.sharded:
             for n in c.params:
                 if n in index:
                     param_chunk[index[n]] = ci
-    return _layout(ctx, plan.chunk_size, [list(c.params) for c in order], [c.chunk_size for c in order],
-                   [c.sharded for c in order], param_chunk)
+    return _layout(ctx, max(body, default=plan.chunk_size), [list(c.params) for c in order],
+                   [c.chunk_size for c in order], [c.sharded for c in order], param_chunk, own)
+
+
+def _plan_order(plan, shared: set) -> list:
+    """A plan's chunks as a Layout orders them: sharded, then sharded tied ones, then replicated."""
+    tied = [c for c in plan.chunks if c.sharded and set(c.params) <= shared]
+    return [c for c in plan.chunks if c.sharded and c not in tied] + tied + [c for c in plan.chunks if not c.sharded]
 
 
 _CODE = {"device": "D", "host": "H", "disk": "K"}
@@ -595,8 +638,10 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     st = dataclasses.replace(st, grad_elem=2 if plan.grad_dtype in ("bfloat16", "float16") else 4,
                              fused_step=bool(plan.fused_step))
     lay = layout_from_plan(profile, plan)
-    order = [c for c in plan.chunks if c.sharded] + [c for c in plan.chunks if not c.sharded]
-    kinds = tuple(_CODE[c.shard_placement.value] + _CODE[c.optim_placement.value] for c in order if c.sharded)
+    order = _plan_order(plan, set(profile.shared))
+    # sharded tied chunks are priced as DD in the fixed part, like the search does
+    kinds = tuple(_CODE[c.shard_placement.value] + _CODE[c.optim_placement.value]
+                  for c in order[: lay.n_sharded - lay.own])
     repl = [c for c in order if not c.sharded]
     rwhere = "D" if all(c.optim_placement.value == "device" for c in repl) else "H"
     n = lay.n_sharded
@@ -606,6 +651,8 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
         g, blocks = np.zeros(n, dtype=np.int64), 0  # nothing goes through the cache
     else:
         g = simulate_layout(lay, plan.cache_blocks)
+    g_own, g = g[n - lay.own :], g[: n - lay.own]
+    n -= lay.own
     if solo:  # device shards stay whole and resident at world size 1
         g = np.where(np.asarray([k[0] != "D" for k in kinds], dtype=bool), g, 0) if n else g
     shard = lay.chunk_size // st.world if n else 0
@@ -615,15 +662,17 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     hw = st.hardware
     repl_numel = sum(c.chunk_size for c in repl)
     t_repl = replicated_optimizer_time(st, repl_numel, rwhere)
+    t_repl += sum(hw.optimizer_time(c // st.world, "device") for c in lay.own_capacities)
     h2d = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
     t_h2d = float(sum(int(gc) * h2d for gc, k in zip(g, kinds) if k[0] == "H"))
     t_opt = t_repl + sum(ct[k] for k in kinds)
     dev = rd + sum(cb[k][0] for k in kinds)
     host = rh + sum(cb[k][1] for k in kinds) + staging_bytes(st, shard, sum(k[1] == "K" for k in kinds))
     disk = sum(cb[k][2] for k in kinds)
-    comm = comm_times(profile, lay, st, int(g.sum()))
+    gathers = int(g.sum() + g_own.sum())
+    comm = comm_times(profile, lay, st, gathers, g_own)
     if solo and n:
         n_host = sum(k[0] != "D" for k in kinds)
         comm = dict(comm, reduce_scatter=n_host * st.hardware.reduce_scatter_time(lay.chunk_size * st.reduce_elem, 1))
-    return _finish(lay, st, blocks, plan.prefetch_depth, kinds, fixed, dev, host, disk, comm,
-                   t_opt, t_h2d, int(g.sum()), rwhere)
+    return _finish(lay, st, blocks, plan.prefetch_depth, kinds + ("DD",) * lay.own, fixed, dev, host, disk, comm,
+                   t_opt, t_h2d, gathers, rwhere)

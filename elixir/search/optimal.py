@@ -136,16 +136,23 @@ class _Searcher:
         self.grad_dtype = grad_dtype
         self.fused_step = fused_step
         self.usable = policy.usable(budgets.device, budgets.host, budgets.disk)
-        self._layouts: dict[int, Layout] = {}
+        self._layouts: dict[tuple[int, bool], Layout] = {}
 
-    def layout(self, c: int) -> Layout:
-        if c not in self._layouts:
-            self._layouts[c] = pack(self.profile, c, self.world)
-        return self._layouts[c]
+    @property
+    def tied_modes(self) -> tuple[bool, ...]:
+        """How tied parameters may be chunked: replicated (False), or also sharded (True) when
+        there are any and more than one rank (the cost model prices both)."""
+        return (False, True) if self.profile.shared and self.world > 1 else (False,)
+
+    def layout(self, c: int, shard_shared: bool = False) -> Layout:
+        key = (c, shard_shared)
+        if key not in self._layouts:
+            self._layouts[key] = pack(self.profile, c, self.world, shard_shared)
+        return self._layouts[key]
 
     def layout_of(self, ev: Evaluation) -> Layout:
         """The layout an evaluation was made on (the packed one, or its fully replicated twin)."""
-        lay = self.layout(ev.chunk_size)
+        lay = self.layout(ev.chunk_size, ev.shard_shared)
         if lay.n_sharded and all(p.startswith("R") for p in ev.placements):
             return replicate(self.profile, lay)
         return lay
@@ -158,28 +165,30 @@ class _Searcher:
     def fits(self, usable=None) -> bool:
         """Whether any candidate fits: the fewest blocks, no prefetch, for every chunk size."""
         for c in chunk_size_candidates(self.profile, self.world):
-            lay = self.layout(c)
-            for b in _block_candidates(lay, self.world)[: 2 if self.world == 1 else 1]:
-                if self.evaluate(lay, b, 0, usable) is not None:
-                    return True
+            for tied in self.tied_modes:
+                lay = self.layout(c, tied)
+                for b in _block_candidates(lay, self.world)[: 2 if self.world == 1 else 1]:
+                    if self.evaluate(lay, b, 0, usable) is not None:
+                        return True
         return False
 
     def run(self) -> tuple[Evaluation, list[Evaluation], int]:
         results: list[Evaluation] = []
         scored = 0
         for c in chunk_size_candidates(self.profile, self.world):
-            lay = self.layout(c)
-            for b in _block_candidates(lay, self.world):
-                depths = range(0, min(MAX_DEPTH, b - max(1, lay.min_blocks)) + 1) if self.overlap and lay.n_sharded and b else (0,)
-                ev_any = None
-                for d in depths:
-                    scored += 1
-                    ev = self.evaluate(lay, b, d)
-                    if ev is not None:
-                        results.append(ev)
-                        ev_any = ev
-                if ev_any is None and b > 0:
-                    break  # more blocks only need more memory
+            for tied in self.tied_modes:
+                lay = self.layout(c, tied)
+                for b in _block_candidates(lay, self.world):
+                    depths = range(0, min(MAX_DEPTH, b - max(1, lay.min_blocks)) + 1) if self.overlap and lay.n_sharded and b else (0,)
+                    ev_any = None
+                    for d in depths:
+                        scored += 1
+                        ev = self.evaluate(lay, b, d)
+                        if ev is not None:
+                            results.append(ev)
+                            ev_any = ev
+                    if ev_any is None and b > 0:
+                        break  # more blocks only need more memory
         if self.world > 1:  # every chunk replicated (data parallel), where the memory allows it
             for c in chunk_size_candidates(self.profile, self.world, points=REPLICATED_POINTS):
                 scored += 1
@@ -421,13 +430,16 @@ def search_profile(
         "margins": {"device": policy.device_margin, "host": policy.host_margin, "disk": policy.disk_margin},
         "predicted_memory": {k: int(v) for k, v in best.memory.items()},
         "gathers_per_step": best.gathers,
-        "waste": 1 - layout.used / (layout.chunk_size * layout.n_sharded) if layout.n_sharded else 0.0,
+        "waste": 1 - layout.used / (layout.chunk_size * (layout.n_sharded - layout.own)) if layout.n_sharded > layout.own else 0.0,
+        "chunk_size": layout.chunk_size,
+        "tied": None if not profile.shared else ("sharded" if best.shard_shared else "replicated"),
+        "tied_alternative": _tied_alternative(s, best, results),
         "profile": {k: v for k, v in profile.info.items() if isinstance(v, (str, int, float, list, tuple, dict))},
         "activation_bytes": profile.activation_bytes,
         "runner_ups": [
             {"chunk_size": e.chunk_size, "blocks": e.blocks, "prefetch_depth": e.prefetch_depth,
              "placements": _summary(e), "step_time_s": e.step_time, "device_bytes": e.device_bytes,
-             "host_bytes": e.host_bytes}
+             "host_bytes": e.host_bytes, "tied_sharded": e.shard_shared}
             for e in runners
         ],
     }
@@ -453,13 +465,41 @@ def _explain(s: _Searcher, best: Evaluation) -> str:
     )
 
 
+def _tied_alternative(s: _Searcher, best: Evaluation, results: list[Evaluation]) -> Optional[dict]:
+    """The best plan that chunks the tied parameters the other way (replicated vs sharded), or
+    why there is none: the reason for the choice."""
+    if len(s.tied_modes) < 2:
+        return None
+    other = not best.shard_shared
+    alt = next((e for e in results if e.shard_shared == other and not all(p.startswith("R") for p in e.placements)), None)
+    mode = "sharded" if other else "replicated"
+    if alt is None:
+        return {"tied": mode, "fits": False}
+    return {"tied": mode, "fits": True, "step_time_s": alt.step_time, "device_bytes": alt.device_bytes,
+            "host_bytes": alt.host_bytes, "chunk_size": alt.chunk_size}
+
+
+def tied_reason(info: dict) -> str:
+    """One line: how the plan chunks the tied parameters, and why (from ``info['tied_alternative']``)."""
+    tied, alt = info.get("tied"), info.get("tied_alternative")
+    if tied is None:
+        return "no tied parameters"
+    if alt is None:
+        return f"{tied} (one rank: nothing to shard)"
+    if not alt["fits"]:
+        return f"{tied}: no plan with them {alt['tied']} fits the budgets"
+    return (f"{tied}: with them {alt['tied']} the best plan would take {alt['step_time_s']:.4f} s and "
+            f"{_fmt(alt['device_bytes'])} device per rank")
+
+
 def _runner_ups(results: list[Evaluation], k: int) -> list[Evaluation]:
-    """The best evaluation per chunk size, best first (the first is the winner)."""
+    """The best evaluation per chunk size and way of chunking tied parameters, best first (the
+    first is the winner)."""
     seen, out = set(), []
     for e in results:
-        if e.chunk_size in seen:
+        if (e.chunk_size, e.shard_shared) in seen:
             continue
-        seen.add(e.chunk_size)
+        seen.add((e.chunk_size, e.shard_shared))
         out.append(e)
         if len(out) == k:
             break
@@ -479,11 +519,13 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     t.add_column("what")
     t.add_column("value", justify="right")
     if sharded:
-        t.add_row("chunk size", f"{result.chunk_size:,} elements ({len(sharded)} sharded, {len(result.chunks) - len(sharded)} replicated)")
+        t.add_row("chunk size", f"{info.get('chunk_size', result.chunk_size):,} elements ({len(sharded)} sharded, "
+                                f"{len(result.chunks) - len(sharded)} replicated)")
         t.add_row("padding waste", f"{100 * info.get('waste', 0):.2f}% of the sharded chunks")
     else:
         t.add_row("chunks", f"all {len(result.chunks)} replicated (data parallel: nothing sharded, nothing gathered)")
         t.add_row("padding waste", f"{100 * result.waste():.2f}%")
+    t.add_row("tied parameters", tied_reason(info))
     t.add_row("rCache blocks / prefetch depth", f"{result.cache_blocks} / {result.prefetch_depth}")
     t.add_row("gathers per step", str(info.get("gathers_per_step")))
     t.add_row("placements (shard, optimizer)", runners[0] and _summary(runners[0]) if runners else "")
@@ -501,12 +543,13 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
         t.add_row(f"  {k}", f"{v:.4f} s")
     t.add_row("search time", f"{info.get('search_time_s', 0):.2f} s ({info.get('candidates_scored')} candidates)")
     console.print(t)
-    r = Table(title="runner-ups (best per chunk size)", expand=False)
-    for col in ("chunk", "blocks", "depth", "placements", "device", "host", "step s", "vs best"):
+    r = Table(title="runner-ups (best per chunk size and tied chunking)", expand=False)
+    for col in ("chunk", "tied", "blocks", "depth", "placements", "device", "host", "step s", "vs best"):
         r.add_column(col, justify="right", no_wrap=col != "placements")
     best = runners[0].step_time if runners else 0
     for e in runners:
-        r.add_row(human_count(e.chunk_size), str(e.blocks), str(e.prefetch_depth), _summary(e), _fmt(e.device_bytes),
+        tied = "-" if not info.get("tied") else ("sharded" if e.shard_shared else "repl.")
+        r.add_row(human_count(e.chunk_size), tied, str(e.blocks), str(e.prefetch_depth), _summary(e), _fmt(e.device_bytes),
                   _fmt(e.host_bytes), f"{e.step_time:.4f}", f"{e.step_time / best:.3f}x" if best else "")
     console.print(r)
     console.print("placements: DD shard+optimizer on device, DH shard on device / optimizer on host, HH both on host, "
