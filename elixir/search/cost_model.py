@@ -372,6 +372,7 @@ def _largest_shard(layout: Layout, world: int) -> int:
     """Elements of the largest shard gradient one rank holds (a sharded chunk's shard or a whole
     replicated chunk)."""
     return max([layout.chunk_size // world if layout.n_sharded else 0]
+               + [c // world for c in layout.own_capacities]
                + [c for c, s in zip(layout.capacities, layout.sharded) if not s])
 
 
