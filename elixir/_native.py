@@ -69,6 +69,7 @@ def cpu_features() -> dict[str, bool]:
     native = get_native()
     if native is not None:
         return dict(native.cpu_features())
+    # lazy: the extension's door loads without torch; only this fallback needs it
     import torch
 
     cap = torch.backends.cpu.get_cpu_capability()  # e.g. "AVX512", "AVX2", "DEFAULT"

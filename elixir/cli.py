@@ -13,6 +13,8 @@ import importlib.util
 import sys
 from typing import Optional, Sequence
 
+from elixir import __version__
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("elixir.info", "show the version, native extension, CPU features and devices"),
@@ -28,8 +30,6 @@ def _available() -> dict[str, tuple[str, str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from elixir import __version__
-
     parser = argparse.ArgumentParser(
         prog="elixir",
         description="Train PyTorch models larger than accelerator memory: chunked ZeRO-3 with searched plans.",

@@ -22,6 +22,25 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from elixir import distributed as edist
+from elixir.data import eval_batches, load_corpus, sample_batch
+from elixir.optim import HybridAdam
+from elixir.search import minimum_waste_search, print_plan
+from elixir.wrapper import ElixirModule, ElixirOptimizer
+
 PRESETS: dict[str, tuple[int, int, int]] = {
     # name: (n_embd, n_layer, n_head)
     "tiny": (64, 2, 2),
@@ -151,6 +170,7 @@ def launch(cfg: DemoConfig) -> int:
 
 def build_gpt(preset: str, seq: int):
     """A byte-level GPT-2 from config (no download), vocabulary 256, no dropout."""
+    # optional dependency: transformers (the hf extra)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     d, n_layer, n_head = PRESETS[preset]
@@ -174,8 +194,6 @@ def lr_lambda(cfg: DemoConfig):
 
 
 def _lm_loss(model, x, y):
-    import torch.nn.functional as F
-
     logits = model(input_ids=x).logits
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
@@ -190,12 +208,6 @@ class Trainer:
     """The Elixir runtime around the model: plan, wrapped module, wrapped optimizer."""
 
     def __init__(self, model, cfg: DemoConfig, world_size: int, show_plan: bool):
-        import torch
-
-        from elixir.optim import HybridAdam
-        from elixir.search import minimum_waste_search, print_plan
-        from elixir.wrapper import ElixirModule, ElixirOptimizer
-
         dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
         self.plan = minimum_waste_search(model, world_size, unified_dtype=dtype)
         if show_plan:
@@ -217,12 +229,6 @@ class Trainer:
 
 
 def run_worker(cfg: DemoConfig) -> int:
-    import torch
-    from rich.console import Console
-
-    from elixir import distributed as edist
-    from elixir.data import eval_batches, load_corpus
-
     t_start = time.perf_counter()
     # The scheduler drives the inner optimizer, whose step ElixirOptimizer may run through its own
     # fused kernel; torch then wrongly believes the scheduler stepped first.
@@ -280,10 +286,6 @@ def run_worker(cfg: DemoConfig) -> int:
 
 def _evaluate(model, val_set) -> float:
     """Mean validation loss per byte over every rank's slice of the fixed validation set."""
-    import torch
-
-    from elixir import distributed as edist
-
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
@@ -297,18 +299,6 @@ def _evaluate(model, val_set) -> float:
 
 def _train(cfg: DemoConfig, trainer: Trainer, sched, train_data, rank: int, world: int, console):
     """The training loop; returns the rank-averaged loss and the wall time of every step."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    from elixir import distributed as edist
-    from elixir.data import sample_batch
-
     losses: list[float] = []
     step_times: list[float] = []
     tokens_per_step = world * cfg.batch * cfg.seq
@@ -358,8 +348,6 @@ def _sparkline(values: list[float], width: int = 40) -> str:
 
 
 def _print_summary(console, cfg: DemoConfig, s: dict) -> None:
-    from rich.table import Table
-
     mem = Table(title="memory per rank", title_justify="left")
     for col in ("rank", "shard", "fp32 master", "rCache", "peak gathered", "peak RSS"):
         mem.add_column(col, justify="right")

@@ -8,7 +8,9 @@ module branches on the device type.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import sys
 import threading
 from typing import Callable, Iterator, Optional, Union
 
@@ -338,9 +340,8 @@ def reset_peak_memory(device: DeviceLike = None) -> None:
 def peak_rss_bytes() -> int:
     """This process's peak resident set size in bytes (Linux/macOS)."""
     try:
+        # lazy: resource exists on Unix only
         import resource
-        import sys
-
         kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return kb if sys.platform == "darwin" else kb * 1024
     except Exception:  # pragma: no cover - platform without resource
@@ -373,8 +374,6 @@ def keep_host_memory() -> bool:
     if os.environ.get("ELIXIR_KEEP_HOST_MEMORY", "1") == "0":
         return False
     try:
-        import ctypes
-
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_max = -1, -4
         ok = libc.mallopt(m_mmap_max, 0) == 1 and libc.mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1)) == 1

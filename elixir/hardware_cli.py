@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
+
+from rich.console import Console
+from rich.table import Table
+
+from elixir import hardware
+from elixir.distributed import init_distributed
+from elixir.hardware import GiB
+from elixir.hardware.calibrate import calibrate_profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,11 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def render(profile, console=None) -> None:
     """Print a profile as a rich table."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from elixir.hardware import GiB
-
     console = console or Console()
     t = Table(title=f"hardware profile {profile.name} ({'measured' if profile.measured else 'reference'})")
     t.add_column("quantity")
@@ -69,13 +74,6 @@ def render(profile, console=None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import os
-
-    from rich.console import Console
-
-    from elixir import hardware
-    from elixir.distributed import init_distributed
-
     console = Console()
     if args.show:
         render(hardware.load_profile(args.show), console)
@@ -85,8 +83,6 @@ def main(args: argparse.Namespace) -> int:
         offload_dir=args.dir or hardware.MeasureOptions().offload_dir
     )
     t0 = time.perf_counter()
-    import contextlib
-
     status_cm = console.status("measuring") if rank == 0 else contextlib.nullcontext()
     with status_cm as status:
         prof = hardware.measure(
@@ -96,8 +92,6 @@ def main(args: argparse.Namespace) -> int:
     if rank != 0:
         return 0
     if not args.no_calibrate and "RANK" not in os.environ:
-        from elixir.hardware.calibrate import calibrate_profile
-
         ranks = (1,) + ((args.world_size,) if args.world_size > 1 and prof.all_gather is not None else ())
         with console.status("calibrating") as status:
             prof = calibrate_profile(prof, ranks, say=lambda s: status.update(s))

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 
 import torch
+from rich.console import Console
+from rich.table import Table
+
+from elixir import __version__, _native, device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,8 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def collect() -> dict:
-    from elixir import __version__, _native, device
-
     return {
         "elixir": __version__,
         "torch": torch.__version__,
@@ -31,13 +34,8 @@ def collect() -> dict:
 def main(args: argparse.Namespace) -> int:
     info = collect()
     if args.json:
-        import json
-
         print(json.dumps(info, indent=2))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="elixir", show_header=False)
     for k, v in info.items():
         if k == "cpu_features":

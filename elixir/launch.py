@@ -37,6 +37,10 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
+
+from elixir.distributed import init_distributed, shutdown
+
 
 class DistributedFailure(RuntimeError):
     """A rank raised. The message holds that rank's traceback."""
@@ -68,11 +72,7 @@ def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads, 
     faulthandler.enable(file=stack_file, all_threads=True)
     code = 1
     try:
-        import torch
-
         torch.set_num_threads(threads)
-        from elixir.distributed import init_distributed, shutdown
-
         init_distributed(backend=backend, timeout_s=timeout)
         result = fn(*args, **kwargs)
         with open(os.path.join(outdir, f"result_{rank}.pkl"), "wb") as f:

@@ -103,6 +103,7 @@ def model_names() -> list[str]:
 
 def load_config(name_or_path: Union[str, os.PathLike], **overrides: Any):
     """The HF config for a registry name or a ``config.json`` path (or a folder holding one)."""
+    # optional dependency: transformers (the hf extra)
     from transformers import AutoConfig
 
     key = str(name_or_path)
@@ -127,6 +128,7 @@ def _is_masked_lm(config) -> bool:
 def build_model(name_or_path: Union[str, os.PathLike], device: Union[str, torch.device] = "meta",
                 **overrides: Any) -> nn.Module:
     """Build the model (causal LM, or masked LM for BERT-like configs) on ``device`` (meta: no bytes)."""
+    # optional dependency: transformers (the hf extra)
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     cfg = load_config(name_or_path, **overrides)

@@ -46,18 +46,20 @@ def writes_fragment(em: ElixirModule, f: Fragment) -> bool:
     return em.chunks[f.chunk].spec.sharded or em.rank == 0
 
 
-def fragments(em: ElixirModule, eo: Optional[ElixirOptimizer]) -> list[Fragment]:
-    """This rank's fragments: the optimizer's, or when none is given the same cut of the chunks."""
+def fragments(em: ElixirModule, eo: Optional[ElixirOptimizer], mapped: dict[int, torch.Tensor]) -> list[Fragment]:
+    """This rank's fragments: the optimizer's, or when none is given the same cut of the chunks
+    (``mapped``: the masters of disk chunks, mapped from the offload file)."""
     if eo is not None:
         return eo.fragments
     out = []
     for c in em.chunks:
         lo, n = c.spec.shard_offset, c.spec.shard_numel
+        master = mapped.get(c.index, c.master)
         for i in em._chunk_params[c.index]:
             s = em.slots[i]
             a, b = max(lo, s.offset), min(lo + n, s.offset + s.numel)
             if a < b:
-                out.append(Fragment(i, c.index, a - lo, b - lo, c.master[a - lo : b - lo]))
+                out.append(Fragment(i, c.index, a - lo, b - lo, master[a - lo : b - lo]))
     return out
 
 

@@ -27,12 +27,14 @@ def load(path: str, model: ElixirModule, optimizer: Optional[ElixirOptimizer] = 
     if not isinstance(model, ElixirModule):
         raise TypeError("checkpoint.load needs the ElixirModule")
     em = model
-    with disk_mapped(em, optimizer, writable=True):  # disk-placed masters: mapped, written in place
-        plan = _load_staged(path, em, optimizer, strict)
+    states = optimizer.fragment_states if optimizer is not None else None
+    with disk_mapped(em.disk_store, states, writable=True) as mapped:  # disk-placed masters: mapped, written in place
+        plan = _load_staged(path, em, optimizer, strict, mapped)
     return plan["extra"]
 
 
-def _load_staged(path: str, em: ElixirModule, optimizer: Optional[ElixirOptimizer], strict: bool) -> dict:
+def _load_staged(path: str, em: ElixirModule, optimizer: Optional[ElixirOptimizer], strict: bool,
+                 mapped: dict[int, torch.Tensor]) -> dict:
     error = None
     plan = None
     try:
@@ -41,13 +43,13 @@ def _load_staged(path: str, em: ElixirModule, optimizer: Optional[ElixirOptimize
         _check_model(index, em, strict)
         if optimizer is not None and index.optimizer is None:
             raise CheckpointError("the checkpoint holds no optimizer state; call load(path, model) without the optimizer")
-        plan = (_prepare_sharded if index.kind == "sharded" else _prepare_full)(root, index, em, optimizer)
+        plan = (_prepare_sharded if index.kind == "sharded" else _prepare_full)(root, index, em, optimizer, mapped)
     except CheckpointError as e:
         error = str(e)
     except Exception as e:
         error = f"reading the checkpoint failed: {type(e).__name__}: {e}"
     agree(em.group, em.world_size, error)
-    _commit_load(em, optimizer, plan)
+    _commit_load(em, optimizer, plan, mapped)
     return plan
 
 
@@ -112,13 +114,14 @@ def scalar_state(reader: Reader, pieces: dict, scalars: dict, pname: str, start:
     return st
 
 
-def _prepare_sharded(root: str, index: Index, em: ElixirModule, eo: Optional[ElixirOptimizer]) -> dict:
+def _prepare_sharded(root: str, index: Index, em: ElixirModule, eo: Optional[ElixirOptimizer],
+                     mapped: dict[int, torch.Tensor]) -> dict:
     reader = Reader(root)
     pieces = index.pieces()
     module_entries = {e.name: e for e in index.entries if e.kind == "module"}
     saved_params = index.model["params"]
     values = []  # (fragment, fp32 values)
-    for f in fragments(em, eo):
+    for f in fragments(em, eo, mapped):
         pname, start, end = frag_range(em, f)
         if pname not in saved_params:
             continue  # strict=False
@@ -143,7 +146,8 @@ def _prepare_sharded(root: str, index: Index, em: ElixirModule, eo: Optional[Eli
     return {"values": values, "module": module_vals, "opt": opt, "scaler": index.loss_scaler, "extra": load_extra(root, index)}
 
 
-def _prepare_full(root: str, index: Index, em: ElixirModule, eo: Optional[ElixirOptimizer]) -> dict:
+def _prepare_full(root: str, index: Index, em: ElixirModule, eo: Optional[ElixirOptimizer],
+                  mapped: dict[int, torch.Tensor]) -> dict:
     reader = Reader(root)
     h = reader.handle("model.safetensors")
     keys = set(h.keys())
@@ -155,7 +159,7 @@ def _prepare_full(root: str, index: Index, em: ElixirModule, eo: Optional[Elixir
         return k
 
     values = []
-    for f in fragments(em, eo):
+    for f in fragments(em, eo, mapped):
         pname, start, end = frag_range(em, f)
         if pname not in index.model["params"]:
             continue  # strict=False
@@ -176,13 +180,15 @@ def _prepare_full(root: str, index: Index, em: ElixirModule, eo: Optional[Elixir
     return {"values": values, "module": module_vals, "opt": opt, "scaler": index.loss_scaler, "extra": load_extra(root, index)}
 
 
-def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict) -> None:
+def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, mapped: dict[int, torch.Tensor]) -> None:
+    """Install what every rank read; ``mapped``: the masters of disk chunks, mapped from the offload file."""
     with torch.no_grad():
         em.cache.release_all()
         for f, v in plan["values"]:
             c = em.chunks[f.chunk]
-            c.master[f.lo : f.hi].copy_(v)
-            if c.shard is not c.master:
+            master = mapped.get(c.index, c.master)
+            master[f.lo : f.hi].copy_(v)
+            if c.shard is not master:
                 c.shard[f.lo : f.hi].copy_(v)
         tensors = module_tensors(em)
         for k, v in plan["module"].items():

@@ -22,7 +22,7 @@ from elixir.checkpoint.layout import (
 )
 from elixir.fileio import fsync_file
 from elixir.offload.pipeline import disk_mapped
-from elixir.wrapper import optim_state
+from elixir.optim.state import is_elementwise
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer
 
@@ -52,8 +52,9 @@ def save(
     tmp = agree(em.group, em.world_size, error, tmp)[0]
     try:
         if shard:
-            with disk_mapped(em, optimizer):  # disk-placed masters and state: mapped from the file
-                error = _save_sharded(tmp, em, optimizer, extra)
+            states = optimizer.fragment_states if optimizer is not None else None
+            with disk_mapped(em.disk_store, states) as mapped:  # disk-placed masters and state: mapped from the file
+                error = _save_sharded(tmp, em, optimizer, extra, mapped)
         else:
             error = _save_full(tmp, em, optimizer, extra)
         if em.rank == 0 and not error:
@@ -93,8 +94,10 @@ def _save_torch(obj: Any, path: str) -> int:
     return os.path.getsize(path)
 
 
-def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any) -> Optional[str]:
-    """Write this rank's file; rank 0 also the index. Returns rank 0's error, if any."""
+def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any,
+                  mapped: dict[int, torch.Tensor]) -> Optional[str]:
+    """Write this rank's file; rank 0 also the index. Returns rank 0's error, if any. ``mapped``:
+    the masters of disk chunks, mapped from the offload file."""
     error = None
     meta: dict[str, Any] = {}
     try:
@@ -103,16 +106,17 @@ def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], ext
         entries = []
         scalars: dict[str, dict] = {}
         state = eo.optim.state if eo is not None else {}
-        for f in fragments(em, eo):
+        for f in fragments(em, eo, mapped):
             if not writes_fragment(em, f):
                 continue
             pname, start, end = frag_range(em, f)
             key = f"param/{pname}/{start}"
-            tensors[key] = em.chunks[f.chunk].master[f.lo : f.hi]  # written from the master's memory
+            master = mapped.get(f.chunk, em.chunks[f.chunk].master)
+            tensors[key] = master[f.lo : f.hi]  # written from the master's memory
             entries.append(Entry("param", pname, key, "float32", fname, start, end))
             st = state.get(f.tensor) or {}
             for k, v in st.items():
-                if optim_state._elementwise(v, f.hi - f.lo):
+                if is_elementwise(v, f.hi - f.lo):
                     skey = f"state/{k}/{pname}/{start}"
                     tensors[skey] = v.detach().reshape(-1)
                     entries.append(Entry("state", pname, skey, tensor_files.dtype_name(v.dtype), fname, start, end, state_key=k))

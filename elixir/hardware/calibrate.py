@@ -18,6 +18,7 @@ profile records where it came from. Run as part of ``elixir hwprofile`` (``--no-
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,7 +27,17 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from elixir import device as dev
+from elixir import distributed as edist
+from elixir.hardware.measurement import local_backend
+from elixir.launch import run_distributed
+from elixir.optim import HybridAdam
+from elixir.search import minimum_waste_search
+from elixir.search.cost_model import Setting, evaluate_plan
+from elixir.search.plan import SearchResult
+from elixir.search.step_profile import profile_step
 from elixir.tracer.op_costs import OpCosts
+from elixir.wrapper import ElixirModule, ElixirOptimizer
 
 __all__ = ["Calibration", "ReferenceLM", "calibrate", "timed_collectives"]
 
@@ -113,8 +124,6 @@ class _TimedWork:
 def timed_collectives() -> Iterator[_Clock]:
     """Time every all-gather, reduce-scatter and all-reduce elixir issues inside the block (the
     call, plus ``wait`` on an asynchronous one)."""
-    from elixir import distributed as edist
-
     clock = _Clock()
     names = ("all_gather_into", "reduce_scatter_into", "all_reduce")
     saved = {n: getattr(edist, n) for n in names}
@@ -138,10 +147,6 @@ def timed_collectives() -> Iterator[_Clock]:
 
 
 def _train(size: tuple, plan_json: dict, dtype: str, prefetch: bool) -> tuple:
-    from elixir.optim import HybridAdam
-    from elixir.search.plan import SearchResult
-    from elixir.wrapper import ElixirModule, ElixirOptimizer
-
     torch.manual_seed(0)
     model = ReferenceLM(*size)
     em = ElixirModule(model, SearchResult.from_json(plan_json), prefetch=prefetch, dtype=getattr(torch, dtype))
@@ -149,8 +154,6 @@ def _train(size: tuple, plan_json: dict, dtype: str, prefetch: bool) -> tuple:
 
 
 def _timed_step(em: Any, opt: Any, batch: dict) -> tuple[float, float, float]:
-    from elixir import device as dev
-
     batch = {k: v.to(em.device) for k, v in batch.items()}
     with timed_collectives() as clock:
         dev.synchronize(em.device)  # on an accelerator the host only queues work: time the device
@@ -228,12 +231,6 @@ def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> C
     multi-rank CPU runs do) under plans with every chunk on the device, and fit the runtime's
     compute as ``a * (matmul + memory time) + b * ops`` (two sizes, two unknowns), collectives and
     the optimizer as measured / predicted from ``hw`` (uncalibrated)."""
-    import dataclasses
-
-    from elixir.search import minimum_waste_search
-    from elixir.search.cost_model import Setting, evaluate_plan
-    from elixir.search.step_profile import profile_step
-
     base = dataclasses.replace(hw, calibration={})
     if base.device_type == "cpu":
         base = dataclasses.replace(base, cores=ranks)  # one thread per rank, as run below
@@ -258,9 +255,6 @@ def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> C
     if ranks > 1:  # the larger size also with prefetch: how much gather time hides under compute
         runs[1] = runs[1][:3] + ("pair",)
         first_gather = per_rank.all_gather_time(plan_sizes[1] * 4, ranks)
-    from elixir.hardware.measurement import local_backend
-    from elixir.launch import run_distributed
-
     backend = local_backend(ranks)
     if backend is None:
         raise ValueError(f"calibrating {ranks} ranks needs {ranks} GPUs (one per rank for NCCL)")
@@ -313,8 +307,6 @@ def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> C
 
 def calibrate_profile(hw: Any, ranks: tuple[int, ...], steps: int = 10, say: Optional[Any] = None) -> Any:
     """``hw`` with :attr:`calibration` measured at each number of ranks per node in ``ranks``."""
-    import dataclasses
-
     cal: dict[str, dict[str, float]] = {}
     notes = []
     for k in ranks:

@@ -8,6 +8,7 @@ the runtime.
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import shutil
@@ -18,11 +19,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from elixir import device as dev
 from elixir import distributed as edist
 from elixir.hardware.profile import BandwidthCurve, HardwareProfile, MiB
 from elixir.launch import run_distributed
+from elixir.optim import CPUAdam
 
 # ---------------------------------------------------------------------------------------------
 # measurement
@@ -168,9 +172,7 @@ def measure_optimizer(n_params: int, device: torch.device, repeats: int) -> tupl
     opt = None
     impl = ""
     if device.type == "cpu":
-        try:  # the native kernel, when the optimizer package provides it
-            from elixir.optim import CPUAdam  # type: ignore[attr-defined]
-
+        try:  # the native kernel, where it is available
             opt = CPUAdam([p], lr=1e-3)
             impl = "elixir.optim.CPUAdam"
         except Exception:
@@ -198,8 +200,6 @@ def measure_train_flops(widths: tuple[int, ...], dtype: torch.dtype, device: tor
     """Training throughput of a reference pre-norm transformer stack (GELU MLP, 64-wide heads) at
     each width: FLOPs counted as ``6 * 12 d^2 * layers * tokens`` (the cost model's rule), divided
     by the measured forward+backward time."""
-    import torch.nn as nn
-
     flops, rates = [], []
     for d in sorted(widths):
         torch.manual_seed(0)
@@ -275,8 +275,6 @@ def measure_op_overhead(device: torch.device, repeats: int, length: int = 200) -
     """Seconds per dispatched op (forward and backward ops alike) in a training step, from a chain
     of ``length`` multiplications of a one-element tensor, forward and backward. Ops are counted at
     the dispatcher, as the tracer counts them."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     x = torch.ones(1, device=device, requires_grad=True)
 
     def step() -> None:
@@ -305,8 +303,6 @@ def measure_disk(path: str, nbytes: int, block: int = 8 * MiB) -> tuple[float, f
     Uses O_DIRECT where the file system allows it, so the page cache does not flatter the read;
     otherwise drops the file's cached pages with posix_fadvise before reading.
     """
-    import mmap
-
     os.makedirs(path, exist_ok=True)
     fname = os.path.join(path, f".elixir-hwprofile-{os.getpid()}.bin")
     nbytes = max(block, nbytes // block * block)

@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from elixir.offload.state_binding import FragmentState, bind_state, is_bound
 from elixir.offload.store import MASTER, DiskStore
 
 
@@ -76,50 +77,48 @@ def staged(
 
 
 @contextlib.contextmanager
-def disk_mapped(em, eo=None, writable: bool = False) -> Iterator[None]:
-    """For the block, every disk chunk's ``chunk.master`` is a view of its region of the offload
-    file through ``mmap`` (page cache, not process memory), for code that reads or writes masters
-    and optimizer state directly (checkpoint save and load).
+def disk_mapped(
+    store: Optional[DiskStore],
+    fragment_states: Optional[Callable[[int], Sequence[FragmentState]]] = None,
+    writable: bool = False,
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Map every disk chunk's master through ``mmap`` (page cache, not process memory) for the
+    block, for code that reads or writes masters and optimizer state directly (checkpoint save and
+    load); yields ``{chunk index: master view}`` (empty without a store).
 
-    Read-only (``writable=False``): the optimizer state entries bound to the disk are mapped too
-    (private mappings: the file never changes). ``writable``: writes to the masters go to the
-    file; on exit the optimizer state installed meanwhile (e.g. by loading) is moved to the disk
-    one chunk at a time, so at most one chunk is staged. A no-op without disk chunks."""
-    store = getattr(em, "disk_store", None)
+    ``fragment_states(i)`` gives the optimizer state of chunk ``i``'s fragments (see
+    :func:`~elixir.offload.state_binding.bind_state`). Read-only (``writable=False``): the state
+    entries bound to the disk are swapped for mapped views for the block (private mappings: the
+    file never changes). ``writable``: writes to the masters go to the file; on exit the optimizer
+    state installed meanwhile (e.g. by loading) is moved to the disk one chunk at a time, so at most
+    one chunk is staged."""
     if store is None:
-        yield
+        yield {}
         return
-    from elixir.offload.state_binding import _is_bound, bind_state
-
     masters: dict[int, torch.Tensor] = {}
     entries: list[tuple[dict, str, torch.Tensor]] = []
     try:
         for i in sorted(store.chunks):
             rec = store.chunks[i]
             views = store.mapped(i, writable=writable)
-            chunk = em.chunks[i]
-            masters[i] = chunk.master
-            chunk.master = views[MASTER]
-            if eo is None or writable:
+            masters[i] = views[MASTER]
+            if fragment_states is None or writable:
                 continue
-            for f in eo.chunk_fragments(i):
-                st = eo.optim.state.get(f.tensor) or {}
-                for k, v in list(st.items()):
+            for st, lo, hi in fragment_states(i):
+                for k, v in list((st or {}).items()):
                     flat = rec.flats.get(k)
-                    if k != MASTER and flat is not None and isinstance(v, torch.Tensor) and _is_bound(v, flat, f.lo, f.hi - f.lo):
+                    if k != MASTER and flat is not None and isinstance(v, torch.Tensor) and is_bound(v, flat, lo, hi - lo):
                         entries.append((st, k, v))
-                        st[k] = views[k][f.lo : f.hi].view(v.shape)
-        yield
+                        st[k] = views[k][lo:hi].view(v.shape)
+        yield masters
     finally:
         for st, k, v in entries:
             st[k] = v
-        for i, m in masters.items():
-            em.chunks[i].master = m
         entries.clear()
         masters.clear()
-    if writable and eo is not None:
+    if writable and fragment_states is not None:
         for i in sorted(store.chunks):
-            with staged(store, [i], before_write=lambda j: bind_state(store, eo, j)):
+            with staged(store, [i], before_write=lambda j: bind_state(store, j, fragment_states(j))):
                 pass
 
 

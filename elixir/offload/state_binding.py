@@ -9,18 +9,20 @@ an offloaded flat cannot be made). Scalar state (``step``) stays in the optimize
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Optional, Sequence
 
 import torch
 
 from elixir.offload.store import DiskStore
-from elixir.wrapper.optim_state import _elementwise
+from elixir.optim.state import is_elementwise
 
-if TYPE_CHECKING:
-    from elixir.wrapper.optimizer import ElixirOptimizer
+# One fragment of a chunk as the binding sees it: the optimizer's state dict of the fragment's
+# tensor (None before the first step; entries are replaced in place) and its range [lo, hi) in the chunk.
+FragmentState = tuple[Optional[dict], int, int]
 
 
-def _is_bound(v: torch.Tensor, flat: torch.Tensor, lo: int, n: int) -> bool:
+def is_bound(v: torch.Tensor, flat: torch.Tensor, lo: int, n: int) -> bool:
+    """Whether ``v`` is already the view ``flat[lo : lo + n]``."""
     return (
         v.untyped_storage()._cdata == flat.untyped_storage()._cdata
         and v.storage_offset() == lo
@@ -29,21 +31,19 @@ def _is_bound(v: torch.Tensor, flat: torch.Tensor, lo: int, n: int) -> bool:
     )
 
 
-def bind_state(store: DiskStore, eo: ElixirOptimizer, index: int) -> int:
-    """Bind chunk ``index``'s elementwise optimizer state to its flats; return how many state
-    tensors were moved (0 when everything was already bound)."""
+def bind_state(store: DiskStore, index: int, fragments: Sequence[FragmentState]) -> int:
+    """Bind chunk ``index``'s elementwise optimizer state (``fragments``: the state of each of its
+    fragments) to its flats; return how many state tensors were moved (0 when all were bound)."""
     rec = store.chunks[index]
     if not store.is_resident(index):
         raise RuntimeError(f"disk chunk {index} must be staged to bind its optimizer state")
-    state = eo.optim.state
     moved = 0
-    for f in eo.chunk_fragments(index):
-        st = state.get(f.tensor)
+    for st, lo, hi in fragments:
         if not st:
             continue
-        n = f.hi - f.lo
+        n = hi - lo
         for k, v in list(st.items()):
-            if not _elementwise(v, n):
+            if not is_elementwise(v, n):
                 continue
             flat = rec.flats.get(k)
             if flat is None:
@@ -53,9 +53,9 @@ def bind_state(store: DiskStore, eo: ElixirOptimizer, index: int) -> int:
                     f"optimizer state {k!r} of a disk chunk changed dtype ({flat.dtype} -> {v.dtype}); "
                     "disk offload needs a fixed dtype per state key"
                 )
-            if _is_bound(v, flat, f.lo, n):
+            if is_bound(v, flat, lo, n):
                 continue
-            flat[f.lo : f.hi].copy_(v.detach().reshape(-1))
-            st[k] = flat[f.lo : f.hi].view(v.shape)
+            flat[lo:hi].copy_(v.detach().reshape(-1))
+            st[k] = flat[lo:hi].view(v.shape)
             moved += 1
     return moved

@@ -16,6 +16,14 @@ import argparse
 import re
 import time
 
+from rich.console import Console
+
+from elixir import models
+from elixir.hardware.registry import load_profile
+from elixir.search.optimal import DoesNotFitError, human_count, search_profile
+from elixir.search.plan import dtype_from_name
+from elixir.search.step_profile import profile_by_layers, profile_step
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -65,9 +73,6 @@ def _layer_key(cfg) -> tuple[str, int]:
 
 def build_profile(model_name: str, batch: int, seq: int, dtype, checkpointing: bool, full_trace: bool):
     """Trace the step on meta (by layer repetition when the model is deep) into a StepProfile."""
-    from elixir import models
-    from elixir.search.step_profile import profile_by_layers, profile_step
-
     cfg = models.load_config(model_name)
     key, layers = _layer_key(cfg)
 
@@ -87,12 +92,6 @@ def build_profile(model_name: str, batch: int, seq: int, dtype, checkpointing: b
 
 
 def main(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from elixir.hardware import load_profile
-    from elixir.search.optimal import DoesNotFitError, human_count, search_profile
-    from elixir.search.plan import dtype_from_name
-
     t0 = time.perf_counter()
     console = Console()
     hw = load_profile(args.hardware)

@@ -53,7 +53,7 @@ from typing import Optional
 
 import numpy as np
 
-from elixir.hardware import HardwareProfile
+from elixir.hardware.profile import HardwareProfile
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 

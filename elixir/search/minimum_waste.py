@@ -22,8 +22,11 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+from rich.console import Console
+from rich.table import Table
 
 from elixir.search.plan import ChunkPlan, Placement, SearchResult, dtype_name
+from elixir.tracer import generate_tf_order
 
 ALIGN = 16  # elements per rank a shard is aligned to
 MAX_CANDIDATES = 1024
@@ -187,14 +190,6 @@ def default_cap(numels: Sequence[int]) -> int:
 
 def _traced_order(model: nn.Module, inp, step_fn) -> tuple[list[tuple[str, ...]], list[str]]:
     """(params per step, kind per step) from the tracer."""
-    try:
-        from elixir.tracer import generate_tf_order
-    except ImportError:
-        raise RuntimeError(
-            "minimum_waste_search(inp=..., step_fn=...) needs the tracer (elixir.tracer."
-            "generate_tf_order), which is not available in this installation; call it without "
-            "inp/step_fn to pack in definition order"
-        ) from None
     traced = generate_tf_order(model, inp, step_fn)
     order = traced.get("order") if isinstance(traced, dict) else traced
     if order is not None and hasattr(order, "steps"):
@@ -343,9 +338,6 @@ def minimum_waste_search(
 
 def print_plan(result: SearchResult, dtype: torch.dtype = torch.float) -> None:
     """Rich table: chunk size, chunk count, waste, rCache blocks, per-rank bytes, search time."""
-    from rich.console import Console
-    from rich.table import Table
-
     el = torch.empty((), dtype=dtype).element_size()
     sharded = [c for c in result.chunks if c.sharded]
     table = Table(title=f"elixir plan ({result.search}, world size {result.world_size})")

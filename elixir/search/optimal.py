@@ -13,15 +13,20 @@ offloaded is tried for every chunk size, and more blocks only add memory.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+from rich.console import Console
+from rich.table import Table
 
-from elixir.hardware import HardwareProfile, default_profile
+from elixir.hardware.profile import HardwareProfile
+from elixir.hardware.registry import default_profile
 from elixir.search.cost_model import (
     ALIGN,
     OPTIMIZER_STATE_BYTES,
@@ -35,6 +40,7 @@ from elixir.search.cost_model import (
     round_up,
     simulate_layout,
 )
+from elixir.search.minimum_waste import best_chunk_size
 from elixir.search.plan import ChunkPlan, Placement, Prediction, SearchResult, dtype_name
 from elixir.search.step_profile import RECOMPUTE, StepProfile, profile_from_module, profile_step
 
@@ -85,8 +91,6 @@ def chunk_size_candidates(profile: StepProfile, world: int, points: int = GRID_P
         for i in range(points):
             sizes.add(min(hi, round_up(int(lo * r**i), align)))
     try:
-        from elixir.search.minimum_waste import best_chunk_size
-
         sizes.add(best_chunk_size(sh, align))
     except Exception:  # noqa: BLE001 - the least-padding size is a bonus candidate
         pass
@@ -297,8 +301,6 @@ class _Searcher:
 
 
 def _with_activation(p: StepProfile, act: int) -> StepProfile:
-    import dataclasses
-
     return dataclasses.replace(p, activation_bytes=act)
 
 
@@ -328,8 +330,6 @@ def _fmt(n: int) -> str:
 
 
 def _summary(ev: Evaluation) -> str:
-    from collections import Counter
-
     c = Counter(ev.placements)
     return " ".join(f"{k}x{v}" for k, v in sorted(c.items()))
 
@@ -508,9 +508,6 @@ def _runner_ups(results: list[Evaluation], k: int) -> list[Evaluation]:
 
 def print_report(result: SearchResult, runners: list[Evaluation], console=None, why: str = "") -> None:
     """Rich report: the chosen plan, its predicted memory and time, and the runner-ups."""
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console()
     p = result.prediction
     info = result.info

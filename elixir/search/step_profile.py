@@ -21,6 +21,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from elixir.search.plan import dtype_name
+from elixir.tracer.hooks import param_owning_modules
+from elixir.tracer.memory_tracer import memory_profiling
 from elixir.tracer.op_costs import OpCosts
 
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
@@ -156,8 +159,6 @@ def profile_from_module(
     reverse, each touching its own direct parameters."""
     params, shared, frozen, alias = _canonical(model)
     trainable = {n for n, _ in params}
-    from elixir.tracer.hooks import param_owning_modules
-
     fwd = []
     for _mname, _m, owned in param_owning_modules(model):  # the steps the runtime's hooks take
         names = tuple(alias.get(n, n) for n in owned if alias.get(n, n) in trainable)
@@ -165,8 +166,6 @@ def profile_from_module(
             fwd.append(names)
     steps = fwd + fwd[::-1]
     kinds = [FORWARD] * len(fwd) + [BACKWARD] * len(fwd)
-    from elixir.search.plan import dtype_name
-
     return StepProfile(
         params=tuple(params), shared=frozenset(shared), frozen=tuple(frozen), steps=tuple(steps),
         step_kinds=tuple(kinds), activation_bytes=int(activation_bytes),
@@ -184,9 +183,6 @@ def profile_step(
     model: nn.Module, inp: dict, step_fn: Callable[[nn.Module, dict], Any], dtype: torch.dtype = torch.float32
 ) -> StepProfile:
     """Trace ``step_fn(model, inp)`` on meta (``elixir.tracer``) into a :class:`StepProfile`."""
-    from elixir.search.plan import dtype_name
-    from elixir.tracer.memory_tracer import memory_profiling
-
     prof = memory_profiling(model, inp, step_fn, dtype)
     occ = prof.occ_dict()
     params, shared, frozen, alias = _canonical(model)

@@ -7,12 +7,14 @@ gradient as the reference up to reduction order.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
+from elixir import distributed as edist
 from elixir.testing.zoo import ZooCase, build_model, get_case
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -97,10 +99,6 @@ def train_wrapped(
     """The wrapped counterpart of :func:`train_reference`: each rank trains on its slice of the same
     global batches, with the same dropout seed; warnings raised while training are collected.
     With ``device`` the batches move there; the gradients come back on the host."""
-    import warnings
-
-    from elixir import distributed as edist
-
     case = get_case(case) if isinstance(case, str) else case
     rank, world = edist.get_rank(), edist.get_world_size()
     torch.manual_seed(seed + 1)  # dropout RNG stream, as in train_reference

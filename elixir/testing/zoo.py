@@ -64,6 +64,7 @@ def _lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 
 
 def build_gpt2(dropout: float = 0.0, n_layer: int = 2, n_embd: int = 32, n_head: int = 2, vocab: int = VOCAB, **kw):
+    # optional dependency: transformers (the hf extra)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
@@ -74,6 +75,7 @@ def build_gpt2(dropout: float = 0.0, n_layer: int = 2, n_embd: int = 32, n_head:
 
 
 def build_opt(dropout: float = 0.0, **kw):
+    # optional dependency: transformers (the hf extra)
     from transformers import OPTConfig, OPTForCausalLM
 
     cfg = OPTConfig(
@@ -85,6 +87,7 @@ def build_opt(dropout: float = 0.0, **kw):
 
 
 def build_llama(**kw):
+    # optional dependency: transformers (the hf extra)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -95,6 +98,7 @@ def build_llama(**kw):
 
 
 def build_bert(dropout: float = 0.0, **kw):
+    # optional dependency: transformers (the hf extra)
     from transformers import BertConfig, BertForMaskedLM
 
     cfg = BertConfig(

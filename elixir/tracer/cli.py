@@ -5,6 +5,12 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+from rich.console import Console
+
+from elixir import models
+from elixir.tracer.memory_tracer import memory_profiling
+
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -22,10 +28,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from elixir import models
-
     console = Console()
     if args.list:
         console.print("\n".join(models.model_names()))
@@ -33,10 +35,6 @@ def main(args: argparse.Namespace) -> int:
     if not args.model:
         console.print("[red]error:[/red] give a MODEL (a registry name, see --list, or a config.json path)")
         return 2
-    import torch
-
-    from .memory_tracer import memory_profiling
-
     t0 = time.perf_counter()
     model = models.build_model(args.model)
     if args.checkpointing:

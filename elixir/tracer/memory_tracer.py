@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from rich.console import Console
+from rich.table import Table
 
 from elixir.fileio import atomic_write_json
 
@@ -129,8 +131,6 @@ class MemoryProfile:
 
     def table(self, title: str = "elixir memory profile"):
         """A rich ``Table`` of the figures."""
-        from rich.table import Table
-
         t = Table(title=title)
         t.add_column("quantity")
         t.add_column("bytes", justify="right")
@@ -158,17 +158,16 @@ class MemoryProfile:
         return t
 
     def print(self, console=None, title: str = "elixir memory profile") -> None:
-        from rich.console import Console
-
         (console or Console()).print(self.table(title))
 
     def plot(self, path: str) -> None:
         """Save a PNG of the live-bytes timeline (needs matplotlib)."""
         try:
+            # optional dependency: matplotlib (the plot extra)
             import matplotlib
 
             matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+            import matplotlib.pyplot as plt  # (the same optional dependency)
         except ImportError as err:  # pragma: no cover
             raise ImportError("MemoryProfile.plot needs matplotlib: pip install matplotlib") from err
         x = range(self.num_ops)

@@ -32,6 +32,7 @@ from elixir.offload.store import DiskStore
 from elixir.search.plan import Placement, dtype_from_name
 from elixir.tracer.hooks import borrowed_children, step_params
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
+from elixir.wrapper.state_dict import full_state_dict, load_full_state_dict
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -662,14 +663,10 @@ class ElixirModule(nn.Module):
         """The full state dict of the wrapped model with its own keys (tied weights under every
         name, as ``model.state_dict()`` gives them), on CPU. Collective: call on every rank.
         With ``rank0_only`` the other ranks get an empty dict."""
-        from elixir.wrapper.state_dict import full_state_dict
-
         return full_state_dict(self, rank0_only=rank0_only)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Load a full state dict (keys of the wrapped model). Every rank needs the full dict."""
-        from elixir.wrapper.state_dict import load_full_state_dict
-
         return load_full_state_dict(self, state_dict, strict=strict)
 
     def extra_repr(self) -> str:

@@ -23,6 +23,7 @@ import torch
 
 from elixir import distributed as edist
 from elixir.offload.pipeline import staged
+from elixir.optim.state import is_elementwise
 
 if TYPE_CHECKING:
     from elixir.wrapper.optimizer import ElixirOptimizer
@@ -70,10 +71,6 @@ def fragment_start(em, f) -> int:
     return c.spec.shard_offset + f.lo - em.slots[f.param_index].offset
 
 
-def _elementwise(v: Any, numel: int) -> bool:
-    return isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == numel
-
-
 def _group_dicts(eo: ElixirOptimizer) -> list[dict]:
     out = []
     base = 0
@@ -102,7 +99,7 @@ def gather_full_state(eo: ElixirOptimizer, rank0_only: bool = False) -> dict:
         for k, v in st.items():
             if k in d:
                 continue
-            if _elementwise(v, f.tensor.numel()) and f.tensor.numel() > 0:
+            if is_elementwise(v, f.tensor.numel()) and f.tensor.numel() > 0:
                 d[k] = ("elem", v.dtype)
             else:
                 d[k] = ("scalar", v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
@@ -211,7 +208,7 @@ def scatter_full_state(eo: ElixirOptimizer, state_dict: dict) -> None:
         start = fragment_start(em, f)
         d = {}
         for k, v in st.items():
-            if _elementwise(v, s.numel):
+            if is_elementwise(v, s.numel):
                 d[k] = v.reshape(-1)[start : start + f.hi - f.lo].to(
                     device=f.tensor.device, dtype=f.tensor.dtype if v.is_floating_point() else v.dtype, copy=True
                 )

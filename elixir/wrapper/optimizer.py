@@ -20,6 +20,7 @@ import torch
 
 from elixir import device as dev
 from elixir.offload.pipeline import run_pipelined, staged
+from elixir.offload.state_binding import FragmentState, bind_state
 from elixir.optim.loss_scaler import DynamicLossScaler, LossScalePolicy
 from elixir.wrapper import optim_state
 from elixir.wrapper.backward_step import BackwardStep, fallback_reason
@@ -154,6 +155,11 @@ class ElixirOptimizer:
     def chunk_fragments(self, index: int) -> list[Fragment]:
         """This rank's fragments of chunk ``index`` (plan order)."""
         return self._chunk_frags.get(index, [])
+
+    def fragment_states(self, index: int) -> list[FragmentState]:
+        """The inner optimizer's state dict (None before its first step) and range of each of
+        this rank's fragments of chunk ``index``: what disk offload binds to its flats."""
+        return [(self.optim.state.get(f.tensor), f.lo, f.hi) for f in self.chunk_fragments(index)]
 
     def _rebuild_groups(self) -> None:
         m = self.module
@@ -421,11 +427,9 @@ class ElixirOptimizer:
     def for_each_disk_chunk(self, work: Callable[[int], None], chunks: Optional[list[int]] = None) -> None:
         """Run ``work(i)`` on each disk chunk while it is staged (read-ahead pipeline), then bind
         any new optimizer state to the disk and write the chunk back."""
-        from elixir.offload.state_binding import bind_state
-
         def staged_work(i: int) -> None:
             work(i)
-            bind_state(self.disk_store, self, i)
+            bind_state(self.disk_store, i, self.fragment_states(i))
 
         run_pipelined(self.disk_store, self.disk_chunks if chunks is None else chunks, staged_work)
 
@@ -468,10 +472,8 @@ class ElixirOptimizer:
         chunk is staged in turn, takes the new state into its flats, and is written back."""
         if self.disk_store is None:
             return
-        from elixir.offload.state_binding import bind_state
-
         for i in self.disk_chunks:
-            with staged(self.disk_store, [i], before_write=lambda j: bind_state(self.disk_store, self, j)):
+            with staged(self.disk_store, [i], before_write=lambda j: bind_state(self.disk_store, j, self.fragment_states(j))):
                 pass
 
     def __repr__(self) -> str:

@@ -132,6 +132,7 @@ class ElixirStrategy(ParallelStrategy):
             return
         # Lightning's generic plugins for the flags (Precision, MixedPrecision, HalfPrecision) carry
         # the flag; anything more specific (bitsandbytes, transformer engine, ...) is not ours to run.
+        # optional dependency: lightning
         from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
 
         if type(plugin) not in (Precision, MixedPrecision, HalfPrecision):

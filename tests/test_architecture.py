@@ -1,0 +1,149 @@
+"""The layering rules of docs/architecture.md, checked on the source with ``ast``.
+
+- Every module of ``elixir/`` sits on a floor of the table in docs/architecture.md (the one place
+  the floors are written); a module never imports one on a higher floor (type-only imports
+  included), and no two parts of the table import each other, directly or round a cycle.
+- An import inside a function carries a one-line reason (a comment on its line or the line above):
+  such imports are kept only for optional dependencies.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "elixir")
+DOC = os.path.join(os.path.dirname(ROOT), "docs", "architecture.md")
+
+
+def floor_table() -> dict[str, int]:
+    """``{part: floor}`` from the table under "## Floors" in docs/architecture.md; a part is a
+    folder (``chunk/``) or a file (``cli.py``, ``hardware/calibrate.py``) relative to elixir/."""
+    text = open(DOC).read()
+    section = text.split("## Floors", 1)[1].split("\n## ", 1)[0]
+    table: dict[str, int] = {}
+    for line in section.splitlines():
+        m = re.match(r"\|\s*(\d+)\s*\|([^|]*)\|", line)
+        if m:
+            for part in re.findall(r"`([^`]+)`", m.group(2)):
+                assert part not in table, f"{part} is listed twice in the floor table"
+                table[part] = int(m.group(1))
+    assert table, "no floor table under '## Floors' in docs/architecture.md"
+    return table
+
+
+def modules() -> dict[str, str]:
+    """``{dotted name: path relative to elixir/}`` for every Python file of the package."""
+    out = {}
+    for dp, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dp, f), ROOT).replace(os.sep, "/")
+                name = "elixir." + rel[:-3].replace("/", ".")
+                out[name.removesuffix(".__init__") if f == "__init__.py" else name] = rel
+    return out
+
+
+def part_of(rel: str, table: dict[str, int]) -> str:
+    """The most specific table entry covering the file ``rel``."""
+    if rel in table:
+        return rel
+    parts = rel.split("/")
+    for i in range(len(parts) - 1, 0, -1):
+        folder = "/".join(parts[:i]) + "/"
+        if folder in table:
+            return folder
+    raise AssertionError(f"elixir/{rel} is on no floor: add it (or its folder) to the table in docs/architecture.md")
+
+
+def imports(rel: str, mods: dict[str, str]):
+    """``(imported file, line, inside a function, has a reason comment)`` for each import of an
+    elixir module in ``rel``."""
+    src = open(os.path.join(ROOT, rel)).read()
+    lines = src.splitlines()
+    tree = ast.parse(src)
+    name = next(n for n, r in mods.items() if r == rel)
+    package = name if rel.endswith("__init__.py") else name.rsplit(".", 1)[0]
+    in_function = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            in_function.update(id(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+        else:
+            continue
+        line = lines[node.lineno - 1]
+        above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+        reason = "#" in line or above.startswith("#")
+        for t in targets:
+            if t == "elixir" or t.startswith("elixir."):
+                while t not in mods:
+                    t = t.rsplit(".", 1)[0]
+                yield mods[t], node.lineno, id(node) in in_function, reason
+            elif id(node) in in_function:
+                yield None, node.lineno, True, reason
+
+
+def test_no_upward_imports_and_no_cycles():
+    table = floor_table()
+    mods = modules()
+    edges: dict[str, set[str]] = {}
+    upward = []
+    for rel in sorted(mods.values()):
+        a = part_of(rel, table)
+        for target, lineno, _, _ in imports(rel, mods):
+            if target is None:
+                continue
+            b = part_of(target, table)
+            if a == b:
+                continue
+            edges.setdefault(a, set()).add(b)
+            if table[b] > table[a]:
+                upward.append(f"elixir/{rel}:{lineno} (floor {table[a]}) imports elixir/{target} (floor {table[b]})")
+    assert not upward, "imports from a lower floor to a higher one:\n" + "\n".join(upward)
+    # cycles between parts (same-floor parts may import each other one way only)
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(u: str, path: list[str]) -> None:
+        state[u] = 1
+        for v in sorted(edges.get(u, ())):
+            if state.get(v) == 1:
+                cycles.append(" -> ".join(path[path.index(v):] + [v]))
+            elif v not in state:
+                visit(v, path + [v])
+        state[u] = 2
+
+    for u in sorted(edges):
+        if u not in state:
+            visit(u, [u])
+    assert not cycles, "circular imports between parts:\n" + "\n".join(cycles)
+
+
+def test_function_level_imports_give_a_reason():
+    mods = modules()
+    silent = [
+        f"elixir/{rel}:{lineno}"
+        for rel in sorted(mods.values())
+        for _, lineno, in_function, reason in imports(rel, mods)
+        if in_function and not reason
+    ]
+    assert not silent, ("imports inside functions without a one-line reason (import at the top, or say "
+                        "which optional dependency the import avoids):\n" + "\n".join(silent))
+
+
+def test_every_module_is_on_a_floor():
+    table = floor_table()
+    for rel in modules().values():
+        part_of(rel, table)
+    for part in table:
+        assert os.path.exists(os.path.join(ROOT, part)), f"the floor table names elixir/{part}, which does not exist"
