@@ -390,8 +390,6 @@ def host_allocator_stats() -> dict[str, int]:
     keeps the heap's high-water mark), and ``mmapped_bytes`` in separate mappings. Empty where
     not glibc."""
     try:
-        import ctypes
-
         class _MallInfo2(ctypes.Structure):
             _fields_ = [(n, ctypes.c_size_t) for n in (
                 "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -412,8 +410,6 @@ def release_free_host_memory() -> bool:
     :func:`keep_host_memory`), but holes that transient buffers of different sizes (disk staging,
     lazily created state) leave behind cannot pile up across steps. False where not glibc."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(ctypes.c_size_t(0))
         return True
     except (OSError, AttributeError):

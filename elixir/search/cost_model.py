@@ -48,6 +48,7 @@ itself runs on the same cores as backward and hides nothing on a CPU box.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -634,8 +635,6 @@ _CODE = {"device": "D", "host": "H", "disk": "K"}
 
 def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     """Predicted memory and step time of an existing plan under the same model as the search."""
-    import dataclasses
-
     st = dataclasses.replace(st, grad_elem=2 if plan.grad_dtype in ("bfloat16", "float16") else 4,
                              fused_step=bool(plan.fused_step))
     lay = layout_from_plan(profile, plan)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from elixir.offload.pipeline import BackwardStager
+from elixir.offload.state_binding import bind_state
 
 if TYPE_CHECKING:
     from elixir.chunk import Chunk
@@ -71,10 +72,8 @@ class BackwardStep:
         chunk.drop_grad()
 
     def _step_disk_chunk(self, i: int) -> None:
-        from elixir.offload.state_binding import bind_state
-
         self.eo.step_chunk(i)
-        bind_state(self.eo.disk_store, self.eo, i)
+        bind_state(self.eo.disk_store, i, self.eo.fragment_states(i))
 
     def _on_backward_end(self, module) -> None:
         if self.stager is not None:
