@@ -13,7 +13,8 @@ Parts, in order, each with its share of ``--budget-s`` (default 540 s):
    (``--size``, bf16 compute with fp32 master weights and AdamW everywhere): elixir with the plan
    the search makes for the whole GPU (device placement), plain torch (autocast, fused AdamW),
    FSDP2 (``fully_shard`` per decoder layer, world size 1) and elixir with every chunk's shard and
-   optimizer state in host memory (HybridAdam steps those on the CPU).
+   optimizer state in host memory (``minimum_waste_search(cpu_offload=True)``; HybridAdam steps
+   them on the CPU).
 3. ``capacity``: with the device capped at ``--cap-gib`` GiB
    (``torch.cuda.set_per_process_memory_fraction``), the largest model each system trains for 3
    steps: elixir (the search's plan for the cap, host memory and disk), FSDP2 with
@@ -222,12 +223,9 @@ def run_trial(spec: dict) -> dict:
             opt.zero_grad(set_to_none=True)
             return loss.detach()
     elif system in ("elixir", "elixir-host"):
-        import dataclasses
-
         from elixir.hardware import load_profile
         from elixir.optim import HybridAdam
-        from elixir.search import optimal_search
-        from elixir.search.plan import Placement
+        from elixir.search import minimum_waste_search, optimal_search
         from elixir.wrapper import ElixirModule, ElixirOptimizer
 
         model = build_model(spec["size"], seq, "cpu")
@@ -242,17 +240,15 @@ def run_trial(spec: dict) -> dict:
             return loss
 
         t_search = time.perf_counter()
-        plan = optimal_search(
-            model, 1, unified_dtype=bf16, overlap=True, inp={"input_ids": ids_host, "labels": ids_host},
-            step_fn=traced_step, device_memory=device_budget, host_memory=host, disk=disk, hardware=hw,
-        )
-        out["search_s"] = time.perf_counter() - t_search
+        inp = {"input_ids": ids_host, "labels": ids_host}
         if system == "elixir-host":  # every shard and every optimizer state in host memory
-            chunks = tuple(dataclasses.replace(c, sharded=True, shard_placement=Placement.HOST,
-                                               optim_placement=Placement.HOST) for c in plan.chunks)
-            plan = dataclasses.replace(plan, chunks=chunks, cache_blocks=max(plan.cache_blocks, 3),
-                                       prefetch_depth=max(plan.prefetch_depth, 1))
+            plan = minimum_waste_search(model, 1, unified_dtype=bf16, cpu_offload=True, prefetch=True, inp=inp,
+                                        step_fn=traced_step)
         else:
+            plan = optimal_search(model, 1, unified_dtype=bf16, overlap=True, inp=inp, step_fn=traced_step,
+                                  device_memory=device_budget, host_memory=host, disk=disk, hardware=hw)
+        out["search_s"] = time.perf_counter() - t_search
+        if system == "elixir":
             out["predicted_peak_device_bytes"] = plan.prediction.peak_device_bytes
             out["predicted_step_s"] = plan.prediction.step_time_s
             out["predicted_breakdown"] = plan.prediction.breakdown

@@ -52,6 +52,11 @@ else
     say "installed: pip install --no-deps --no-build-isolation -e . (log: install.log)"
   else
     say "WARNING: pip install failed (see install.log); using the source tree on PYTHONPATH instead"
+    if "$PYTHON" setup.py build_ext --inplace >> "$OUT/install.log" 2>&1; then
+      say "built the native extension in place (setup.py build_ext --inplace)"
+    else
+      say "WARNING: the native extension did not build either; elixir falls back to pure torch"
+    fi
   fi
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
