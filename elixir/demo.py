@@ -2,10 +2,12 @@
 byte by byte, sharded across local ranks with a searched plan.
 
 ``elixir demo`` re-launches itself under torchrun (``python -m torch.distributed.run --standalone``)
-with ``--worker``; each worker searches a plan (``minimum_waste_search``), wraps the model
-(``ElixirModule``) and elixir's HybridAdam in AdamW mode (``ElixirOptimizer``), trains, evaluates
-and reports. Only rank 0
-prints; the other ranks send it their memory figures.
+with ``--worker``; each worker traces one training step and searches a plan (``optimal_search``
+by default: the fastest predicted plan that fits the per-rank budget; ``--search minimum_waste``
+for the least-padding plan), wraps the model (``ElixirModule``) and elixir's HybridAdam in AdamW
+mode (``ElixirOptimizer``), trains, evaluates and reports, ending with the search's predicted step
+time and memory against the measured ones. Only rank 0 prints; the other ranks send it their
+memory figures.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from rich.table import Table
 from elixir import distributed as edist
 from elixir.data import eval_batches, load_corpus, sample_batch
 from elixir.optim import HybridAdam
-from elixir.search import minimum_waste_search, print_plan
+from elixir.search import minimum_waste_search, optimal_search, print_plan
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
 PRESETS: dict[str, tuple[int, int, int]] = {
@@ -51,6 +53,8 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 """Model sizes (vocabulary 256, so nearly all parameters sit in the blocks: about 12·n_embd²·n_layer)."""
 
 DTYPES = ("fp32", "bf16")
+SEARCHES = ("optimal", "minimum_waste")
+TIMING_WARMUP = 3  # steps left out of the measured step time (first gathers, allocator warm-up)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,8 @@ class DemoConfig:
     eval_batches: int = 4
     corpus_bytes: int = 4_000_000
     threads: int = 0
+    search: str = "optimal"
+    budget_mib: float = 0.0  # per-rank device budget for optimal_search; 0: the hardware profile's
     json_path: Optional[str] = None
 
     def threads_per_rank(self) -> int:
@@ -98,6 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"bytes of standard-library source to read (default {d.corpus_bytes})")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch threads per rank (default: CPU cores / world size)")
+    p.add_argument("--search", choices=SEARCHES, default=d.search,
+                   help="optimal: the fastest predicted plan that fits the budget; minimum_waste: the least "
+                        f"padding (default {d.search})")
+    p.add_argument("--budget-mib", type=float, default=d.budget_mib,
+                   help="per-rank device memory budget in MiB for --search optimal (default: the hardware "
+                        "profile's device memory)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the run's summary to this JSON file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
@@ -128,6 +140,10 @@ def _validate(cfg: DemoConfig) -> None:
     for name in ("steps", "batch", "seq", "eval_batches"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
+    if cfg.search not in SEARCHES:
+        raise SystemExit(f"unknown --search {cfg.search!r}; choose one of {SEARCHES}")
+    if cfg.budget_mib < 0 or (cfg.budget_mib and cfg.search != "optimal"):
+        raise SystemExit("--budget-mib takes a positive size in MiB, and only with --search optimal")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -204,16 +220,32 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def _trace_step(model, batch) -> None:
+    """The training step the search traces (on meta tensors): forward, loss, backward."""
+    _lm_loss(model, batch["input_ids"], batch["labels"]).backward()
+
+
 class Trainer:
     """The Elixir runtime around the model: plan, wrapped module, wrapped optimizer."""
 
-    def __init__(self, model, cfg: DemoConfig, world_size: int, show_plan: bool):
+    def __init__(self, model, cfg: DemoConfig, world_size: int, console, example):
         dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-        self.plan = minimum_waste_search(model, world_size, unified_dtype=dtype)
-        if show_plan:
-            print_plan(self.plan, dtype)
+        t0 = time.perf_counter()
+        if cfg.search == "optimal":
+            budget = int(cfg.budget_mib * 2**20) or None
+            x, y = example
+            self.plan = optimal_search(model, world_size, unified_dtype=dtype, overlap=True, verbose=console is not None,
+                                       inp={"input_ids": x, "labels": y}, step_fn=_trace_step, device_memory=budget)
+            if console is not None:
+                print_chunks(console, self.plan)
+        else:
+            self.plan = minimum_waste_search(model, world_size, unified_dtype=dtype)
+            if console is not None:
+                print_plan(self.plan, dtype)
+        self.search_s = time.perf_counter() - t0
         self.inner_optimizer = HybridAdam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
-        self.model = ElixirModule(model, self.plan, dtype=dtype, output_fp32=True)
+        self.model = ElixirModule(model, self.plan, dtype=dtype, output_fp32=True,
+                                  prefetch=self.plan.param_order is not None)
         self.optimizer = ElixirOptimizer(self.model, self.inner_optimizer)
 
     def memory(self) -> dict[str, int]:
@@ -224,8 +256,34 @@ class Trainer:
             "master": int(r["master_bytes"]),
             "cache": int(r["cache_bytes"]),
             "peak_gathered": int(r["peak_gathered_bytes"]),
+            "device_peak": int(r["device_peak_bytes"]),
             "peak_rss": peak_rss_bytes(),
         }
+
+    def predicted_runtime_bytes(self) -> Optional[int]:
+        """The plan's predicted device peak less what the runtime's ledger does not hold
+        (activations, buffers, the inner optimizer's moments of device-placed chunks), so it
+        compares with ``memory()['device_peak']``; None without a prediction."""
+        pred = self.plan.prediction
+        if pred is None:
+            return None
+        mem = self.plan.info.get("predicted_memory", {})
+        moments = sum((c.chunk_size // self.plan.world_size if c.sharded else c.chunk_size) * 8
+                      for c in self.plan.chunks if c.optim_placement.value == "device")
+        return pred.peak_device_bytes - mem.get("activations", 0) - mem.get("buffers", 0) - moments
+
+
+def print_chunks(console, plan) -> None:
+    """Per chunk: what it holds, its size, sharded or replicated, where its shard and optimizer
+    state live."""
+    t = Table(title="chunks of the plan", title_justify="left")
+    for col in ("#", "parameters", "elements", "kind", "shard on", "optimizer on"):
+        t.add_column(col, justify="right" if col in ("#", "elements") else "left")
+    for i, c in enumerate(plan.chunks):
+        names = c.params[0] if len(c.params) == 1 else f"{c.params[0]} .. {c.params[-1]} ({len(c.params)})"
+        t.add_row(str(i), names, f"{c.chunk_size:,}", "sharded" if c.sharded else "replicated",
+                  c.shard_placement.value if c.sharded else "device (whole)", c.optim_placement.value)
+    console.print(t)
 
 
 def run_worker(cfg: DemoConfig) -> int:
@@ -249,7 +307,7 @@ def run_worker(cfg: DemoConfig) -> int:
     say(f"corpus: {corpus.train.numel() / 1e6:.2f} MB train ({corpus.train_files} files), "
         f"{corpus.val.numel() / 1e6:.2f} MB val ({corpus.val_files} files) of Python source from {corpus.source}")
 
-    trainer = Trainer(model, cfg, world, show_plan=console is not None)
+    trainer = Trainer(model, cfg, world, console, sample_batch(corpus.train, cfg.batch, cfg.seq, 0, cfg.seed, rank, world))
 
     sched = torch.optim.lr_scheduler.LambdaLR(trainer.inner_optimizer, lr_lambda(cfg))
     val_set = eval_batches(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, world)
@@ -272,8 +330,12 @@ def run_worker(cfg: DemoConfig) -> int:
         "train_s": sum(step_times),
         "tokens_per_s": cfg.steps * world * cfg.batch * cfg.seq / sum(step_times),
         "memory": per_rank,
-        "plan": {"chunks": len(trainer.plan.chunks), "chunk_size": trainer.plan.chunk_size,
-                 "waste": trainer.plan.waste(), "cache_blocks": trainer.plan.cache_blocks},
+        "plan": {"search": cfg.search, "chunks": len(trainer.plan.chunks), "chunk_size": trainer.plan.chunk_size,
+                 "sharded": sum(c.sharded for c in trainer.plan.chunks), "waste": trainer.plan.waste(),
+                 "cache_blocks": trainer.plan.cache_blocks, "search_s": trainer.search_s},
+        "measured_step_s": _median(step_times[TIMING_WARMUP:] or step_times),
+        "predicted_step_s": None if trainer.plan.prediction is None else trainer.plan.prediction.step_time_s,
+        "predicted_runtime_bytes": trainer.predicted_runtime_bytes(),
     }
     if console is not None:
         _print_summary(console, cfg, summary)
@@ -282,6 +344,11 @@ def run_worker(cfg: DemoConfig) -> int:
                 json.dump(summary, f, indent=1)
     edist.shutdown()  # drain elixir's async work, then barrier and destroy on every rank together
     return 0
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    return ys[len(ys) // 2] if len(ys) % 2 else (ys[len(ys) // 2 - 1] + ys[len(ys) // 2]) / 2
 
 
 def _evaluate(model, val_set) -> float:
@@ -360,13 +427,34 @@ def _print_summary(console, cfg: DemoConfig, s: dict) -> None:
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
     t = Table(title="summary", show_header=False, title_justify="left")
     p = s["plan"]
-    t.add_row("runtime", f"elixir: {p['chunks']} chunks of {p['chunk_size']:,}, {100 * p['waste']:.2f}% waste, "
-                         f"{p['cache_blocks']} rCache blocks")
+    if p["sharded"]:
+        t.add_row("runtime", f"elixir ({p['search']} plan): {p['chunks']} chunks ({p['sharded']} sharded) of up to "
+                             f"{p['chunk_size']:,}, {100 * p['waste']:.2f}% waste, {p['cache_blocks']} rCache blocks")
+    else:
+        t.add_row("runtime", f"elixir ({p['search']} plan): all {p['chunks']} chunks replicated (data parallel: "
+                             "memory allows it and it is the fastest)")
     t.add_row("model", f"GPT-2 '{cfg.preset}', {s['params'] / 1e6:.2f}M params, {cfg.dtype}")
     t.add_row("data", f"{cfg.steps} steps x {s['world_size']} ranks x {cfg.batch} x {cfg.seq} bytes")
     t.add_row("train loss", f"{first:.3f} -> {last:.3f} (mean of first/last {k} steps)  {_sparkline(losses)}")
     t.add_row("val loss", f"{s['val_loss_before']:.3f} -> [bold]{s['val_loss_after']:.3f}[/] "
                           f"({s['val_loss_after'] / math.log(2):.2f} bits/byte)")
-    t.add_row("time", f"setup {s['setup_s']:.1f} s, training {s['train_s']:.1f} s, "
+    t.add_row("time", f"setup {s['setup_s']:.1f} s (search {p['search_s']:.1f} s), training {s['train_s']:.1f} s, "
                       f"{s['tokens_per_s']:,.0f} tokens/s")
+    console.print(t)
+    _print_prediction(console, s)
+
+
+def _print_prediction(console, s: dict) -> None:
+    """The search's predictions against what rank 0 measured."""
+    if s["predicted_step_s"] is None:
+        console.print(f"measured step time {s['measured_step_s']:.3f} s (median after {TIMING_WARMUP} steps); "
+                      "the minimum_waste search makes no prediction (use --search optimal)")
+        return
+    t = Table(title="predicted by the search vs measured (rank 0)", title_justify="left")
+    for col in ("", "predicted", "measured", "measured / predicted"):
+        t.add_column(col, justify="right")
+    pt, mt = s["predicted_step_s"], s["measured_step_s"]
+    t.add_row(f"step time (median after {TIMING_WARMUP} steps)", f"{pt:.3f} s", f"{mt:.3f} s", f"{mt / pt:.2f}")
+    pb, mb = s["predicted_runtime_bytes"], s["memory"][0]["device_peak"]
+    t.add_row("runtime memory (shards, masters, gathered, gradients)", _mib(pb), _mib(mb), f"{mb / max(1, pb):.2f}")
     console.print(t)

@@ -24,7 +24,7 @@ def _parse(argv):
 
 def test_worker_argv_round_trips_every_flag():
     cfg = DemoConfig(preset="tiny", steps=7, batch=3, seq=32, world_size=3, dtype="bf16", lr=1e-4, warmup=2,
-                     seed=5, eval_batches=2, corpus_bytes=12345, threads=1, json_path="/tmp/x.json")
+                     seed=5, eval_batches=2, corpus_bytes=12345, threads=1, budget_mib=12.5, json_path="/tmp/x.json")
     args = _parse(worker_argv(cfg))
     assert args.worker
     assert config_from_args(args) == cfg
@@ -48,11 +48,40 @@ def test_lr_schedule_warms_up_then_decays():
     assert all(f(i) >= f(i + 1) for i in range(10, 99))
 
 
+def _binding_budget_mib(batch: int, seq: int) -> float:
+    """A per-rank device budget just above the least any plan of the tiny demo fits in, far below
+    what its fastest (fully replicated) plan needs: the search has to shard."""
+    import torch
+
+    from elixir.demo import _trace_step
+    from elixir.search import DoesNotFitError, optimal_search
+
+    model = build_gpt("tiny", seq)
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    kw = dict(unified_dtype=torch.bfloat16, overlap=True, inp={"input_ids": ids, "labels": ids}, step_fn=_trace_step)
+    free = optimal_search(model, 2, **kw)
+    assert not any(c.sharded for c in free.chunks)
+    with pytest.raises(DoesNotFitError) as e:
+        optimal_search(model, 2, device_memory=1, **kw)
+    least = e.value.needs["device_memory"]
+    assert least < free.prediction.peak_device_bytes
+    return 1.02 * least / 2**20
+
+
+def test_search_flags_are_checked():
+    with pytest.raises(SystemExit, match="only with --search optimal"):
+        config_from_args(_parse(["demo", "--search", "minimum_waste", "--budget-mib", "5"]))
+    assert config_from_args(_parse(["demo", "--search", "minimum_waste"])).search == "minimum_waste"
+    assert DemoConfig().search == "optimal"
+
+
 @pytest.mark.dist
 def test_tiny_demo_trains_on_two_ranks(tmp_path):
     out = tmp_path / "demo.json"
+    budget = _binding_budget_mib(8, 64)
     cmd = [sys.executable, "-m", "elixir", "demo", "--preset", "tiny", "--steps", "30", "--world-size", "2",
-           "--batch", "8", "--seq", "64", "--corpus-bytes", "1000000", "--json", str(out)]
+           "--batch", "8", "--seq", "64", "--corpus-bytes", "1000000", "--budget-mib", f"{budget:.3f}",
+           "--json", str(out)]
     env = dict(os.environ, COLUMNS="120")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -70,5 +99,11 @@ def test_tiny_demo_trains_on_two_ranks(tmp_path):
     assert 0 < mem[0]["peak_gathered"] <= mem[0]["cache"]
     # only rank 0 prints: the summary appears once, with the plan and the memory table
     assert proc.stdout.count("summary") == 1, proc.stdout
-    assert "elixir plan" in proc.stdout and "memory per rank" in proc.stdout
+    assert "elixir optimal plan" in proc.stdout and "memory per rank" in proc.stdout
     assert "FALLBACK" not in proc.stdout
+    # the search explains its plan and is held to its predictions
+    assert s["plan"]["search"] == "optimal" and s["plan"]["sharded"] > 0
+    assert "why: memory binds" in proc.stdout and "chunks of the plan" in proc.stdout
+    assert "predicted by the search vs measured" in proc.stdout
+    assert s["predicted_step_s"] > 0 and s["measured_step_s"] > 0
+    assert 0.5 < mem[0]["device_peak"] / s["predicted_runtime_bytes"] < 1.5, s
