@@ -20,6 +20,8 @@ Systems:
   ``optimal_search`` picks by itself for this step (traced) and the per-rank budget ``--budget``
   (default: the box's memory divided by the ranks); elixir's HybridAdam. The line records the
   search's predicted step time next to the measured one.
+- ``elixir-optimal-fused``: ``elixir-optimal`` with ``use_fused_kernels`` applied before the
+  search (eager attention switched to torch's fused SDPA); run with ``--attn eager`` to measure it.
 - ``elixir-tight``: the same search under the tight per-rank device budget ``--tight-budget``
   (default: ``--tight-fraction`` of the way from the least budget any plan fits in to the budget
   ``elixir-optimal``'s plan needs), enforced
@@ -57,7 +59,7 @@ from typing import Optional
 
 GiB = 2**30
 
-ELIXIR_SYSTEMS = ("elixir-optimal", "elixir-optimal-bf16", "elixir-tight", "elixir", "elixir-hybrid", "elixir-bf16")
+ELIXIR_SYSTEMS = ("elixir-optimal", "elixir-optimal-bf16", "elixir-optimal-fused", "elixir-tight", "elixir", "elixir-hybrid", "elixir-bf16")
 PEER_SYSTEMS = (
     "ddp", "ddp-fused", "ddp-bf16", "fsdp2", "fsdp2-fused", "fsdp2-bf16", "fsdp2-offload",
     "deepspeed", "deepspeed-bf16", "deepspeed-offload", "plain", "plain-fused",
@@ -93,6 +95,7 @@ RATIOS = (
     ("elixir-optimal-bf16:2", "fsdp2-bf16:2", 0.8, None),
     ("elixir-optimal-bf16:2", "deepspeed-bf16:2", 0.8, None),
     ("elixir-optimal-bf16:2", "ddp-bf16:2", None, None),
+    ("elixir-optimal-fused:2", "elixir-optimal:2", None, None),
     ("elixir-bf16:2", "fsdp2-bf16:2", None, None),
     ("elixir-tight:2", "fsdp2-offload:2", 1.0, None),
     ("elixir-tight:2", "deepspeed-offload:2", 1.0, None),
@@ -120,6 +123,7 @@ class BenchConfig:
     budget: Optional[int] = None  # per-rank device budget for elixir-optimal (bytes); None: box memory / ranks
     tight_budget: Optional[int] = None  # per-rank device budget for elixir-tight (bytes)
     tight_fraction: float = 0.5  # else this fraction of elixir-optimal's predicted device bytes
+    attn: str = ""  # attention implementation of the model ("eager", "sdpa"); "": transformers' default
 
     def for_model(self, name: str, layers: Optional[int] = None) -> "BenchConfig":
         if name not in MODELS:
@@ -176,7 +180,10 @@ def build_model(cfg: BenchConfig):
         vocab_size=cfg.vocab, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=max(1024, cfg.seq),
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
-    return GPT2LMHeadModel(c)
+    model = GPT2LMHeadModel(c)
+    if cfg.attn:
+        model.set_attn_implementation(cfg.attn)
+    return model
 
 
 def make_batch(cfg: BenchConfig, step: int, rank: int, world: int):
@@ -276,7 +283,12 @@ def wrap(system: str, model, cfg: BenchConfig, world: int):
 
         dtype = torch.bfloat16 if bf16 else torch.float32
         limit = None
-        if system in ("elixir-optimal", "elixir-optimal-bf16", "elixir-tight"):
+        if system == "elixir-optimal-fused":
+            from elixir.wrapper.fused_kernels import apply_fused_kernels
+
+            # before the search, so that it traces the fused step
+            extra["fused_kernels"] = apply_fused_kernels(model)
+        if system in ("elixir-optimal", "elixir-optimal-bf16", "elixir-optimal-fused", "elixir-tight"):
             sr, limit = _optimal_plan(system, model, cfg, world, dtype, extra)
         else:
             t0 = time.perf_counter()
@@ -569,6 +581,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--tight-fraction", type=float, default=BenchConfig.tight_fraction,
                    help="without --tight-budget: this fraction of the way from the least budget any plan fits in to what "
                         "elixir-optimal's plan needs")
+    p.add_argument("--attn", choices=("eager", "sdpa"), default="",
+                   help="attention implementation of every model (default: transformers' own); with eager, "
+                        "elixir-optimal-fused measures use_fused_kernels against elixir-optimal")
     p.add_argument("--json", dest="json_path", help="write all results to this file")
     p.add_argument("--profile-dir", help="write a torch.profiler table of the first timed step of each line here")
     p.add_argument("--timeout", type=float, default=900, help="seconds per line")
@@ -582,7 +597,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     gib = lambda x: None if x is None else int(x * GiB)  # noqa: E731
     cfg = BenchConfig(steps=args.steps, warmup=args.warmup, budget=gib(args.budget), tight_budget=gib(args.tight_budget),
-                      tight_fraction=args.tight_fraction)
+                      tight_fraction=args.tight_fraction, attn=args.attn)
     for line in args.systems:
         parse_line(line)  # refuse a bad line before running anything
     if args.profile_dir:

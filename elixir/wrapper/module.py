@@ -31,6 +31,7 @@ from elixir.offload.for_plan import store_for_plan
 from elixir.offload.store import DiskStore
 from elixir.search.plan import Placement, dtype_from_name
 from elixir.tracer.hooks import borrowed_children, step_params
+from elixir.wrapper.fused_kernels import apply_fused_kernels
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
 from elixir.wrapper.state_dict import full_state_dict, load_full_state_dict
 
@@ -104,7 +105,11 @@ class ElixirModule(nn.Module):
         dtype: compute dtype of the chunks (fp32 masters are kept for bf16/fp16).
         reduce_always_fp32: reduce gradients in fp32 even when computing in low precision.
         output_fp32: cast floating outputs to fp32.
-        use_fused_kernels: reserved for fused kernels (accepted, currently unused).
+        use_fused_kernels: switch Hugging Face models running eager attention to torch's fused
+            SDPA kernel, where that is exact (:func:`~elixir.wrapper.fused_kernels.apply_fused_kernels`;
+            refuses with ``ValueError`` where it is not, warns when there is nothing to switch).
+            ``self.fused_kernels`` lists what changed. Call ``apply_fused_kernels`` yourself before
+            tracing for the search to see the fused step.
         memory_limit: optional device-memory budget in bytes for the runtime's own tensors; an
             allocation beyond it raises :class:`~elixir.chunk.ElixirMemoryError`.
         strict_cache: raise instead of temporarily exceeding the rCache when every block is pinned.
@@ -162,6 +167,7 @@ class ElixirModule(nn.Module):
         self.reduce_dtype = torch.float32 if reduce_always_fp32 else dtype
         self.output_fp32 = output_fp32
         self.use_fused_kernels = use_fused_kernels
+        self.fused_kernels = apply_fused_kernels(module) if use_fused_kernels else []
         self.prefetch = prefetch
         self.device = dev.default_device()
         dev.keep_host_memory()  # reuse freed host memory: no page faults per gathered chunk and gradient buffer
