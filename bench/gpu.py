@@ -23,7 +23,7 @@ Parts, in order, each with its share of ``--budget-s`` (default 540 s):
 
 Every trial runs in its own subprocess, so an OOM or a crash is contained; its log goes to
 ``OUTDIR/logs/``. Results are written after every trial (``OUTDIR/gpu_bench.json`` and the
-markdown tables in ``OUTDIR/gpu_bench.md``), so a run cut short still leaves its data. The
+markdown tables in ``OUTDIR/gpu_bench.md``; ``--name`` changes the file name), so a run cut short still leaves its data. The
 search's predicted peak memory and step time are set beside the measured ones for every elixir
 run that used a searched plan.
 """
@@ -417,10 +417,11 @@ class Bench:
         return self.t_end - time.monotonic()
 
     def save(self) -> None:
-        _write_json(os.path.join(self.out, "gpu_bench.json"), self.results)
-        with open(os.path.join(self.out, "gpu_bench.md.tmp"), "w") as f:
+        base = os.path.join(self.out, self.args.name)
+        _write_json(base + ".json", self.results)
+        with open(base + ".md.tmp", "w") as f:
             f.write(render_markdown(self.results))
-        os.replace(os.path.join(self.out, "gpu_bench.md.tmp"), os.path.join(self.out, "gpu_bench.md"))
+        os.replace(base + ".md.tmp", base + ".md")
 
     def trial(self, spec: dict, timeout: float) -> dict:
         name = f"{spec['system']}-{spec.get('size', '')}-{len(os.listdir(os.path.join(self.out, 'logs')))}"
@@ -640,6 +641,7 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--cap-batch", type=int, default=1)
     p.add_argument("--cap-seq", type=int, default=512)
     p.add_argument("--trial-max-s", type=float, default=150.0, help="longest one capacity trial may run")
+    p.add_argument("--name", default="gpu_bench", help="results go to OUT/NAME.json and OUT/NAME.md")
     p.add_argument("--hardware", default=None, help="plan with this hardware profile (skips the hw part)")
     p.add_argument("--tiny", action="store_true", help="tiny models and short sequences (a smoke test; CPU works)")
     p.add_argument("--trial", help=argparse.SUPPRESS)
@@ -656,7 +658,7 @@ def main(argv: Optional[list] = None) -> int:
     bench = Bench(args)
     bench.save()
     bench.run()
-    print(f"[bench] results: {os.path.join(bench.out, 'gpu_bench.md')}", flush=True)
+    print(f"[bench] results: {os.path.join(bench.out, args.name + '.md')}", flush=True)
     return 0
 
 
