@@ -77,17 +77,6 @@ def test_checkpointing_a_registry_model_emits_no_future_warning():
     assert m.is_gradient_checkpointing
 
 
-@pytest.mark.parametrize("cls", ["CPUAdam", "HybridAdam"])
-def test_nvme_offload_fraction_points_at_disk_placement(cls):
-    import elixir.optim as optim
-
-    params = [nn.Parameter(torch.zeros(4))]
-    getattr(optim, cls)(params, nvme_offload_fraction=0.0)  # the default is accepted
-    with pytest.raises(NotImplementedError, match="offload_dir") as err:
-        getattr(optim, cls)(params, nvme_offload_fraction=0.5, nvme_offload_dir="/tmp")
-    assert "DISK" in str(err.value) and "docs/optimizer.md" in str(err.value)
-
-
 def test_docs_point_nvme_users_at_disk_placement():
     text = (ROOT / "docs" / "optimizer.md").read_text()
     assert "nvme_offload_fraction" in text and "offload_dir" in text and "Placement.DISK" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from typing import Any, Optional
@@ -22,6 +23,7 @@ from elixir.checkpoint.layout import (
 )
 from elixir.fileio import fsync_file
 from elixir.offload.pipeline import disk_mapped
+from elixir.optim.nvme import materialized
 from elixir.optim.state import is_elementwise
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer
@@ -53,7 +55,10 @@ def save(
     try:
         if shard:
             states = optimizer.fragment_states if optimizer is not None else None
-            with disk_mapped(em.disk_store, states) as mapped:  # disk-placed masters and state: mapped from the file
+            # disk-placed masters and state: mapped from the file; moments the inner optimizer
+            # keeps on its own disk (nvme_offload_fraction): read back for the save
+            nvme = materialized(optimizer.optim) if optimizer is not None else contextlib.nullcontext()
+            with disk_mapped(em.disk_store, states) as mapped, nvme:
                 error = _save_sharded(tmp, em, optimizer, extra, mapped)
         else:
             error = _save_full(tmp, em, optimizer, extra)

@@ -84,7 +84,8 @@ class DiskStore:
     """Disk-resident masters and optimizer state of this rank's disk chunks (see module docstring).
 
     Args:
-        ledger: the runtime's memory ledger (staged masters are booked as ``master`` on ``host``).
+        ledger: the runtime's memory ledger (staged masters are booked as ``master`` on ``host``);
+            None for a store without masters (an optimizer's own offload, :mod:`elixir.optim.nvme`).
         offload_dir: directory for the offload file (None: a per-run temporary directory).
         need_bytes: bytes to reserve up front (masters plus the expected optimizer state).
         rank: this rank (names the file).
@@ -94,7 +95,7 @@ class DiskStore:
 
     def __init__(
         self,
-        ledger: MemoryLedger,
+        ledger: Optional[MemoryLedger],
         offload_dir: Optional[str],
         need_bytes: int,
         rank: int = 0,
@@ -138,6 +139,20 @@ class DiskStore:
         self.start_write(chunk.index)
         self.finish(chunk.index)
 
+    def add_record(self, index: int, numel: int) -> None:
+        """A resident record of ``numel`` elements without a master: its flats come from
+        :meth:`add_flat` (state only; an optimizer's own offload uses this)."""
+        if index in self.chunks:
+            raise ValueError(f"chunk {index} is already on disk")
+        self.chunks[index] = DiskChunk(index, numel)
+
+    def reset_layout(self) -> None:
+        """Forget every record (all must be offloaded); the file's regions are laid out anew."""
+        if any(rec.state is not DiskState.OFFLOADED or rec.pending for rec in self.chunks.values()):
+            raise RuntimeError("reset_layout with chunks staged or in flight")
+        self.chunks.clear()
+        self._end = 0
+
     def add_flat(self, index: int, key: str, dtype: torch.dtype) -> torch.Tensor:
         """A new flat for state ``key`` of chunk ``index`` (allocated when the chunk is staged,
         0 bytes otherwise), with its own file region."""
@@ -166,7 +181,10 @@ class DiskStore:
 
     def _account(self, rec: DiskChunk, sign: int) -> None:
         self._book(sign * rec.staged_bytes)
-        n = _nbytes(rec.flats[MASTER])
+        master = rec.flats.get(MASTER)
+        if master is None or self.ledger is None:
+            return
+        n = _nbytes(master)
         if sign > 0:
             self.ledger.alloc("master", "host", n)
         else:

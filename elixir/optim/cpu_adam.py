@@ -30,11 +30,16 @@ class CPUAdam(torch.optim.Optimizer):
         adamw_mode: decoupled weight decay (AdamW) when True, L2 (Adam) when False. Stored in each
             group under torch's key ``decoupled_weight_decay``.
         amsgrad: not implemented; True raises NotImplementedError.
-        nvme_offload_fraction, nvme_offload_dir: accepted for ColossalAI compatibility at their
-            defaults only. elixir puts optimizer state on disk per chunk, in the plan, not in the
-            optimizer: a chunk with ``optim_placement`` DISK keeps its fp32 master and Adam state in
-            ``ElixirModule(..., offload_dir=...)`` (``optimal_search(..., disk=...)`` chooses
-            which chunks); a nonzero fraction raises and names that.
+        nvme_offload_fraction: share (in [0, 1]) of the CPU-resident elements, in param-group
+            order, whose moments (``exp_avg``, ``exp_avg_sq``) live in a file instead of host
+            memory; the step reads them ahead, updates and writes them behind, two buckets of
+            ``nvme_offload_bucket_numel`` elements in memory at most (:mod:`elixir.optim.nvme`).
+            Results are bitwise those of ``0.0``.
+        nvme_offload_dir: directory for that file (created if missing); None: a fresh private
+            directory under the system temp dir. The file is unlinked once open, so it goes away
+            with the process. A directory that cannot be written or lacks the space raises
+            :class:`~elixir.offload.OffloadDirError` here, naming the fix.
+        nvme_offload_bucket_numel: elements per staged bucket.
 
     ``state_dict`` is torch's format (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``; torch's
     group keys plus ``bias_correction``), so ``torch.optim.AdamW`` loads it and vice versa.
@@ -55,14 +60,8 @@ class CPUAdam(torch.optim.Optimizer):
         amsgrad: bool = False,
         nvme_offload_fraction: float = 0.0,
         nvme_offload_dir: Optional[str] = None,
+        nvme_offload_bucket_numel: int = 4 << 20,
     ) -> None:
-        if nvme_offload_fraction or nvme_offload_dir is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__}(nvme_offload_fraction=..., nvme_offload_dir=...) is not how elixir "
-                "offloads to disk (NVMe): the plan places optimizer state per chunk. Use "
-                "optimal_search(..., disk=<bytes per rank>) (or set a chunk's optim_placement to "
-                "Placement.DISK) and ElixirModule(..., offload_dir='/path/on/nvme'); see docs/optimizer.md"
-            )
         if amsgrad:
             raise NotImplementedError(
                 f"{type(self).__name__} does not implement AMSGrad; use torch.optim.AdamW(amsgrad=True) "
@@ -94,6 +93,39 @@ class CPUAdam(torch.optim.Optimizer):
             fused=None,
         )
         super().__init__(params, defaults)
+        if not 0.0 <= float(nvme_offload_fraction) <= 1.0:
+            raise ValueError(f"nvme_offload_fraction must lie in [0, 1], got {nvme_offload_fraction}")
+        self.nvme = None
+        if nvme_offload_fraction > 0:
+            from elixir.optim.nvme import NvmeOffload
+
+            self.nvme = NvmeOffload(
+                float(nvme_offload_fraction), nvme_offload_dir, _reserve_bytes(self._all_params(), nvme_offload_fraction, nvme_offload_bucket_numel),
+                nvme_offload_bucket_numel,
+            )
+
+    def _all_params(self) -> List[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's format; moments offloaded to disk are read back into it one bucket at a time."""
+        if self.nvme is None:
+            return super().state_dict()
+        from elixir.optim.nvme import materialized
+
+        with materialized(self):
+            sd = super().state_dict()
+            # torch packs the per-parameter dicts themselves: copy them before the moments leave
+            sd["state"] = {k: dict(v) for k, v in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """torch's format; moments of offloaded parameters are moved to the disk one bucket at a time."""
+        super().load_state_dict(state_dict)
+        if self.nvme is not None:
+            from elixir.optim.nvme import absorb
+
+            absorb(self)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -139,6 +171,10 @@ class CPUAdam(torch.optim.Optimizer):
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         # One kernel call per (group, step count): hyperparameters and bias correction are shared.
         buckets: Dict[Tuple[int, int], List[int]] = defaultdict(list)
+        nvme = self.nvme
+        if nvme is not None:
+            nvme.ensure_layout(self._all_params(), self.state)
+        disk: Dict[int, int] = {}  # id(param) -> its index in params, for offloaded ones
         for i, p in enumerate(params):
             gi = group_of.get(id(p))
             if gi is None:
@@ -149,32 +185,77 @@ class CPUAdam(torch.optim.Optimizer):
                     "use elixir.optim.HybridAdam for parameters on an accelerator"
                 )
             state = self.state[p]
+            on_disk = nvme is not None and nvme.is_offloaded(p)
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if not on_disk:  # an offloaded parameter's moments start as zeros in the file
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
-            buckets[(gi, int(state["step"].item()))].append(i)
+            if on_disk:
+                disk[id(p)] = i
+            else:
+                buckets[(gi, int(state["step"].item()))].append(i)
         for (gi, step), idx in buckets.items():
-            group = self.param_groups[gi]
-            _check_supported(group, type(self).__name__)
-            beta1, beta2 = group["betas"]
-            adam_step_multi(
+            self._run_kernel(
+                gi, step,
                 [params[i] for i in idx],
                 [grads[i] for i in idx],
                 [self.state[params[i]]["exp_avg"] for i in idx],
                 [self.state[params[i]]["exp_avg_sq"] for i in idx],
-                step=step,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                adamw_mode=bool(group["decoupled_weight_decay"]),
-                bias_correction=bool(group["bias_correction"]),
-                div_scale=div_scale,
-                out_lowps=[out_lowps[i] for i in idx],
+                [out_lowps[i] for i in idx],
+                div_scale,
             )
+        if disk:
+
+            def step_bucket(segments, flats) -> None:
+                # pieces of the same (group, step) share one kernel call, as the resident ones do
+                calls: Dict[Tuple[int, int], List[Tuple[int, Any]]] = defaultdict(list)
+                for s in segments:
+                    i = disk[id(s.param)]
+                    calls[(group_of[id(s.param)], int(self.state[s.param]["step"].item()))].append((i, s))
+                for (gi, step), items in calls.items():
+                    ps, gs, ms, vs, os_ = [], [], [], [], []
+                    for i, s in items:
+                        ps.append(params[i].view(-1)[s.start : s.end])
+                        gs.append(grads[i].reshape(-1)[s.start : s.end])
+                        ms.append(flats["exp_avg"][s.offset : s.offset + s.end - s.start])
+                        vs.append(flats["exp_avg_sq"][s.offset : s.offset + s.end - s.start])
+                        o = out_lowps[i]
+                        os_.append(None if o is None else o.view(-1)[s.start : s.end])
+                    self._run_kernel(gi, step, ps, gs, ms, vs, os_, div_scale)
+
+            nvme.step(set(disk), step_bucket)
+
+    def _run_kernel(self, gi, step, params, grads, exp_avgs, exp_avg_sqs, out_lowps, div_scale) -> None:
+        group = self.param_groups[gi]
+        _check_supported(group, type(self).__name__)
+        beta1, beta2 = group["betas"]
+        adam_step_multi(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            step=step,
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            adamw_mode=bool(group["decoupled_weight_decay"]),
+            bias_correction=bool(group["bias_correction"]),
+            div_scale=div_scale,
+            out_lowps=out_lowps,
+        )
+
+
+def _reserve_bytes(params: Sequence[torch.Tensor], fraction: float, bucket_numel: int) -> int:
+    """An upper bound of the file bytes the moments of ``fraction`` of ``params`` take: elements
+    rounded up per piece, plus the page alignment of every bucket region."""
+    numel = sum(p.numel() for p in params if p.device.type in ("cpu", "meta") and p.is_floating_point())
+    elem = max((p.element_size() for p in params if p.is_floating_point()), default=4)
+    pieces = len(params) + numel // max(bucket_numel, 1) + 1
+    return int(2 * elem * (fraction * numel + 16 * pieces) + 2 * 4096 * pieces)
 
 
 def _check_supported(group: Dict[str, Any], name: str) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from elixir import distributed as edist
 from elixir.offload.pipeline import staged
+from elixir.optim.nvme import absorb
 from elixir.optim.state import is_elementwise
 
 if TYPE_CHECKING:
@@ -241,6 +242,7 @@ def install_state(eo: ElixirOptimizer, new_state: dict, saved_groups: list[dict]
             ng["param_names"] = group["param_names"]
         new_groups.append(ng)
     eo.optim.__setstate__({"state": state, "param_groups": new_groups})
+    absorb(eo.optim)  # moments of parameters the optimizer keeps on its own disk go there
 
 
 # --------------------------------------------------------------------------------------------

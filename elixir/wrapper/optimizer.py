@@ -22,6 +22,7 @@ from elixir import device as dev
 from elixir.offload.pipeline import run_pipelined, staged
 from elixir.offload.state_binding import FragmentState, bind_state
 from elixir.optim.loss_scaler import DynamicLossScaler, LossScalePolicy
+from elixir.optim.nvme import materialized
 from elixir.wrapper import optim_state
 from elixir.wrapper.backward_step import BackwardStep, fallback_reason
 from elixir.wrapper.clipping import clip_coefficient, global_grad_norm
@@ -182,6 +183,8 @@ class ElixirOptimizer:
                 new_params.extend(f.tensor for f in self._frags_of.get(slot.index, []))
             group["params"] = new_params
         self.optim.state.clear()
+        if getattr(self.optim, "nvme", None) is not None:
+            self.optim.nvme.reset_layout()  # laid out again on the fragments at the first step
 
     @property
     def param_groups(self) -> list[dict]:
@@ -454,7 +457,8 @@ class ElixirOptimizer:
         """The full (unsharded) state dict in the inner optimizer's torch format, keyed like the
         optimizer the user built (indices in original group order): it loads into that optimizer
         type on the unwrapped model. Collective. The loss scaler goes under ``"loss_scaler"``."""
-        sd = optim_state.gather_full_state(self, rank0_only=rank0_only)
+        with materialized(self.optim):  # moments the optimizer keeps on its own disk, read back
+            sd = optim_state.gather_full_state(self, rank0_only=rank0_only)
         if sd and self.scaler is not None:
             sd["loss_scaler"] = self.scaler.state_dict()
         return sd

@@ -1,0 +1,141 @@
+"""NVMe offload in HybridAdam: the step's disk bandwidth against ``dd`` on the same directory, and
+peak RSS with ``nvme_offload_fraction`` 0 and 1, each in its own process, same run.
+
+    python bench/nvme_optimizer.py --dir /mnt/nvme/tmp            # 124M params (GPT-2 small's count)
+    python bench/nvme_optimizer.py --numel 2000000 --steps 2      # smoke size
+
+Per fraction, a child process builds ``--numel`` fp32 parameters (in ``--tensors`` tensors) with
+fixed gradients, takes one warm-up step and times ``--steps`` steps of
+``HybridAdam(nvme_offload_fraction=f, nvme_offload_dir=--dir)``. It reports the step time, the
+bytes the step read and wrote, the moments kept on disk and its peak RSS (``ru_maxrss``).
+
+Disk figures: ``dd`` writes ``--dd-mib`` MiB sequentially (8 MiB blocks, ``conv=fdatasync``) and
+reads it back (``iflag=direct`` where the file system allows, so the page cache does not answer).
+The step's bandwidth is its bytes moved over its time; *efficiency* is the time ``dd`` would need
+for the same reads and writes over the step's time (target >= 80%). The step's own I/O goes
+through the page cache (buffered pread/pwrite, no fsync), as the optimizer does: with less data
+than free memory its writes land in the cache, and efficiency can exceed 100%; size ``--numel``
+beyond the page cache for disk-bound figures. RSS: the saving of
+fraction 1 over fraction 0 against the bytes offloaded (target >= 80%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _child(fraction: float, numel: int, tensors: int, steps: int, directory: str, bucket: int) -> dict:
+    import torch
+
+    from elixir.optim import HybridAdam
+
+    torch.manual_seed(0)
+    sizes = [numel // tensors] * tensors
+    params = [torch.nn.Parameter(torch.randn(n) * 0.02) for n in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = HybridAdam(params, lr=1e-4, nvme_offload_fraction=fraction, nvme_offload_dir=directory, nvme_offload_bucket_numel=bucket)
+    opt.step()  # warm-up: creates the state (and the file layout)
+    store = opt.nvme.store if opt.nvme is not None else None
+    read0, written0 = (store.bytes_read, store.bytes_written) if store else (0, 0)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    dt = (time.perf_counter() - t0) / steps
+    out = {"fraction": fraction, "step_s": dt, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if store is not None:
+        r = store.report()
+        out.update(
+            moved_per_step=(r["bytes_read"] + r["bytes_written"] - read0 - written0) / steps,
+            read_per_step=(r["bytes_read"] - read0) / steps,
+            written_per_step=(r["bytes_written"] - written0) / steps,
+            offloaded=opt.nvme.offloaded_bytes,
+            peak_staged=r["peak_staged_bytes"],
+        )
+    return out
+
+
+def _dd_rate(text: str) -> float:
+    """Bytes per second from dd's summary line ('N bytes ... copied, T s, ...')."""
+    m = re.search(r"(\d+) bytes.*copied, ([\d.]+) s", text)
+    if not m:
+        raise RuntimeError(f"cannot parse dd output: {text!r}")
+    return int(m.group(1)) / float(m.group(2))
+
+
+def dd_bandwidth(directory: str, mib: int) -> dict:
+    path = os.path.join(directory, f"elixir-dd-{os.getpid()}.bin")
+    try:
+        w = subprocess.run(
+            ["dd", "if=/dev/zero", f"of={path}", "bs=8M", f"count={max(1, mib // 8)}", "conv=fdatasync"],
+            capture_output=True, text=True, check=True,
+        )
+        r = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=8M", "iflag=direct"], capture_output=True, text=True)
+        direct = r.returncode == 0
+        if not direct:  # tmpfs and others refuse O_DIRECT
+            r = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=8M"], capture_output=True, text=True, check=True)
+        return {"write": _dd_rate(w.stderr), "read": _dd_rate(r.stderr), "read_direct": direct}
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", type=int, default=124_000_000)
+    ap.add_argument("--tensors", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--bucket", type=int, default=4 << 20, help="nvme_offload_bucket_numel")
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    ap.add_argument("--dd-mib", type=int, default=1024)
+    ap.add_argument("--child", type=float, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    directory = args.dir or tempfile.mkdtemp(prefix="elixir-nvme-bench-")
+    if args.child is not None:
+        print(json.dumps(_child(args.child, args.numel, args.tensors, args.steps, directory, args.bucket)))
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    os.makedirs(directory, exist_ok=True)
+    dd = dd_bandwidth(directory, args.dd_mib)
+    runs = {}
+    for f in (0.0, 1.0):
+        cmd = [sys.executable, __file__, "--child", str(f), "--numel", str(args.numel), "--tensors", str(args.tensors),
+               "--steps", str(args.steps), "--bucket", str(args.bucket), "--dir", directory]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        runs[f] = json.loads(out.stdout.strip().splitlines()[-1])
+    mem, disk = runs[0.0], runs[1.0]
+    ideal = disk["read_per_step"] / dd["read"] + disk["written_per_step"] / dd["write"]
+    mib = 2**20
+    t = Table(title=f"HybridAdam NVMe offload: {args.numel / 1e6:.0f}M fp32 params, dir {directory}")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_row("dd sequential write (fdatasync)", f"{dd['write'] / mib:.0f} MiB/s")
+    t.add_row(f"dd sequential read ({'O_DIRECT' if dd['read_direct'] else 'buffered'})", f"{dd['read'] / mib:.0f} MiB/s")
+    t.add_row("step time, fraction 0", f"{mem['step_s']:.3f} s")
+    t.add_row("step time, fraction 1", f"{disk['step_s']:.3f} s")
+    t.add_row("step disk bytes/s (read+write)", f"{disk['moved_per_step'] / disk['step_s'] / mib:.0f} MiB/s")
+    t.add_row("efficiency vs dd (dd time for the same bytes / step time)", f"{100 * ideal / disk['step_s']:.0f}%")
+    t.add_row("moments on disk", f"{disk['offloaded'] / mib:.0f} MiB")
+    t.add_row("peak RSS, fraction 0", f"{mem['peak_rss'] / mib:.0f} MiB")
+    t.add_row("peak RSS, fraction 1", f"{disk['peak_rss'] / mib:.0f} MiB")
+    saved = mem["peak_rss"] - disk["peak_rss"]
+    t.add_row("RSS saved / bytes offloaded", f"{100 * saved / disk['offloaded']:.0f}%")
+    Console().print(t)
+    print(json.dumps({"dd": dd, "runs": {str(k): v for k, v in runs.items()}}))
+
+
+if __name__ == "__main__":
+    main()
