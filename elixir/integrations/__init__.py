@@ -5,7 +5,7 @@
 - :mod:`elixir.integrations.transformers`: ``ElixirTrainer``, a Hugging Face ``Trainer`` subclass.
 
 Both are built only on elixir's public API (``ElixirModule``, ``ElixirOptimizer``, the searches and
-``elixir.checkpoint``); :mod:`elixir.integrations.planning` turns their ``plan=`` / ``search=`` /
+``elixir.checkpoint``); :mod:`elixir.search.placement_policy` turns their ``plan=`` / ``search=`` /
 ``placement_policy=`` arguments into a plan, the same way for both. ``docs/integrations.md`` says
 what each supports and what not.
 """

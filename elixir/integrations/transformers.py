@@ -1,7 +1,7 @@
 """ElixirTrainer: the Hugging Face ``Trainer`` on elixir's chunked ZeRO-3 runtime.
 
 ``ElixirTrainer`` is a drop-in ``transformers.Trainer``: same arguments, plus ``plan=``,
-``search=`` and ``placement_policy=`` (see :mod:`elixir.integrations.planning`). Launch it like
+``search=`` and ``placement_policy=`` (see :mod:`elixir.search.placement_policy`). Launch it like
 any Trainer script, e.g. ``torchrun --nproc-per-node 2 train.py``.
 
 Why a subclass: the Trainer delegates distribution to accelerate, whose backends form a closed
@@ -50,7 +50,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer
 
 from elixir import checkpoint as echeckpoint
-from elixir.integrations.planning import PlanArg, SearchArg, check_plan_args, make_plan
+from elixir.search.placement_policy import PlanArg, SearchArg, check_plan_args, make_plan
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
 ELIXIR_DIR = "elixir"  # inside checkpoint-N/

@@ -1,6 +1,15 @@
-"""One rule for how an integration gets its plan: ``plan=``, else ``search=``, else ``placement_policy=``.
+"""One rule for how a front end (Booster, Lightning, HF Trainer) gets its plan: ``plan=``, else
+``search=``, else ``placement_policy=``.
 
-``placement_policy`` keeps the names of the Lightning-era ColossalAI docs:
+``placement_policy`` takes today's GeminiPlugin names:
+
+- ``"static"``: the :func:`~elixir.search.minimum_waste_search` chunks, in order, with exactly the
+  given fractions: the first ``shard_param_frac`` of the chunks sharded (the rest replicated), the
+  first ``offload_param_frac`` keeping their shard in host memory, the first
+  ``offload_optim_frac`` keeping fp32 master and optimizer state in host memory (fractions of the
+  chunk count, rounded to the nearest chunk);
+
+and those of the Lightning-era ColossalAI docs:
 
 - ``"cuda"``: every shard and its optimizer state on the compute device (the CPU on a CPU-only
   box), padding minimised by :func:`~elixir.search.minimum_waste_search`;
@@ -15,15 +24,74 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
 
-from elixir.search import SearchResult, minimum_waste_search, optimal_search
+from elixir.search.minimum_waste import minimum_waste_search
+from elixir.search.optimal import optimal_search
+from elixir.search.plan import Placement, SearchResult
 
-PLACEMENT_POLICIES = ("cuda", "cpu", "auto")
+PLACEMENT_POLICIES = ("static", "auto", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class StaticFractions:
+    """The fractions of a ``"static"`` placement (GeminiPlugin's names), each in [0, 1].
+
+    Attributes:
+        shard_param_frac: share of the chunks split across ranks (ZeRO-3); the rest are replicated.
+        offload_param_frac: share of the chunks whose compute shard lives in host memory; needs
+            ``shard_param_frac == 1`` (a replicated chunk is not offloaded), as in GeminiPlugin.
+        offload_optim_frac: share of the chunks whose fp32 master and optimizer state live in host
+            memory.
+    """
+
+    shard_param_frac: float = 1.0
+    offload_param_frac: float = 0.0
+    offload_optim_frac: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("shard_param_frac", "offload_param_frac", "offload_optim_frac"):
+            v = getattr(self, name)
+            if not 0.0 <= float(v) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {v}")
+        if self.offload_param_frac > 0 and self.shard_param_frac < 1:
+            raise ValueError(
+                "offload_param_frac > 0 needs shard_param_frac=1.0 (only sharded chunks offload their shard); "
+                "raise shard_param_frac or set offload_param_frac=0"
+            )
+
+
+def _count(frac: float, n: int) -> int:
+    return int(math.floor(frac * n + 0.5))
+
+
+def apply_static(result: SearchResult, fractions: StaticFractions) -> SearchResult:
+    """``result`` with its chunks placed by ``fractions``, chunks in order (see the module docstring)."""
+    n = len(result.chunks)
+    shard, off_p, off_o = (_count(f, n) for f in (fractions.shard_param_frac, fractions.offload_param_frac, fractions.offload_optim_frac))
+    chunks = []
+    for i, c in enumerate(result.chunks):
+        sharded = i < shard and result.world_size > 1
+        chunk_size = c.chunk_size
+        if sharded and chunk_size % result.world_size:
+            chunk_size += result.world_size - chunk_size % result.world_size
+        chunks.append(
+            dataclasses.replace(
+                c,
+                chunk_size=chunk_size,
+                sharded=sharded,
+                shard_placement=Placement.HOST if i < off_p else Placement.DEVICE,
+                optim_placement=Placement.HOST if i < off_o else Placement.DEVICE,
+            )
+        )
+    return dataclasses.replace(result, chunks=tuple(chunks), search=f"{result.search}+static", prediction=None)
 SEARCHES = ("minimum_waste", "optimal")
 
 PlanArg = Optional[Union[SearchResult, str, os.PathLike]]
@@ -35,7 +103,7 @@ def check_plan_args(plan: PlanArg, search: SearchArg, placement_policy: str) -> 
     if placement_policy not in PLACEMENT_POLICIES:
         raise ValueError(
             f"placement_policy must be one of {PLACEMENT_POLICIES}, got {placement_policy!r} "
-            "(for fractions or disk placement, make a plan with `elixir plan` and pass plan=)"
+            "(for disk placement, make a plan with `elixir plan --disk ...` and pass plan=)"
         )
     if plan is not None and search is not None:
         raise ValueError("give plan= or search=, not both (a plan is already the result of a search)")
@@ -53,6 +121,8 @@ def make_plan(
     search: SearchArg = None,
     placement_policy: str = "cuda",
     verbose: bool = False,
+    fractions: Optional[StaticFractions] = None,
+    pin_memory: bool = True,
 ) -> SearchResult:
     """The plan for ``model`` at ``world_size`` ranks computing in ``dtype`` (see the module docstring)."""
     check_plan_args(plan, search, placement_policy)
@@ -71,6 +141,16 @@ def make_plan(
         return result
     if search == "optimal" or (search is None and placement_policy == "auto"):
         return optimal_search(model, world_size, unified_dtype=dtype, verbose=verbose)
+    if placement_policy == "static":
+        base = minimum_waste_search(model, world_size, unified_dtype=dtype, pin_memory=pin_memory)
+        result = apply_static(base, fractions or StaticFractions())
+        if verbose:
+            from elixir.search.minimum_waste import print_plan
+
+            print_plan(result)
+        return result
+    if fractions is not None:
+        raise ValueError(f"shard_param_frac/offload_*_frac apply to placement_policy='static', not {placement_policy!r}")
     return minimum_waste_search(
-        model, world_size, unified_dtype=dtype, cpu_offload=placement_policy == "cpu", verbose=verbose
+        model, world_size, unified_dtype=dtype, cpu_offload=placement_policy == "cpu", verbose=verbose, pin_memory=pin_memory
     )

@@ -3,7 +3,7 @@
 How it plugs in (Lightning's own extension points):
 
 - ``setup`` plans the LightningModule (``plan=`` / ``search=`` / ``placement_policy=``, see
-  :mod:`elixir.integrations.planning`), wraps it in an :class:`~elixir.wrapper.ElixirModule` and
+  :mod:`elixir.search.placement_policy`), wraps it in an :class:`~elixir.wrapper.ElixirModule` and
   the one optimizer from ``configure_optimizers`` in an :class:`~elixir.wrapper.ElixirOptimizer`.
   ``training_step`` and friends reach the LightningModule through the wrapper's ``forward`` by
   Lightning's forward redirection, so elixir's hooks, dtype casts and loss scaling apply.
@@ -53,7 +53,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from elixir import checkpoint as echeckpoint
 from elixir import distributed as edist
 from elixir.integrations.lightning.precision import ElixirPrecision
-from elixir.integrations.planning import PlanArg, SearchArg, check_plan_args, make_plan
+from elixir.search.placement_policy import PlanArg, SearchArg, check_plan_args, make_plan
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
 LIGHTNING_STATE_KEY = "lightning"  # the ``extra`` entry holding Lightning's own checkpoint state
