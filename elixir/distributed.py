@@ -8,12 +8,22 @@ Every collective elixir issues goes through this module, so:
 - every asynchronous work handle it returns is tracked until finished, so :func:`drain` (and
   :func:`shutdown`, and an exit hook) can wait for work still in flight before teardown.
 
-Why teardown needs care: a gloo worker thread that finishes a collective releases its references
-to the tensors involved, and releasing a tensor that has a Python object takes the GIL. If the
-interpreter has started finalizing while that thread waits for the GIL, CPython ends the thread
-with ``pthread_exit``; the unwind crosses a ``noexcept`` destructor and the process aborts
-("terminate called without an active exception"). So no collective may still be running, or
-just finishing, when a rank's interpreter finalizes: use :func:`shutdown` at the end of a run.
+Why teardown needs care: a gloo worker thread that finishes a collective drops its reference to
+the work, and the work's last reference may hold Python objects: the tensors involved, and the
+thread-local state captured when the collective was issued. During ``loss.backward()`` that state
+holds a Python object (torch stashes the caller's ``contextvars`` context in it for the autograd
+engine), so every collective issued from a backward hook carries one. Dropping it takes the GIL.
+If the interpreter has started finalizing while that thread waits for the GIL, CPython ends the
+thread with ``pthread_exit``; the unwind crosses a ``noexcept`` destructor and the process aborts
+("terminate called without an active exception"), after the script has finished and even after
+``destroy_process_group`` (whose gloo threads can outlive it). So, in the library:
+
+- every collective here is issued with that stashed object taken out of the thread-local state
+  (:func:`_python_free_tls`): its work then holds no Python object but its tensors;
+- an exit hook, registered with the first collective, waits for elixir's asynchronous work still
+  in flight and then releases the GIL for a moment, so a gloo thread that is just letting go of a
+  work does so before finalization;
+- :func:`shutdown` (drain, barrier, destroy) ends a run with every gloo thread idle.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import os
 import time
 from collections import Counter
@@ -165,6 +176,7 @@ def shutdown() -> None:
 
 
 _exit_drain_registered = False
+EXIT_GIL_RELEASE_S = 0.02  # how long the exit hook lets gloo threads finish letting go of works
 
 
 def _register_exit_drain() -> None:
@@ -180,6 +192,48 @@ def _drain_at_exit() -> None:
     # handed to the gloo threads. Bounded: after a failure a peer may never join them.
     if _pending and is_initialized():
         drain(timeout_s=EXIT_DRAIN_TIMEOUT_S)
+    _pending.clear()
+    time.sleep(EXIT_GIL_RELEASE_S)  # a gloo thread dropping a finished work's tensors gets the GIL now
+
+
+# Keys torch stashes as Python objects in the thread-local state that a collective's work copies:
+# "context" is the caller's contextvars context, stashed by ``torch.autograd.backward``.
+_TLS_PYTHON_KEYS = ("context",)
+_tls_api = all(
+    hasattr(torch._C, f) for f in ("_is_key_in_tls", "_get_obj_in_tls", "_remove_obj_from_tls", "_stash_obj_in_tls")
+)
+
+
+@contextlib.contextmanager
+def _python_free_tls() -> Iterator[None]:
+    """Take the Python objects torch stashed in the thread-local state out of it while a collective
+    is issued (and put them back after), so its work, which copies that state and may be dropped
+    last by a gloo thread, holds no Python object (see the module docstring)."""
+    stashed = []
+    if _tls_api:
+        for key in _TLS_PYTHON_KEYS:
+            if torch._C._is_key_in_tls(key):
+                stashed.append((key, torch._C._get_obj_in_tls(key)))
+                torch._C._remove_obj_from_tls(key)
+    try:
+        yield
+    finally:
+        for key, obj in stashed:
+            torch._C._stash_obj_in_tls(key, obj)
+
+
+def _collective(fn):
+    """Issue ``fn``'s collectives with a Python-free thread-local state, and make sure the exit
+    hook is registered (user scripts may call ``dist.init_process_group`` themselves)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not _exit_drain_registered and is_initialized():
+            _register_exit_drain()
+        with _python_free_tls():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +292,7 @@ def _done(async_op: bool):
     return _Done() if async_op else None
 
 
+@_collective
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup = None, async_op=False):
     """Gather equal ``shard``s from every rank into the flat ``output`` (rank order)."""
     _count("all_gather")
@@ -269,6 +324,7 @@ class _ThenCopy:
         return self._work.is_completed()
 
 
+@_collective
 def reduce_scatter_into(
     shard_out: torch.Tensor, full: torch.Tensor, group: ProcessGroup = None, op=None, async_op=False
 ):
@@ -302,6 +358,7 @@ def reduce_scatter_into(
     return _track(work) if async_op else work
 
 
+@_collective
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, op=None, async_op=False):
     _count("all_reduce")
     if get_world_size(group) == 1:
@@ -315,6 +372,7 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, op=None, async_
     return _track(work) if async_op else work
 
 
+@_collective
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, async_op=False):
     _count("broadcast")
     if get_world_size(group) == 1:
@@ -329,6 +387,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, as
     return _track(work) if async_op else work
 
 
+@_collective
 def all_gather_object(obj, group: ProcessGroup = None) -> list:
     _count("all_gather_object")
     if get_world_size(group) == 1:
@@ -338,6 +397,7 @@ def all_gather_object(obj, group: ProcessGroup = None) -> list:
     return out
 
 
+@_collective
 def broadcast_object(obj, src: int = 0, group: ProcessGroup = None):
     _count("broadcast_object")
     if get_world_size(group) == 1:
