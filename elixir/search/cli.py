@@ -104,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     dtype = dtype_from_name(_DTYPES[args.dtype])
     rpn = args.ranks_per_node or hw.ranks_per_node(args.world_size)
-    device = args.device_memory if args.device_memory is not None else hw.device_memory_bytes
+    device = args.device_memory  # None: the profile's (on a CPU-only profile, the rank's share of the pool)
     host_node = args.host_memory if args.host_memory is not None else hw.host_memory_bytes
     disk = None if args.disk is None else args.disk // rpn
     with console.status(f"tracing {args.model} (batch {args.batch}, seq {args.seq}, {args.dtype})"):
@@ -114,6 +114,7 @@ def main(args: argparse.Namespace) -> int:
         result = search_profile(
             profile, args.world_size, hardware=hw, device_memory=device, host_memory=host_node // rpn, disk=disk,
             optimizer_type=args.optimizer, overlap=not args.no_overlap, verbose=True, console=console,
+            ranks_per_node=rpn,
         )
     except DoesNotFitError as e:
         console.print(f"[red]{e}[/red]")

@@ -428,6 +428,12 @@ def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int,
     }
 
 
+def unified_memory(hw) -> bool:
+    """Whether a rank's device memory and host memory are one pool: on a CPU-only profile the
+    "device" is the host's RAM, shared by every rank of the node."""
+    return hw.device_type == "cpu"
+
+
 def place(
     profile: StepProfile,
     layout: Layout,
@@ -446,9 +452,14 @@ def place(
     with optimizer state on device), with as many device shards ``x >= y`` as fit, and the fewest
     optimizer states on disk ``z`` that make host memory fit. Sharded tied chunks (``layout.own``)
     are not scanned: they stay ``DD``, priced in the fixed part.
+
+    On a CPU-only profile the "device" is the host: one memory pool, so ``host`` budgets the
+    device and host bytes together (see :func:`unified_memory`), and ``device`` is a cap on the
+    device part alone.
     """
     dev_budget, host_budget, disk_budget = budgets
     hw = st.hardware
+    unified = unified_memory(hw)
     n = layout.n_sharded - layout.own
     own_gathers, per_chunk_gathers = per_chunk_gathers[n:], per_chunk_gathers[:n]
     own_kinds = ("DD",) * layout.own
@@ -474,7 +485,7 @@ def place(
     for rwhere in ("D", "H") if repl_any else ("D",):
         rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
         dev_free = dev_budget - base_dev - rd
-        host_free = host_budget - rh
+        host_free = host_budget - rh - (base_dev + rd if unified else 0)
         if dev_free < 0 or host_free < 0:
             continue
         repl_opt_numel = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
@@ -493,6 +504,8 @@ def place(
         x = np.minimum(n, y + np.where(ok, room, 0) // max(1, s_dev)) if s_dev else np.full(n + 1, n)
         # host: (x - y) DH chunks, (n - x) HH chunks; z of them move optimizer state to disk
         host_need = (x - y) * cb["DH"][1] + (n - x) * cb["HH"][1]
+        if unified:  # the chunks' device bytes come out of the same pool
+            host_need = host_need + y * dd_dev + (x - y) * s_dev
         free_per_disk = cb["DH"][1] - cb["DK"][1]  # equals HH - HK
         over = host_need - host_free
         if allow_disk and free_per_disk > 0:
@@ -550,6 +563,8 @@ def place(
         )
         if cand.device_bytes > dev_budget or cand.host_bytes > host_budget or cand.disk_bytes > disk_budget:
             continue  # pragma: no cover - guarded by construction
+        if unified and cand.device_bytes + cand.host_bytes > host_budget:
+            continue
         if best is None or cand.step_time < best.step_time:
             best = cand
     return best

@@ -39,6 +39,7 @@ from elixir.search.cost_model import (
     replicate,
     round_up,
     simulate_layout,
+    unified_memory,
 )
 from elixir.search.minimum_waste import best_chunk_size
 from elixir.search.plan import ChunkPlan, Placement, Prediction, SearchResult, dtype_name
@@ -376,11 +377,16 @@ def search_profile(
     console=None,
     grad_dtype: Optional[torch.dtype] = None,
     fused_step: Optional[bool] = None,
+    ranks_per_node: Optional[int] = None,
 ) -> SearchResult:
     """The search proper, on a ready :class:`StepProfile` (``optimal_search`` traces, then calls this).
 
     Budgets are bytes per rank; ``None`` takes the hardware profile's device memory and its host
-    memory shared by the ranks of one node; ``disk`` None or 0 forbids disk offload.
+    memory shared by the ranks of one node; ``disk`` None or 0 forbids disk offload. On a CPU-only
+    profile the device is the host: ``host_memory`` then budgets device and host bytes together
+    (one pool per node, shared by its ranks), and ``device_memory`` (default: that same share)
+    only caps the device part. ``ranks_per_node`` (default: the profile's for this world size)
+    says how many ranks share one node's host memory.
 
     ``grad_dtype`` and ``fused_step`` fix the plan's shard-gradient dtype and fused
     backward-and-step; ``None`` lets the search choose: fp32 gradients and a separate step, unless
@@ -392,10 +398,11 @@ def search_profile(
     t0 = time.perf_counter()
     policy = policy or MemoryPolicy()
     hw = hardware or default_profile()
-    if device_memory is None:
-        device_memory = hw.device_memory_bytes
+    rpn = ranks_per_node or hw.ranks_per_node(world)
     if host_memory is None:
-        host_memory = hw.host_memory_bytes // hw.ranks_per_node(world)
+        host_memory = hw.host_memory_bytes // rpn
+    if device_memory is None:
+        device_memory = min(hw.device_memory_bytes, host_memory) if unified_memory(hw) else hw.device_memory_bytes
     budgets = Budgets(int(device_memory), int(host_memory), int(disk or 0))
     rd = None if reduce_dtype is None else dtype_name(reduce_dtype)
     g0 = "float32" if grad_dtype is None else dtype_name(grad_dtype)
@@ -425,6 +432,10 @@ def search_profile(
         "search_time_s": time.perf_counter() - t0,
         "candidates_scored": scored,
         "hardware": hw.name,
+        "hardware_source": hw.host if hw.measured else "reference figures, not measured",
+        "memory_pool": "unified (device = host RAM)" if unified_memory(hw) else "separate",
+        "ranks_per_node": rpn,
+        "node_memory": hw.host_memory_bytes,
         "budgets": {"device": budgets.device, "host": budgets.host, "disk": budgets.disk},
         "usable_after_margins": dict(zip(("device", "host", "disk"), s.usable)),
         "margins": {"device": policy.device_margin, "host": policy.host_margin, "disk": policy.disk_margin},
@@ -531,6 +542,10 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     u = info["usable_after_margins"]
     t.add_row("peak device / usable / budget", f"{_fmt(p.peak_device_bytes)} / {_fmt(u['device'])} / {_fmt(b['device'])}")
     t.add_row("peak host / usable / budget", f"{_fmt(p.peak_host_bytes)} / {_fmt(u['host'])} / {_fmt(b['host'])}")
+    if str(info.get("memory_pool", "")).startswith("unified"):
+        k = int(info.get("ranks_per_node", 1))
+        t.add_row(f"peak node RAM (device + host, {k} rank{'s' if k > 1 else ''}) / node",
+                  f"{_fmt(k * (p.peak_device_bytes + p.peak_host_bytes))} / {_fmt(int(info.get('node_memory', 0)))}")
     if p.peak_disk_bytes:
         t.add_row("disk", _fmt(p.peak_disk_bytes))
     for k, v in info.get("predicted_memory", {}).items():
