@@ -16,6 +16,7 @@ from elixir.search.cost_model import (
     pack,
     per_chunk_bytes,
     replicated_optimizer_bytes,
+    unified_memory,
 )
 from elixir.search.optimal import DoesNotFitError, chunk_size_candidates, optimal_search, search_profile
 from elixir.search.plan import SearchResult
@@ -77,7 +78,8 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
                 k_disk = sum(k * cb[t][2] for k, t in zip(counts, types))
                 if k_disk:
                     h += (c // world) * (4 + 8)  # one chunk's master + state staged in host memory
-                if d <= dev and h <= host and k_disk <= disk:
+                # a CPU-only profile has one pool: the host budget holds device and host bytes
+                if d <= dev and (d + h if unified_memory(HW) else h) <= host and k_disk <= disk:
                     return True
     return False
 
@@ -110,6 +112,8 @@ def test_plans_respect_budgets_and_raise_exactly_when_nothing_fits(profile, worl
                 _search(profile, world, (value, host, disk))
             elif key == "host_memory":
                 _search(profile, world, (dev, value, disk))
+            elif key == "memory":  # one pool (CPU profile): device cap and host budget together
+                _search(profile, world, (value, value, disk))
             elif key == "disk":
                 _search(profile, world, (dev, host, value))
             elif key == "world_size":
@@ -165,7 +169,7 @@ def test_tight_budget_terminates_with_a_clear_error():
     with pytest.raises(DoesNotFitError) as e:
         optimal_search(model, 2, device_memory=1000, host_memory=1000, hardware=HW)
     msg = str(e.value)
-    assert "no plan fits" in msg and "device memory >=" in msg
+    assert "no plan fits" in msg and "memory >=" in msg  # on cpu-box: device and host are one pool
     assert e.value.suggestions
 
 

@@ -224,6 +224,15 @@ class _Searcher:
             need = math.ceil(min_host / (1 - self.policy.host_margin)) + 1
             needs["host_memory"] = need
             options.append((need / max(1, self.budgets.host) - 1, f"host memory >= {_fmt(need)} per rank (budget {_fmt(self.budgets.host)})"))
+        if unified_memory(self.hw) and "device_memory" not in needs and "host_memory" not in needs:
+            # device = host RAM: the pool grows as one (device cap and host budget together)
+            min_pool = self._min_needed(lambda v: (v, v, disk), max(dev, host))
+            if min_pool is not None and min_pool > min(dev, host):
+                margin = max(self.policy.device_margin, self.policy.host_margin)
+                need = math.ceil(min_pool / (1 - margin)) + 1
+                needs["memory"] = need
+                options.append((need / max(1, self.budgets.host) - 1, f"memory >= {_fmt(need)} per rank (device and "
+                                f"host are one pool of host RAM on this CPU profile; budget {_fmt(self.budgets.host)})"))
         if self.budgets.disk == 0 and self.fits((dev, host, INF)):
             d_need = self._min_needed(lambda v: (dev, host, v), 1 << 20)
             if d_need is not None:
