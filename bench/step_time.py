@@ -252,6 +252,7 @@ def _optimal_plan(system: str, model, cfg: BenchConfig, world: int, dtype, extra
         search_s=time.perf_counter() - t0, budget=budget, memory_limit=limit,
         predicted_step_s=sr.prediction.step_time_s, predicted_device_bytes=sr.prediction.peak_device_bytes,
         predicted_host_bytes=sr.prediction.peak_host_bytes, predicted_breakdown=sr.prediction.breakdown,
+        predicted_activation_bytes=sr.info["predicted_memory"].get("activations", 0),
         plan=plan_summary(sr),
     )
     return sr, limit
@@ -531,7 +532,8 @@ def print_results(results: dict[str, LineResult], cfg: BenchConfig, wall: float)
     if plans:
         pt = Table(title="elixir plans: the search's prediction against the measurement (rank 0)")
         for col in ("line", "search", "chunk", "blocks/depth", "chunk kinds", "tied emb.", "budget (GiB)",
-                    "pred. step (s)", "measured (s)", "meas/pred", "pred. device (GiB)", "ledger peak (GiB)"):
+                    "pred. step (s)", "measured (s)", "meas/pred", "pred. device (GiB)", "traced activations (GiB)",
+                    "ledger peak (GiB)"):
             pt.add_column(col, justify="right", no_wrap=col == "line")
         for r in plans:
             p, x = r.extra["plan"], r.extra
@@ -541,6 +543,7 @@ def print_results(results: dict[str, LineResult], cfg: BenchConfig, wall: float)
             pt.add_row(r.key, p["search"], f"{p['chunk_size']:,}", f"{p['cache_blocks']}/{p['prefetch_depth']}", kinds, tied,
                        _fmt_gib(x.get("budget")), "-" if pred is None else f"{pred:.3f}", f"{r.step_s:.3f}",
                        "-" if not pred else f"{r.step_s / pred:.2f}", _fmt_gib(x.get("predicted_device_bytes")),
+                       _fmt_gib(x.get("predicted_activation_bytes")),
                        _fmt_gib(x.get("memory", {}).get("device_peak_bytes")))
         console.print(pt)
         console.print("chunk kinds: S/R sharded/replicated, then shard and optimizer placement (D device, H host, "
@@ -581,6 +584,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--tight-fraction", type=float, default=BenchConfig.tight_fraction,
                    help="without --tight-budget: this fraction of the way from the least budget any plan fits in to what "
                         "elixir-optimal's plan needs")
+    p.add_argument("--seq", type=int, default=BenchConfig.seq, help="sequence length (attention's share grows with it)")
+    p.add_argument("--batch", type=int, default=BenchConfig.batch, help="sequences per rank")
     p.add_argument("--attn", choices=("eager", "sdpa"), default="",
                    help="attention implementation of every model (default: transformers' own); with eager, "
                         "elixir-optimal-fused measures use_fused_kernels against elixir-optimal")
@@ -597,7 +602,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     gib = lambda x: None if x is None else int(x * GiB)  # noqa: E731
     cfg = BenchConfig(steps=args.steps, warmup=args.warmup, budget=gib(args.budget), tight_budget=gib(args.tight_budget),
-                      tight_fraction=args.tight_fraction, attn=args.attn)
+                      tight_fraction=args.tight_fraction, attn=args.attn, seq=args.seq, batch=args.batch)
     for line in args.systems:
         parse_line(line)  # refuse a bad line before running anything
     if args.profile_dir:
