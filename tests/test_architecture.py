@@ -147,3 +147,70 @@ def test_every_module_is_on_a_floor():
         part_of(rel, table)
     for part in table:
         assert os.path.exists(os.path.join(ROOT, part)), f"the floor table names elixir/{part}, which does not exist"
+
+
+# Private names of *other* projects that elixir reads, each with the reason no public API serves.
+# Elixir's own private names are never read from another module: a file reads only the private
+# names it defines itself (through ``self``/``cls`` or otherwise).
+FOREIGN_PRIVATE = {
+    "_parameters": "torch.nn.Module: a module's direct parameters including None entries (no public view)",
+    "_buffers": "torch.nn.Module: a module's direct buffers including None entries (no public view)",
+    "_checkpoint_without_reentrant_generator": "torch.utils.checkpoint: the tracer follows non-reentrant recomputation",
+    "_schema": "torch OpOverload: the op's schema tells which arguments it mutates (no public accessor)",
+    "_pytree": "torch.utils._pytree: flattening op arguments, as torch's own dispatch modes do",
+    "_python_dispatch": "torch.utils._python_dispatch: TorchDispatchMode, the documented way to write a dispatch mode",
+    "_scaled_dot_product_flash_attention_for_cpu": "an aten op whose name starts with an underscore",
+    "_actions": "argparse: the subparser action, to add a subcommand's arguments lazily",
+    "_opt_called": "torch.optim.Optimizer: set by step() to silence the LR scheduler's order warning",
+    "_C": "torch._C / elixir._C: compiled extension modules",
+    "_native": "elixir._native: the module that is the one door to the C++ extension",
+    "_cdata": "torch storage identity (no public equivalent on UntypedStorage)",
+    "_exit": "os._exit: leave a rank without finalizing the interpreter (see elixir/launch.py)",
+    "_shutdown": "threading._shutdown: join non-daemon threads as interpreter exit does (elixir/launch.py)",
+    "_run_exitfuncs": "atexit._run_exitfuncs: run the exit handlers before os._exit (elixir/launch.py)",
+    "_IncompatibleKeys": "torch.nn.Module.load_state_dict's return type, returned the same way",
+    "_dynamo": "torch._dynamo: excluding hooks from compilation",
+    "_elixir_routed": "a marker attribute elixir sets on a Lightning function it wraps",
+    "_SubParsersAction": "argparse: the type of the subcommands action",
+    "_AcceleratorConnector": "Lightning: the connector whose precision choice elixir routes",
+    "_fused_adamw_": "aten's fused AdamW kernel, called directly for the CPU fallback",
+    "_fused_adam_": "aten's fused Adam kernel, called directly for the CPU fallback",
+    "_current_graph_task_id": "torch autograd: which backward pass is running (no public accessor)",
+    "_dispatch_has_kernel_for_dispatch_key": "torch._C: whether an op has a Meta kernel",
+    "_fused_sdp_choice": "aten: which attention kernel CPU picks, so the tracer counts the same one",
+    "_execution_engine": "torch autograd: queue_callback at the end of backward, as FSDP does",
+}
+
+
+def _private_names_defined(tree: ast.AST) -> set[str]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            out.add(node.arg)
+        elif isinstance(node, ast.alias):
+            out.add((node.asname or node.name).split(".")[-1])
+    return {n for n in out if n.startswith("_")}
+
+
+def test_no_module_reads_another_modules_private_names():
+    mods = modules()
+    found = []
+    for rel in sorted(mods.values()):
+        tree = ast.parse(open(os.path.join(ROOT, rel)).read())
+        own = _private_names_defined(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in own or node.attr in FOREIGN_PRIVATE:
+                continue
+            found.append(f"elixir/{rel}:{node.lineno}: .{node.attr}")
+    assert not found, ("private names read across modules (make them public, or add a foreign one to "
+                       "FOREIGN_PRIVATE with the reason):\n" + "\n".join(found))

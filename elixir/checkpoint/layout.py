@@ -53,13 +53,9 @@ def fragments(em: ElixirModule, eo: Optional[ElixirOptimizer], mapped: dict[int,
         return eo.fragments
     out = []
     for c in em.chunks:
-        lo, n = c.spec.shard_offset, c.spec.shard_numel
         master = mapped.get(c.index, c.master)
-        for i in em._chunk_params[c.index]:
-            s = em.slots[i]
-            a, b = max(lo, s.offset), min(lo + n, s.offset + s.numel)
-            if a < b:
-                out.append(Fragment(i, c.index, a - lo, b - lo, master[a - lo : b - lo]))
+        for piece in em.param_map.shard_pieces(c.spec):
+            out.append(Fragment(piece.param_index, c.index, piece.lo, piece.hi, master[piece.lo : piece.hi]))
     return out
 
 

@@ -92,7 +92,7 @@ class BlockCache:
             return
         self.make_room(next_use, protect)
         chunk.gather()
-        self._add(chunk)
+        self.admit(chunk)
 
     def prefetch(self, chunk: Chunk, next_use: Optional[NextUse], protect: Iterable[int]) -> bool:
         """Start an asynchronous gather of ``chunk`` if a block can be freed without exceeding."""
@@ -101,11 +101,12 @@ class BlockCache:
         if not self.make_room(next_use, protect, soft=True):
             return False
         chunk.gather(async_op=True)
-        self._add(chunk)
+        self.admit(chunk)
         self.prefetches += 1
         return True
 
-    def _add(self, chunk: Chunk) -> None:
+    def admit(self, chunk: Chunk) -> None:
+        """Count ``chunk``, gathered by the caller, as resident (it is evicted like any other)."""
         self.resident[chunk.index] = chunk
         self.gathers += 1
         self.peak_resident = max(self.peak_resident, len(self.resident))

@@ -2,7 +2,11 @@
 
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer, Fragment
+from elixir.wrapper.param_map import ParamMap, ParamSlot, ShardPiece
 from elixir.wrapper.plan_check import PlanMismatch, validate_plan
 from elixir.wrapper.state_dict import StateDictMismatch
 
-__all__ = ["ElixirModule", "ElixirOptimizer", "Fragment", "PlanMismatch", "StateDictMismatch", "validate_plan"]
+__all__ = [
+    "ElixirModule", "ElixirOptimizer", "Fragment", "ParamMap", "ParamSlot", "PlanMismatch", "ShardPiece",
+    "StateDictMismatch", "validate_plan",
+]

@@ -32,22 +32,11 @@ from elixir.offload.store import DiskStore
 from elixir.search.plan import Placement, dtype_from_name
 from elixir.tracer.hooks import borrowed_children, step_params
 from elixir.wrapper.fused_kernels import apply_fused_kernels
+from elixir.wrapper.param_map import ParamMap, ParamSlot
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
 from elixir.wrapper.state_dict import full_state_dict, load_full_state_dict
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """Where one trainable parameter lives: its chunk, offset and size, and its index."""
-
-    index: int
-    name: str
-    chunk: int
-    offset: int
-    numel: int
-    shape: tuple
 
 
 @dataclass(frozen=True)
@@ -180,16 +169,15 @@ class ElixirModule(nn.Module):
         if sync_module_states and self.world_size > 1:
             self._broadcast_non_chunked(named)
         self.chunks: list[Chunk] = []
-        self.slots: list[ParamSlot] = []
-        self.params: list[nn.Parameter] = []
-        self._slot_of: dict[nn.Parameter, ParamSlot] = {}
+        self.param_map = ParamMap(len(search_result.chunks))  # parameters onto chunks
+        self.slots: list[ParamSlot] = self.param_map.slots
+        self.params: list[nn.Parameter] = self.param_map.params
+        self._slot_of: dict[nn.Parameter, ParamSlot] = self.param_map.by_param
         self.offload_dir = offload_dir
         self.offload_direct = offload_direct
         self.disk_store: Optional[DiskStore] = None
         self._build_chunks(named, sync_module_states)
-        self._chunk_params: list[list[int]] = [[] for _ in self.chunks]
-        for s in self.slots:
-            self._chunk_params[s.chunk].append(s.index)
+        self._chunk_params: list[list[int]] = self.param_map.by_chunk
         self.ledger.reset_peaks()
 
         # per-backward bookkeeping
@@ -258,10 +246,7 @@ class ElixirModule(nn.Module):
                 p = named[name]
                 n = p.numel()
                 flat[offset : offset + n].copy_(p.detach().reshape(-1))
-                slot = ParamSlot(len(self.slots), name, ci, offset, n, tuple(shape))
-                self.slots.append(slot)
-                self.params.append(p)
-                self._slot_of[p] = slot
+                slot = self.param_map.add(p, name, ci, offset, shape)
                 members.append((p, slot))
                 offset += n
             if sync and self.world_size > 1:
@@ -570,7 +555,7 @@ class ElixirModule(nn.Module):
                 if c.spec.sharded:
                     if c not in self.cache:
                         c.gather()
-                        self.cache._add(c)
+                        self.cache.admit(c)
                     c.pin()
                     held.append(c)
             yield
@@ -592,6 +577,11 @@ class ElixirModule(nn.Module):
     def register_pre_step_hook(self, fn) -> None:
         """``fn(module)`` runs in :meth:`ElixirOptimizer.step` before the inner optimizer steps."""
         self._pre_step_hooks.append(fn)
+
+    def run_pre_step_hooks(self) -> None:
+        """Run the hooks of :meth:`register_pre_step_hook` (the optimizer calls this before stepping)."""
+        for hook in list(self._pre_step_hooks):
+            hook(self)
 
     def after_optimizer_step(self) -> None:
         """The masters changed: refresh compute shards and drop every gathered (now stale) payload."""

@@ -60,7 +60,7 @@ def capture_layout(module, optimizer: torch.optim.Optimizer) -> GroupLayout:
     for group in optimizer.param_groups:
         entries: list[Entry] = []
         for p in group["params"]:
-            slot = module._slot_of.get(p)
+            slot = module.param_map.slot_of(p)
             entries.append(slot.index if slot is not None else p)
         groups.append(tuple(entries))
     return GroupLayout(tuple(groups))
@@ -68,8 +68,7 @@ def capture_layout(module, optimizer: torch.optim.Optimizer) -> GroupLayout:
 
 def fragment_start(em, f) -> int:
     """Offset of fragment ``f`` inside its flattened parameter."""
-    c = em.chunks[f.chunk]
-    return c.spec.shard_offset + f.lo - em.slots[f.param_index].offset
+    return em.param_map.param_offset(em.chunks[f.chunk].spec, f.lo, f.param_index)
 
 
 def _group_dicts(eo: ElixirOptimizer) -> list[dict]:
@@ -113,7 +112,7 @@ def gather_full_state(eo: ElixirOptimizer, rank0_only: bool = False) -> dict:
 
     full: dict[int, dict] = {i: {} for i in merged}  # slot index -> key -> value
     for c in em.chunks:
-        members = [i for i in em._chunk_params[c.index] if i in merged]
+        members = [i for i in em.param_map.chunk_params(c.index) if i in merged]
         if not members:
             continue
         elem_keys: dict[str, torch.dtype] = {}

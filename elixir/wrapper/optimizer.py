@@ -140,15 +140,11 @@ class ElixirOptimizer:
     def _cut_fragments(self) -> None:
         m = self.module
         for c in m.chunks:
-            lo, n = c.spec.shard_offset, c.spec.shard_numel
             store = m.disk_store
             with store.sliceable(c.index) if store is not None and c.index in store.chunks else contextlib.nullcontext():
-                for i in m._chunk_params[c.index]:
-                    s = m.slots[i]
-                    a, b = max(lo, s.offset), min(lo + n, s.offset + s.numel)
-                    if a >= b:
-                        continue
-                    f = Fragment(i, c.index, a - lo, b - lo, c.master[a - lo : b - lo])
+                for piece in m.param_map.shard_pieces(c.spec):
+                    i = piece.param_index
+                    f = Fragment(i, c.index, piece.lo, piece.hi, c.master[piece.lo : piece.hi])
                     self.fragments.append(f)
                     self._frags_of.setdefault(i, []).append(f)
                     self._chunk_frags.setdefault(c.index, []).append(f)
@@ -168,7 +164,7 @@ class ElixirOptimizer:
         for group in self.optim.param_groups:
             new_params = []
             for p in group["params"]:
-                slot = m._slot_of.get(p)
+                slot = m.param_map.slot_of(p)
                 if slot is None:
                     if p.requires_grad:
                         raise ValueError(
@@ -241,8 +237,7 @@ class ElixirOptimizer:
                 self.last_step_skipped = False
                 return None  # every chunk stepped during backward
         self._attach_grads()
-        for hook in list(self.module._pre_step_hooks):
-            hook(self.module)
+        self.module.run_pre_step_hooks()
         try:
             if self.max_norm > 0:
                 self.clip_grad_norm_(self.max_norm, self.norm_type)

@@ -41,7 +41,7 @@ def full_state_dict(em: ElixirModule, rank0_only: bool = False) -> dict[str, tor
     for chunk in em.chunks:
         full = _chunk_values(em, chunk)
         if keep:
-            for i in em._chunk_params[chunk.index]:
+            for i in em.param_map.chunk_params(chunk.index):
                 s = em.slots[i]
                 values[id(em.params[i])] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
     if not keep:
@@ -70,23 +70,19 @@ def load_full_state_dict(em: ElixirModule, state_dict: dict, strict: bool = True
             v = state_dict[key]
             if tuple(v.shape) != tuple(t.shape):
                 raise StateDictMismatch(f"{key}: shape {tuple(v.shape)} in the state dict, {tuple(t.shape)} in the model")
-            if isinstance(t, torch.nn.Parameter) and t in em._slot_of:
+            if isinstance(t, torch.nn.Parameter) and t in em.param_map:
                 by_param.setdefault(id(t), v)
             else:
                 t.data.copy_(v)
         em.cache.release_all()
         for chunk in em.chunks:
-            spec = chunk.spec
-            lo, hi = spec.shard_offset, spec.shard_offset + spec.shard_numel
             with staged(em.disk_store, [chunk.index]):  # a disk master: staged, written back
-                for i in em._chunk_params[chunk.index]:
-                    s = em.slots[i]
-                    v = by_param.get(id(em.params[i]))
-                    a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-                    if v is None or a >= b:
+                for piece in em.param_map.shard_pieces(chunk.spec):
+                    v = by_param.get(id(em.params[piece.param_index]))
+                    if v is None:
                         continue
-                    src = v.reshape(-1)[a - s.offset : b - s.offset]
-                    chunk.master[a - lo : b - lo].copy_(src)
+                    src = v.reshape(-1)[piece.start : piece.start + piece.hi - piece.lo]
+                    chunk.master[piece.lo : piece.hi].copy_(src)
                     if chunk.shard is not chunk.master:
-                        chunk.shard[a - lo : b - lo].copy_(src)
+                        chunk.shard[piece.lo : piece.hi].copy_(src)
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
