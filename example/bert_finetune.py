@@ -26,7 +26,6 @@ from elixir.optim import HybridAdam
 from elixir.search import minimum_waste_search
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
-
 CLS = 256  # one token past the 256 byte values
 
 
