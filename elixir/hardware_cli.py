@@ -12,12 +12,15 @@ from rich.table import Table
 
 from elixir import hardware
 from elixir.distributed import init_distributed
-from elixir.hardware import GiB
+from elixir.hardware import GiB, local_profile_path
 from elixir.hardware.calibrate import calibrate_profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="hw.json", help="where to write the profile (default hw.json)")
+    parser.add_argument("--out", default=None,
+                        help="where to write the profile (default: this machine's local profile, "
+                             "$ELIXIR_HARDWARE or ~/.cache/elixir/hardware.json, which `elixir plan` and "
+                             "optimal_search then use by default)")
     parser.add_argument("--dir", default=None, help="offload directory to time the disk in (default: the temp dir)")
     parser.add_argument("--quick", action="store_true", help="fewer, smaller measurements (~10 s)")
     parser.add_argument(
@@ -95,7 +98,9 @@ def main(args: argparse.Namespace) -> int:
         ranks = (1,) + ((args.world_size,) if args.world_size > 1 and prof.all_gather is not None else ())
         with console.status("calibrating") as status:
             prof = calibrate_profile(prof, ranks, say=lambda s: status.update(s))
-    prof.save(args.out)
+    out = args.out or local_profile_path()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    prof.save(out)
     render(prof, console)
-    console.print(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")
+    console.print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     return 0

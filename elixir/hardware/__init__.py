@@ -13,7 +13,14 @@ all four's public names, the measurement ones on first use (they run elixir's op
 from typing import Any
 
 from elixir.hardware.profile import HARDWARE_SCHEMA_VERSION, BandwidthCurve, GiB, HardwareProfile, MiB
-from elixir.hardware.registry import default_profile, load_profile, reference_profiles
+from elixir.hardware.registry import (
+    DEFAULT_RULE,
+    choose_default_profile,
+    default_profile,
+    load_profile,
+    local_profile_path,
+    reference_profiles,
+)
 
 _MEASUREMENT = (
     "MeasureOptions", "measure", "measure_collectives", "measure_copy_curve", "measure_disk",
@@ -23,7 +30,8 @@ _MEASUREMENT = (
 
 __all__ = [
     "HARDWARE_SCHEMA_VERSION", "BandwidthCurve", "GiB", "HardwareProfile", "MiB",
-    "default_profile", "load_profile", "reference_profiles", *_MEASUREMENT,
+    "DEFAULT_RULE", "choose_default_profile", "default_profile", "load_profile", "local_profile_path",
+    "reference_profiles", *_MEASUREMENT,
 ]
 
 

@@ -30,6 +30,40 @@ def load_profile(name_or_path: str | os.PathLike) -> HardwareProfile:
     )
 
 
+LOCAL_PROFILE_ENV = "ELIXIR_HARDWARE"  # a profile path that overrides the local default location
+REFERENCE_CPU, REFERENCE_GPU = "cpu-box", "8xA100-40GB"
+DEFAULT_RULE = (
+    f"the local measured profile (${LOCAL_PROFILE_ENV}, else ~/.cache/elixir/hardware.json, which "
+    f"`elixir hwprofile` writes) if there is one; otherwise the shipped reference profile "
+    f"{REFERENCE_CPU!r} on a machine without CUDA, {REFERENCE_GPU!r} with CUDA"
+)
+
+
+def local_profile_path() -> str:
+    """Where this machine's measured profile lives: ``$ELIXIR_HARDWARE`` if set, else
+    ``$XDG_CACHE_HOME/elixir/hardware.json`` (``~/.cache/elixir/hardware.json``)."""
+    env = os.environ.get(LOCAL_PROFILE_ENV)
+    if env:
+        return os.path.expanduser(env)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "elixir", "hardware.json")
+
+
+def choose_default_profile() -> tuple[HardwareProfile, str]:
+    """The profile used when none is given, by one rule (:data:`DEFAULT_RULE`), and why, in words
+    that every report prints."""
+    local = local_profile_path()
+    if os.path.exists(local):
+        return HardwareProfile.load(local), f"the local measured profile {local}"
+    import torch
+
+    name = REFERENCE_GPU if torch.cuda.is_available() else REFERENCE_CPU
+    return load_profile(name), (
+        f"no local measured profile at {local}, so the shipped reference {name!r} "
+        f"(run `elixir hwprofile` to measure this machine)"
+    )
+
+
 def default_profile() -> HardwareProfile:
-    """The shipped profile of this project's CPU box (measured there); used when none is given."""
-    return load_profile("cpu-box")
+    """The profile used when none is given: see :func:`choose_default_profile`."""
+    return choose_default_profile()[0]

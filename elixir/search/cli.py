@@ -19,7 +19,7 @@ import time
 from rich.console import Console
 
 from elixir import models
-from elixir.hardware.registry import load_profile
+from elixir.hardware.registry import DEFAULT_RULE, choose_default_profile, load_profile
 from elixir.search.optimal import DoesNotFitError, human_count, search_profile
 from elixir.search.plan import dtype_from_name
 from elixir.search.step_profile import profile_by_layers, profile_step
@@ -48,9 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host RAM of one node, shared by its ranks (default: the hardware profile's)")
     parser.add_argument("--disk", type=parse_size, default=None,
                         help="offload disk space of one node (default: no disk offload)")
-    parser.add_argument("--hardware", default="8xA100-40GB",
+    parser.add_argument("--hardware", default=None,
                         help="hardware profile: a JSON from `elixir hwprofile` or a reference name "
-                             "(8xA100-40GB, 8xH100-80GB, 1x24GB-workstation, cpu-box)")
+                             "(8xA100-40GB, 8xH100-80GB, 1x24GB-workstation, cpu-box). Default: "
+                             + DEFAULT_RULE.replace("%", "%%") + ". The report names the profile used")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="ranks sharing one node's host memory (default: from the hardware profile)")
     parser.add_argument("--batch", type=int, default=1, help="batch size per rank")
@@ -94,7 +95,11 @@ def build_profile(model_name: str, batch: int, seq: int, dtype, checkpointing: b
 def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     console = Console()
-    hw = load_profile(args.hardware)
+    if args.hardware is not None:
+        hw, hw_why = load_profile(args.hardware), f"--hardware {args.hardware}"
+    else:
+        hw, hw_why = choose_default_profile()
+    console.print(f"hardware profile: {hw.name} ({hw_why})", soft_wrap=True)
     if args.world_size < 1:
         console.print("[red]--world-size must be >= 1[/red]")
         return 2
@@ -114,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
         result = search_profile(
             profile, args.world_size, hardware=hw, device_memory=device, host_memory=host_node // rpn, disk=disk,
             optimizer_type=args.optimizer, overlap=not args.no_overlap, verbose=True, console=console,
-            ranks_per_node=rpn,
+            ranks_per_node=rpn, hardware_choice=hw_why,
         )
     except DoesNotFitError as e:
         console.print(f"[red]{e}[/red]")

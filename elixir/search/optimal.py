@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -26,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from elixir.hardware.profile import HardwareProfile
-from elixir.hardware.registry import default_profile
+from elixir.hardware.registry import choose_default_profile, load_profile
 from elixir.search.cost_model import (
     ALIGN,
     OPTIMIZER_STATE_BYTES,
@@ -374,7 +375,7 @@ def search_profile(
     profile: StepProfile,
     world: int,
     *,
-    hardware: Optional[HardwareProfile] = None,
+    hardware: Union[HardwareProfile, str, os.PathLike, None] = None,
     device_memory: Optional[int] = None,
     host_memory: Optional[int] = None,
     disk: Optional[int] = None,
@@ -387,6 +388,7 @@ def search_profile(
     grad_dtype: Optional[torch.dtype] = None,
     fused_step: Optional[bool] = None,
     ranks_per_node: Optional[int] = None,
+    hardware_choice: Optional[str] = None,
 ) -> SearchResult:
     """The search proper, on a ready :class:`StepProfile` (``optimal_search`` traces, then calls this).
 
@@ -395,7 +397,8 @@ def search_profile(
     profile the device is the host: ``host_memory`` then budgets device and host bytes together
     (one pool per node, shared by its ranks), and ``device_memory`` (default: that same share)
     only caps the device part. ``ranks_per_node`` (default: the profile's for this world size)
-    says how many ranks share one node's host memory.
+    says how many ranks share one node's host memory. ``hardware_choice`` says, for the report, why
+    ``hardware`` was the profile used.
 
     ``grad_dtype`` and ``fused_step`` fix the plan's shard-gradient dtype and fused
     backward-and-step; ``None`` lets the search choose: fp32 gradients and a separate step, unless
@@ -406,7 +409,10 @@ def search_profile(
     """
     t0 = time.perf_counter()
     policy = policy or MemoryPolicy()
-    hw = hardware or default_profile()
+    if isinstance(hardware, (str, os.PathLike)):  # a JSON path or a shipped profile's name
+        hardware_choice = hardware_choice or f"hardware={os.fspath(hardware)!r}"
+        hardware = load_profile(hardware)
+    hw, hw_why = (hardware, hardware_choice or "given") if hardware is not None else choose_default_profile()
     rpn = ranks_per_node or hw.ranks_per_node(world)
     if host_memory is None:
         host_memory = hw.host_memory_bytes // rpn
@@ -441,6 +447,7 @@ def search_profile(
         "search_time_s": time.perf_counter() - t0,
         "candidates_scored": scored,
         "hardware": hw.name,
+        "hardware_choice": hw_why,
         "hardware_source": hw.host if hw.measured else "reference figures, not measured",
         "memory_pool": "unified (device = host RAM)" if unified_memory(hw) else "separate",
         "ranks_per_node": rpn,
@@ -535,6 +542,8 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     t = Table(title=f"elixir optimal plan: world {result.world_size}, hardware {info.get('hardware')}")
     t.add_column("what")
     t.add_column("value", justify="right")
+    t.add_row("hardware profile", f"{info.get('hardware')} ({info.get('hardware_choice', 'given')}; "
+                                  f"{info.get('hardware_source', '')})")
     if sharded:
         t.add_row("chunk size", f"{info.get('chunk_size', result.chunk_size):,} elements ({len(sharded)} sharded, "
                                 f"{len(result.chunks) - len(sharded)} replicated)")
@@ -592,7 +601,7 @@ def optimal_search(
     device_memory: Optional[int] = None,
     host_memory: Optional[int] = None,
     disk: Optional[int] = None,
-    hardware: Optional[HardwareProfile] = None,
+    hardware: Union[HardwareProfile, str, os.PathLike, None] = None,
     policy: Optional[MemoryPolicy] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     grad_dtype: Optional[torch.dtype] = None,
@@ -610,7 +619,10 @@ def optimal_search(
         inp, step_fn: one training step ``step_fn(model, inp)`` to trace (activations, buffers and
             parameter order); without them, definition order and zero activation bytes are used.
         device_memory, host_memory, disk: per-rank budgets in bytes (see :func:`search_profile`).
-        hardware: the hardware profile (default: the shipped profile of this project's CPU box).
+        hardware: the hardware profile. Default, one rule (``elixir.hardware.DEFAULT_RULE``): the local
+            measured profile (``$ELIXIR_HARDWARE``, else ``~/.cache/elixir/hardware.json``, written by
+            ``elixir hwprofile``) if there is one, else the shipped reference ``cpu-box`` (``8xA100-40GB``
+            where CUDA is available). ``result.info['hardware_choice']`` and the verbose report say which.
         policy: the safety margins.
         reduce_dtype: gradient reduction dtype (default: the compute dtype).
         grad_dtype, fused_step: the plan's shard-gradient dtype and fused backward-and-step; None
