@@ -80,3 +80,24 @@ def test_checkpointing_a_registry_model_emits_no_future_warning():
 def test_docs_point_nvme_users_at_disk_placement():
     text = (ROOT / "docs" / "optimizer.md").read_text()
     assert "nvme_offload_fraction" in text and "offload_dir" in text and "Placement.DISK" in text
+
+
+def test_docs_name_shard_files_as_they_are_written(tmp_path):
+    """The docs said ``rank{r}-of-{W}``; the files are ``rank00000-of-00001.safetensors``."""
+    import re
+
+    import elixir.checkpoint as checkpoint
+    from elixir.search import minimum_waste_search
+    from elixir.wrapper import ElixirModule
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    em = ElixirModule(model, minimum_waste_search(model, 1))
+    checkpoint.save(str(tmp_path / "ckpt"), em)
+    shards = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("rank"))
+    assert shards == ["rank00000-of-00001.safetensors"], shards
+    pattern = re.compile(r"rank\d{5}-of-\d{5}\.safetensors")
+    for doc in (ROOT / "docs" / "optimizer.md", ROOT / "elixir" / "checkpoint" / "__init__.py"):
+        text = doc.read_text()
+        assert "rank{r}-of-{W}" not in text, doc
+        named = pattern.findall(text)
+        assert named and all(n.endswith("-of-00002.safetensors") or n == shards[0] for n in named), (doc, named)

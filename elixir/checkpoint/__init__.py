@@ -3,7 +3,8 @@
 ``save(path, model, optimizer, extra=None, shard=True)`` and ``load(path, model, optimizer)``
 (collective: call both on every rank; ``path`` must be on a file system every rank sees).
 
-**Sharded** (``shard=True``): every rank writes ``rank{r}-of-{W}.safetensors`` holding its fp32
+**Sharded** (``shard=True``): every rank writes ``rank{r:05d}-of-{W:05d}.safetensors`` (rank 0 of 2:
+``rank00000-of-00002.safetensors``) holding its fp32
 master slices and the matching elementwise optimizer state, each under a key naming the parameter
 and the *global* ``[start, end)`` range it covers in the flattened parameter; replicated chunks,
 frozen parameters and buffers are written once, by rank 0. Rank 0 writes ``index.json``: every
