@@ -7,7 +7,6 @@ import json
 import pathlib
 import warnings
 
-import pytest
 import torch
 import torch.nn as nn
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from elixir import distributed as edist
-from elixir.search import SearchResult, minimum_waste_search
+from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import default_optimizer
 from elixir.testing.zoo import ZOO
