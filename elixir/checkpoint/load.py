@@ -184,6 +184,7 @@ def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, ma
     """Install what every rank read; ``mapped``: the masters of disk chunks, mapped from the offload file."""
     with torch.no_grad():
         em.cache.release_all()
+        em.streams.synchronize()  # no side-stream copy still reads what the host overwrites
         for f, v in plan["values"]:
             c = em.chunks[f.chunk]
             master = mapped.get(c.index, c.master)

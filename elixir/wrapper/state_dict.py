@@ -75,6 +75,7 @@ def load_full_state_dict(em: ElixirModule, state_dict: dict, strict: bool = True
             else:
                 t.data.copy_(v)
         em.cache.release_all()
+        em.streams.synchronize()  # no side-stream copy still reads what the host overwrites
         for chunk in em.chunks:
             with staged(em.disk_store, [chunk.index]):  # a disk master: staged, written back
                 for piece in em.param_map.shard_pieces(chunk.spec):
