@@ -274,7 +274,9 @@ class _Searcher:
         suggestions = [t for _, t in options]
         head = (
             f"no plan fits: device budget {_fmt(self.budgets.device)} and host budget {_fmt(self.budgets.host)} per rank"
-            f" (usable after margins {_fmt(dev)} / {_fmt(host)})"
+            f" (usable after margins {_fmt(dev)} / {_fmt(host)}"
+            + ("; one pool: device = host RAM, the host budget holds both" if unified_memory(self.hw) else "")
+            + ")"
             + (f", disk {_fmt(self.budgets.disk)}" if self.budgets.disk else ", no disk offload")
             + f", world size {self.world}; activations alone need {_fmt(act)}"
         )
