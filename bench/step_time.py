@@ -216,16 +216,21 @@ def _runtime_share(plan) -> int:
 
 def _optimal_plan(system: str, model, cfg: BenchConfig, world: int, dtype, extra: dict):
     """``optimal_search``'s plan for this line's budget; records what it predicts."""
+    from elixir.hardware import default_profile
     from elixir.search import optimal_search
+    from elixir.search.cost_model import unified_memory
 
     ids = make_batch(cfg, 0, 0, world)
     inp = {"input_ids": ids, "labels": ids}
     host = box_memory() // world
     budget = cfg.budget or host
 
-    def search(device_memory: int):
+    unified = unified_memory(default_profile())
+
+    def search(memory: int):
+        # on a CPU-only profile device and host are one pool: the budget bounds both together
         return optimal_search(model, world, unified_dtype=dtype, overlap=True, inp=inp, step_fn=_train_step,
-                              device_memory=device_memory, host_memory=host)
+                              device_memory=memory, host_memory=memory if unified else host)
 
     t0 = time.perf_counter()
     sr = search(budget)
@@ -240,8 +245,9 @@ def _optimal_plan(system: str, model, cfg: BenchConfig, world: int, dtype, extra
                 search(1)
                 least = 1
             except DoesNotFitError as e:
-                least = e.needs["device_memory"]
-            need = int(sr.prediction.peak_device_bytes / (1 - sr.info["margins"]["device"])) + 1
+                least = e.needs.get("memory") or e.needs["device_memory"]
+            peak = sr.prediction.peak_device_bytes + (sr.prediction.peak_host_bytes if unified else 0)
+            need = int(peak / (1 - sr.info["margins"]["device"])) + 1
             budget = least + int(cfg.tight_fraction * max(0, need - least))
         extra["least_budget"] = least if not cfg.tight_budget else None
         sr = search(budget)

@@ -39,8 +39,10 @@ from rich.table import Table
 
 from elixir import distributed as edist
 from elixir.data import eval_batches, load_corpus, sample_batch
+from elixir.hardware import default_profile
 from elixir.optim import HybridAdam
 from elixir.search import minimum_waste_search, optimal_search, print_plan
+from elixir.search.cost_model import unified_memory
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
 PRESETS: dict[str, tuple[int, int, int]] = {
@@ -74,7 +76,7 @@ class DemoConfig:
     corpus_bytes: int = 4_000_000
     threads: int = 0
     search: str = "optimal"
-    budget_mib: float = 0.0  # per-rank device budget for optimal_search; 0: the hardware profile's
+    budget_mib: float = 0.0  # per-rank memory budget for optimal_search; 0: the hardware profile's
     json_path: Optional[str] = None
 
     def threads_per_rank(self) -> int:
@@ -108,8 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="optimal: the fastest predicted plan that fits the budget; minimum_waste: the least "
                         f"padding (default {d.search})")
     p.add_argument("--budget-mib", type=float, default=d.budget_mib,
-                   help="per-rank device memory budget in MiB for --search optimal (default: the hardware "
-                        "profile's device memory)")
+                   help="per-rank memory budget in MiB for --search optimal: device memory, and on a CPU-only "
+                        "machine the rank's whole share of RAM (default: the hardware profile's)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the run's summary to this JSON file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
@@ -233,9 +235,12 @@ class Trainer:
         t0 = time.perf_counter()
         if cfg.search == "optimal":
             budget = int(cfg.budget_mib * 2**20) or None
+            # on a CPU-only profile device and host are one pool: the budget bounds both together
+            host = budget if budget and unified_memory(default_profile()) else None
             x, y = example
             self.plan = optimal_search(model, world_size, unified_dtype=dtype, overlap=True, verbose=console is not None,
-                                       inp={"input_ids": x, "labels": y}, step_fn=_trace_step, device_memory=budget)
+                                       inp={"input_ids": x, "labels": y}, step_fn=_trace_step, device_memory=budget,
+                                       host_memory=host)
             if console is not None:
                 print_chunks(console, self.plan)
         else:
