@@ -179,6 +179,10 @@ FOREIGN_PRIVATE = {
     "_dispatch_has_kernel_for_dispatch_key": "torch._C: whether an op has a Meta kernel",
     "_fused_sdp_choice": "aten: which attention kernel CPU picks, so the tracer counts the same one",
     "_execution_engine": "torch autograd: queue_callback at the end of backward, as FSDP does",
+    "_is_key_in_tls": "torch._C thread-local state: Python objects taken out while a collective is issued",
+    "_get_obj_in_tls": "torch._C thread-local state (see elixir/distributed.py)",
+    "_remove_obj_from_tls": "torch._C thread-local state (see elixir/distributed.py)",
+    "_stash_obj_in_tls": "torch._C thread-local state (see elixir/distributed.py)",
 }
 
 

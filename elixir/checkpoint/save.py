@@ -23,8 +23,8 @@ from elixir.checkpoint.layout import (
 )
 from elixir.fileio import fsync_file
 from elixir.offload.pipeline import disk_mapped
+from elixir.offload.state_binding import is_elementwise
 from elixir.optim.nvme import materialized
-from elixir.optim.state import is_elementwise
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer
 

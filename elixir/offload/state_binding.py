@@ -14,11 +14,17 @@ from typing import Optional, Sequence
 import torch
 
 from elixir.offload.store import DiskStore
-from elixir.optim.state import is_elementwise
 
 # One fragment of a chunk as the binding sees it: the optimizer's state dict of the fragment's
 # tensor (None before the first step; entries are replaced in place) and its range [lo, hi) in the chunk.
 FragmentState = tuple[Optional[dict], int, int]
+
+
+def is_elementwise(value: object, numel: int) -> bool:
+    """Whether an optimizer state entry holds one value per element of a ``numel``-element
+    parameter (Adam's ``exp_avg``) rather than a scalar (``step``): only those are bound to the
+    disk, sharded and sliced (the optimizer state dict and checkpoints ask this too)."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.numel() == numel
 
 
 def is_bound(v: torch.Tensor, flat: torch.Tensor, lo: int, n: int) -> bool:

@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from elixir.optim.functional import adam_step_multi
+from elixir.optim.nvme import NvmeOffload, absorb, materialized
 
 __all__ = ["CPUAdam"]
 
@@ -97,8 +98,6 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"nvme_offload_fraction must lie in [0, 1], got {nvme_offload_fraction}")
         self.nvme = None
         if nvme_offload_fraction > 0:
-            from elixir.optim.nvme import NvmeOffload
-
             self.nvme = NvmeOffload(
                 float(nvme_offload_fraction), nvme_offload_dir, _reserve_bytes(self._all_params(), nvme_offload_fraction, nvme_offload_bucket_numel),
                 nvme_offload_bucket_numel,
@@ -111,8 +110,6 @@ class CPUAdam(torch.optim.Optimizer):
         """torch's format; moments offloaded to disk are read back into it one bucket at a time."""
         if self.nvme is None:
             return super().state_dict()
-        from elixir.optim.nvme import materialized
-
         with materialized(self):
             sd = super().state_dict()
             # torch packs the per-parameter dicts themselves: copy them before the moments leave
@@ -123,8 +120,6 @@ class CPUAdam(torch.optim.Optimizer):
         """torch's format; moments of offloaded parameters are moved to the disk one bucket at a time."""
         super().load_state_dict(state_dict)
         if self.nvme is not None:
-            from elixir.optim.nvme import absorb
-
             absorb(self)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn as nn
 
-from elixir.search.minimum_waste import minimum_waste_search
+from elixir.search.minimum_waste import minimum_waste_search, print_plan
 from elixir.search.optimal import optimal_search
 from elixir.search.plan import Placement, SearchResult
 
@@ -145,8 +145,6 @@ def make_plan(
         base = minimum_waste_search(model, world_size, unified_dtype=dtype, pin_memory=pin_memory)
         result = apply_static(base, fractions or StaticFractions())
         if verbose:
-            from elixir.search.minimum_waste import print_plan
-
             print_plan(result)
         return result
     if fractions is not None:

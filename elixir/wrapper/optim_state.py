@@ -23,8 +23,8 @@ import torch
 
 from elixir import distributed as edist
 from elixir.offload.pipeline import staged
+from elixir.offload.state_binding import is_elementwise
 from elixir.optim.nvme import absorb
-from elixir.optim.state import is_elementwise
 
 if TYPE_CHECKING:
     from elixir.wrapper.optimizer import ElixirOptimizer
