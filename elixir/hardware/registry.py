@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from elixir.hardware.profile import HardwareProfile
 
 _DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "hardware")
@@ -55,8 +57,6 @@ def choose_default_profile() -> tuple[HardwareProfile, str]:
     local = local_profile_path()
     if os.path.exists(local):
         return HardwareProfile.load(local), f"the local measured profile {local}"
-    import torch
-
     name = REFERENCE_GPU if torch.cuda.is_available() else REFERENCE_CPU
     return load_profile(name), (
         f"no local measured profile at {local}, so the shipped reference {name!r} "
