@@ -133,6 +133,15 @@ def _scenarios(tmp: str) -> dict:
     # configure_model: layers built in the hook (on the compute device until meta lands)
     out["configure_model"] = _fit("elixir", module_kw={"build_in_configure": True})[:2]
     out["manual_refused"] = _refused()
+
+    # ModelCheckpoint writes checkpoint directories and removes the older ones (save_top_k=1)
+    mc_dir = os.path.join(tmp, "mc")
+    mc = L.pytorch.callbacks.ModelCheckpoint(dirpath=mc_dir, every_n_train_steps=2, save_top_k=1)
+    trainer = L.Trainer(strategy="elixir", accelerator="cpu", devices=2, max_steps=STEPS, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[mc])
+    trainer.fit(TinyRegressor())
+    trainer.strategy.barrier()
+    out["model_checkpoint"] = (sorted(os.listdir(mc_dir)), mc.best_model_path)
     return out
 
 
@@ -198,6 +207,13 @@ def test_resume_is_bitwise(results):
         assert losses == ref_losses
         for k in ref_params:
             assert torch.equal(params[k], ref_params[k]), k
+
+
+@pytest.mark.dist
+def test_model_checkpoint_callback(results):
+    names, best = results[0]["model_checkpoint"]
+    assert names == ["epoch=3-step=4.ckpt"], names  # one step per epoch; step 2's directory was removed
+    assert os.path.isdir(best) and os.path.isfile(os.path.join(best, "index.json"))
 
 
 @pytest.mark.dist
