@@ -243,6 +243,14 @@ class Trainer:
                                        host_memory=host)
             if console is not None:
                 print_chunks(console, self.plan)
+                if not any(c.sharded for c in self.plan.chunks):
+                    # activations stay; about 60% of the rest, before the safety margin
+                    mem = self.plan.info.get("predicted_memory", {})
+                    fixed = mem.get("activations", 0) + mem.get("buffers", 0)
+                    peak = self.plan.prediction.peak_device_bytes
+                    half = (fixed + 0.6 * (peak - fixed)) / (1 - self.plan.info["margins"]["device"]) / 2**20
+                    console.print(f"the whole model fits on every rank, so data parallel is fastest; run with "
+                                  f"--budget-mib {half:.0f} to watch the search shard and offload under a tighter budget")
         else:
             self.plan = minimum_waste_search(model, world_size, unified_dtype=dtype)
             if console is not None:
