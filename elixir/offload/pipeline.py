@@ -1,11 +1,6 @@
-"""Running work over disk chunks: a read-ahead pipeline, a staged-together context, and mappings
-of the offload file for code that touches masters directly (checkpoints).
-
-:func:`run_pipelined` stages the chunks one after another: chunk ``i+1`` is read while ``work(i)``
-runs, and chunk ``i`` is written back while chunk ``i+1`` is waited for. Chunk ``i+2``'s read is
-queued only once chunk ``i``'s write finished, so at most **two** chunks are staged in host memory
-at any time (double buffering). It returns after every write finished, so the disk is consistent
-(a checkpoint right after an optimizer step reads the stepped values).
+"""Running work over disk chunks: the read-ahead pipeline and the staged-together context
+(:mod:`elixir.offload.stream`, re-exported here), and mappings of the offload file for code that
+touches masters directly (checkpoints).
 """
 
 from __future__ import annotations
@@ -17,63 +12,9 @@ import torch
 
 from elixir.offload.state_binding import FragmentState, bind_state, is_bound
 from elixir.offload.store import MASTER, DiskStore
+from elixir.offload.stream import run_pipelined, staged
 
-
-def run_pipelined(store: DiskStore, indices: Sequence[int], work: Callable[[int], None]) -> None:
-    """``work(i)`` for every chunk ``i`` of ``indices`` while it is staged; each is written back after."""
-    order = list(indices)
-    if not order:
-        return
-    try:
-        store.start_read(order[0])
-        previous: Optional[int] = None
-        for n, i in enumerate(order):
-            store.finish(i)  # its read
-            if previous is not None:
-                store.finish(previous)  # its write: frees its buffers before the next read
-                previous = None
-            if n + 1 < len(order):
-                store.start_read(order[n + 1])
-            work(i)
-            store.start_write(i)
-            previous = i
-        if previous is not None:
-            store.finish(previous)
-    except BaseException:
-        store.settle()
-        raise
-
-
-@contextlib.contextmanager
-def staged(
-    store: Optional[DiskStore],
-    indices: Sequence[int],
-    write_back: bool = True,
-    before_write: Optional[Callable[[int], None]] = None,
-) -> Iterator[None]:
-    """Keep chunks ``indices`` staged together inside the block; on exit run ``before_write(i)``
-    and write each back (``write_back``) or drop it unchanged. Chunks already staged stay so."""
-    if store is None:
-        yield
-        return
-    mine = [i for i in indices if i in store.chunks and not store.is_resident(i)]
-    try:
-        for i in mine:
-            store.start_read(i)
-        for i in mine:
-            store.finish(i)
-        yield
-    finally:
-        first = None
-        for i in mine:
-            try:
-                if before_write is not None and write_back:
-                    before_write(i)
-                store.offload(i, write=write_back)
-            except BaseException as e:
-                first = first or e
-        if first is not None:
-            raise first
+__all__ = ["disk_mapped", "run_pipelined", "staged"]
 
 
 @contextlib.contextmanager

@@ -20,16 +20,23 @@ import enum
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Protocol
 
 import torch
 
 from elixir import device as dev
-from elixir.chunk import MemoryLedger
 from elixir.offload.aio import ALIGN, AsyncFileIO, make_io
 from elixir.offload.directory import open_offload_file
 
 MASTER = "master"
+
+
+class Ledger(Protocol):
+    """What the store needs of the runtime's memory ledger (``elixir.chunk.MemoryLedger``)."""
+
+    def alloc(self, kind: str, where: str, nbytes: int) -> None: ...
+
+    def free(self, kind: str, where: str, nbytes: int) -> None: ...
 
 
 class DiskState(enum.Enum):
@@ -95,7 +102,7 @@ class DiskStore:
 
     def __init__(
         self,
-        ledger: Optional[MemoryLedger],
+        ledger: Optional[Ledger],
         offload_dir: Optional[str],
         need_bytes: int,
         rank: int = 0,

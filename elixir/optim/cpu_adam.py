@@ -96,7 +96,7 @@ class CPUAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         if not 0.0 <= float(nvme_offload_fraction) <= 1.0:
             raise ValueError(f"nvme_offload_fraction must lie in [0, 1], got {nvme_offload_fraction}")
-        self.nvme = None
+        self.nvme: Optional[NvmeOffload] = None
         if nvme_offload_fraction > 0:
             self.nvme = NvmeOffload(
                 float(nvme_offload_fraction), nvme_offload_dir, _reserve_bytes(self._all_params(), nvme_offload_fraction, nvme_offload_bucket_numel),

@@ -33,8 +33,8 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from elixir.offload.pipeline import run_pipelined, staged
 from elixir.offload.store import DiskStore
+from elixir.offload.stream import run_pipelined, staged
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 PIECE_ALIGN = 16  # the kernel's SIMD width in fp32 elements: pieces cut here step bitwise as the whole
@@ -217,9 +217,9 @@ class NvmeOffload:
                             raise ValueError(f"loaded optimizer state {k!r} has {v.numel()} elements, its parameter {s.param.numel()}")
                         flats[k][s.offset : s.offset + s.end - s.start].copy_(v.detach().reshape(-1)[s.start : s.end])
         for pid in found:
-            for b, s in self._segments_of[pid][:1]:
-                for k in MOMENTS:
-                    state[s.param].pop(k, None)
+            param = self._segments_of[pid][0][1].param
+            for k in MOMENTS:
+                state[param].pop(k, None)
 
     def close(self) -> None:
         self.store.close()

@@ -1,0 +1,237 @@
+"""Booster and its plugins against the one-process reference, checkpoints through the Booster,
+and the arguments the runtime cannot honour.
+
+One spawned world-2 run (gloo, fp32) trains GPT-2, LLaMA and a tied model for 3 steps under
+every plugin (DDP, FSDP2, Gemini "static" at shard fractions 0/0.5/1 with offload, Gemini "auto",
+plugin="auto"); the parent compares losses with ``train_reference`` (rtol 1e-5) and parameters
+with DDP's in the same run. The same run checks that a Booster checkpoint (model, optimizer,
+LR scheduler) taken after 2 steps resumes the third step exactly, and the dataloader helper.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from elixir.testing.reference import default_optimizer, train_reference
+
+MODELS = ("gpt2", "llama", "tied")
+STEPS = 3
+BATCH = 4
+
+
+def _plugins():
+    from elixir.booster import GeminiPlugin, TorchDDPPlugin, TorchFSDPPlugin
+
+    return {
+        "ddp": lambda: TorchDDPPlugin(),
+        "fsdp": lambda: TorchFSDPPlugin(),
+        "gemini_static_0": lambda: GeminiPlugin(placement_policy="static", shard_param_frac=0.0, offload_optim_frac=1.0, precision="fp32"),
+        "gemini_static_0.5": lambda: GeminiPlugin(placement_policy="static", shard_param_frac=0.5, offload_optim_frac=0.5, precision="fp32"),
+        "gemini_static_1": lambda: GeminiPlugin(
+            placement_policy="static", shard_param_frac=1.0, offload_param_frac=1.0, offload_optim_frac=1.0, precision="fp32"
+        ),
+        "gemini_auto": lambda: GeminiPlugin(placement_policy="auto", precision="fp32"),
+        "auto": lambda: "auto",
+    }
+
+
+def _boosted(case: str, plugin_name: str, steps_sched: bool = False):
+    from elixir.booster import Booster
+    from elixir.testing.zoo import build_model
+
+    model = build_model(case, seed=0)
+    opt = default_optimizer([p for p in model.parameters() if p.requires_grad])
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9) if steps_sched else None
+    booster = Booster(plugin=_plugins()[plugin_name]())
+    model, opt, _, _, sched = booster.boost(model, opt, lr_scheduler=sched)
+    return booster, model, opt, sched
+
+
+def _train(case: str, booster, model, opt, steps, start=0, sched=None) -> list[float]:
+    from elixir import distributed as edist
+    from elixir.testing.reference import shard_batch
+    from elixir.testing.zoo import get_case
+
+    zc = get_case(case)
+    rank, world = edist.get_rank(), edist.get_world_size()
+    torch.manual_seed(1)
+    losses = []
+    for step in range(start, start + steps):
+        batch = shard_batch(zc.make_batch(BATCH, step), rank, world)
+        opt.zero_grad()
+        loss = zc.loss(model, batch)
+        booster.backward(loss, opt)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        t = loss.detach().clone()
+        edist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses
+
+
+def _full_state(booster, model) -> dict:
+    return {k: v.detach().clone() for k, v in booster.plugin.full_state_dict(model).items()}
+
+
+def _resume(root: str, case: str, plugin_name: str) -> dict:
+    """Train 2 steps, checkpoint, train 1; a fresh booster loads the checkpoint and trains the
+    same step: losses and parameters must be equal."""
+    booster, model, opt, sched = _boosted(case, plugin_name, steps_sched=True)
+    _train(case, booster, model, opt, 2, sched=sched)
+    d = os.path.join(root, f"{case}-{plugin_name}")
+    booster.save_model(model, os.path.join(d, "model"), size_per_shard=0.02)  # 20 KiB: several shards
+    booster.save_optimizer(opt, os.path.join(d, "optim"))
+    booster.save_lr_scheduler(sched, os.path.join(d, "sched.pt"))
+    cont = _train(case, booster, model, opt, 1, start=2, sched=sched)
+    want = _full_state(booster, model)
+    booster2, model2, opt2, sched2 = _boosted(case, plugin_name, steps_sched=True)
+    booster2.load_model(model2, os.path.join(d, "model"))
+    booster2.load_optimizer(opt2, os.path.join(d, "optim"))
+    booster2.load_lr_scheduler(sched2, os.path.join(d, "sched.pt"))
+    got_loss = _train(case, booster2, model2, opt2, 1, start=2, sched=sched2)
+    got = _full_state(booster2, model2)
+    return {
+        "loss": (cont, got_loss),
+        "param_diffs": [k for k in want if not torch.equal(want[k], got.get(k, torch.empty(0)))],
+        "lr": (sched.get_last_lr(), sched2.get_last_lr()),
+        "files": sorted(os.listdir(os.path.join(d, "model"))),
+    }
+
+
+def _worker(root: str) -> dict:
+    from elixir.booster import TorchDDPPlugin
+
+    out: dict = {"train": {}, "resume": {}, "reasons": {}}
+    for case in MODELS:
+        for name in _plugins():
+            booster, model, opt, _ = _boosted(case, name)
+            losses = _train(case, booster, model, opt, STEPS)
+            state = _full_state(booster, model)  # collective; the full dict on rank 0
+            out["train"][(case, name)] = (losses, state)
+            if name == "auto":
+                out["reasons"][case] = (type(booster.plugin).__name__, booster.reason)
+    for name in ("ddp", "fsdp", "gemini_static_0.5"):
+        out["resume"][name] = _resume(root, "gpt2", name)
+    # the dataloader helper: each rank its half, together everything once
+    loader = TorchDDPPlugin().prepare_dataloader(list(range(10)), batch_size=2)
+    out["data"] = [int(x) for b in loader for x in b]
+    return out
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) if a[k].numel() else 0.0 for k in a)
+
+
+@pytest.mark.dist
+def test_plugins_match_reference_and_resume(tmp_path):
+    from elixir.testing import run_distributed
+
+    results = run_distributed(_worker, 2, str(tmp_path), timeout=600)
+    got = results[0]
+    errors = []
+    for case in MODELS:
+        ref = train_reference(case, steps=STEPS, batch_size=BATCH)
+        ddp_losses, ddp_state = got["train"][(case, "ddp")]
+        ddp_err = _max_diff({k: ref.state_dict[k] for k in ddp_state}, ddp_state)
+        for name in _plugins():
+            losses, state = got["train"][(case, name)]
+            if not torch.allclose(torch.tensor(losses), torch.tensor(ref.losses), rtol=1e-5, atol=0):
+                errors.append(f"{case}/{name}: losses {losses} != reference {ref.losses}")
+            if set(state) != set(ddp_state):
+                errors.append(f"{case}/{name}: state keys differ from DDP's: {set(state) ^ set(ddp_state)}")
+                continue
+            err = _max_diff(ddp_state, state)
+            if err > 2 * ddp_err + 1e-6:
+                errors.append(f"{case}/{name}: parameters differ from DDP's by {err:.3g} (DDP vs reference: {ddp_err:.3g})")
+    for name, r in got["resume"].items():
+        if r["loss"][0] != r["loss"][1] or r["param_diffs"] or r["lr"][0] != r["lr"][1]:
+            errors.append(f"resume {name}: {r['loss']} params differing {r['param_diffs'][:3]} lr {r['lr']}")
+        if "model.safetensors.index.json" not in r["files"] or "config.json" not in r["files"]:
+            errors.append(f"resume {name}: not an HF sharded layout: {r['files']}")
+    assert sorted(got["data"] + results[1]["data"]) == list(range(10))
+    assert set(got["data"]).isdisjoint(results[1]["data"])
+    for case, (plugin, reason) in got["reasons"].items():
+        assert plugin in ("TorchDDPPlugin", "GeminiPlugin") and "optimal_search" in reason, (case, plugin, reason)
+    assert not errors, "\n".join(errors)
+
+
+# ---- in-process: arguments, plans ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        ({"enable_flash_attention": True}, "attn_implementation='sdpa'"),
+        ({"tp_size": 2}, "tensor parallelism"),
+        ({"chunk_config_dict": {}}, "plan="),
+        ({"gpu_margin_mem_ratio": 0.5}, "optimal_search"),
+        ({"master_weights": False}, "fp32 master"),
+        ({"placement_policy": "auto", "offload_optim_frac": 0.5}, "placement_policy='static'"),
+        ({"offload_param_frac": 0.5, "shard_param_frac": 0.5}, "shard_param_frac=1.0"),
+        ({"precision": "fp8"}, "precision must be one of"),
+    ],
+)
+def test_gemini_refuses_what_it_cannot_honour(kw, says):
+    from elixir.booster import GeminiPlugin
+
+    with pytest.raises(ValueError, match=None) as err:
+        GeminiPlugin(**kw)
+    assert says in str(err.value)
+
+
+def test_booster_argument_errors():
+    from elixir.booster import Booster, GeminiPlugin
+
+    with pytest.raises(ValueError, match="precision on the plugin"):
+        Booster(plugin=GeminiPlugin(), mixed_precision="bf16")
+    with pytest.raises(ValueError, match="'auto'"):
+        Booster(plugin="gemini")
+    with pytest.raises(TypeError, match="unexpected argument"):
+        GeminiPlugin(no_such_thing=1)
+
+
+@pytest.mark.parametrize("fracs", [(0.0, 0.0, 0.0), (0.5, 0.0, 0.5), (1.0, 1.0, 1.0), (1.0, 0.25, 0.75)])
+def test_static_fractions_give_exactly_that_plan(fracs):
+    from elixir.search import Placement, minimum_waste_search
+    from elixir.search.placement_policy import StaticFractions, apply_static
+    from elixir.testing.zoo import build_model
+
+    shard, off_p, off_o = fracs
+    base = minimum_waste_search(build_model("gpt2"), 2)
+    n = len(base.chunks)
+    plan = apply_static(base, StaticFractions(shard, off_p, off_o))
+    assert [c.sharded for c in plan.chunks] == [i < round(shard * n) for i in range(n)]
+    assert [c.shard_placement is Placement.HOST for c in plan.chunks] == [i < round(off_p * n) for i in range(n)]
+    assert [c.optim_placement is Placement.HOST for c in plan.chunks] == [i < round(off_o * n) for i in range(n)]
+    assert [c.params for c in plan.chunks] == [c.params for c in base.chunks]  # chunks in order
+
+
+def test_auto_chooses_gemini_for_low_precision_and_says_why():
+    from elixir.booster import GeminiPlugin
+    from elixir.booster.auto import choose_plugin
+    from elixir.testing.zoo import build_model
+
+    choice = choose_plugin(build_model("gpt2"), torch.bfloat16)
+    assert isinstance(choice.plugin, GeminiPlugin) and choice.plugin.plan is not None
+    assert choice.plugin.dtype == torch.bfloat16
+    assert "optimal_search" in choice.reason and "bfloat16" in choice.reason
+
+
+def test_booster_gemini_example_smoke(tmp_path):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "example/booster_gemini.py", "--small", "--steps", "3", "--save", str(tmp_path / "ckpt")]
+    r = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and all(x == x for x in losses)
+    assert (tmp_path / "ckpt" / "model" / "model.safetensors").exists()
+    assert (tmp_path / "ckpt" / "optimizer" / "index.json").exists()
