@@ -35,7 +35,11 @@ def _plugins():
         ),
         "gemini_auto": lambda: GeminiPlugin(placement_policy="auto", precision="fp32"),
         "auto": lambda: "auto",
+        "gemini_accum": lambda: GeminiPlugin(placement_policy="static", shard_param_frac=1.0, enable_gradient_accumulation=True, precision="fp32"),
     }
+
+
+TRAINED = ("ddp", "fsdp", "gemini_static_0", "gemini_static_0.5", "gemini_static_1", "gemini_auto", "auto")
 
 
 def _boosted(case: str, plugin_name: str, steps_sched: bool = False):
@@ -50,7 +54,23 @@ def _boosted(case: str, plugin_name: str, steps_sched: bool = False):
     return booster, model, opt, sched
 
 
-def _train(case: str, booster, model, opt, steps, start=0, sched=None) -> list[float]:
+def _accumulated_step(case: str, booster, model, opt) -> None:
+    """Step 0 as two micro-batches per rank, the first under no_sync."""
+    from elixir import distributed as edist
+    from elixir.testing.reference import shard_batch
+    from elixir.testing.zoo import get_case
+
+    zc = get_case(case)
+    mine = shard_batch(zc.make_batch(BATCH, 0), edist.get_rank(), edist.get_world_size())
+    halves = [shard_batch(mine, i, 2) for i in range(2)]
+    opt.zero_grad()
+    with booster.no_sync(model, opt):
+        booster.backward(zc.loss(model, halves[0]) / 2, opt)
+    booster.backward(zc.loss(model, halves[1]) / 2, opt)
+    opt.step()
+
+
+def _train(case: str, booster, model, opt, steps, start=0, sched=None, norms=None) -> list[float]:
     from elixir import distributed as edist
     from elixir.testing.reference import shard_batch
     from elixir.testing.zoo import get_case
@@ -64,6 +84,8 @@ def _train(case: str, booster, model, opt, steps, start=0, sched=None) -> list[f
         opt.zero_grad()
         loss = zc.loss(model, batch)
         booster.backward(loss, opt)
+        if norms is not None:
+            norms.append(float(booster.clip_grad_by_norm(model, opt, 1e9)))  # the norm; clips nothing
         opt.step()
         if sched is not None:
             sched.step()
@@ -105,17 +127,23 @@ def _resume(root: str, case: str, plugin_name: str) -> dict:
 def _worker(root: str) -> dict:
     from elixir.booster import TorchDDPPlugin
 
-    out: dict = {"train": {}, "resume": {}, "reasons": {}}
+    out: dict = {"train": {}, "resume": {}, "reasons": {}, "norms": {}, "accum": {}}
     for case in MODELS:
-        for name in _plugins():
+        for name in TRAINED:
             booster, model, opt, _ = _boosted(case, name)
-            losses = _train(case, booster, model, opt, STEPS)
+            norms: list = []
+            losses = _train(case, booster, model, opt, STEPS, norms=norms)
             state = _full_state(booster, model)  # collective; the full dict on rank 0
             out["train"][(case, name)] = (losses, state)
+            out["norms"][(case, name)] = norms
             if name == "auto":
                 out["reasons"][case] = (type(booster.plugin).__name__, booster.reason)
     for name in ("ddp", "fsdp", "gemini_static_0.5"):
         out["resume"][name] = _resume(root, "gpt2", name)
+    for name in ("ddp", "fsdp", "gemini_accum"):
+        booster, model, opt, _ = _boosted("llama", name)
+        _accumulated_step("llama", booster, model, opt)
+        out["accum"][name] = _full_state(booster, model)
     # the dataloader helper: each rank its half, together everything once
     loader = TorchDDPPlugin().prepare_dataloader(list(range(10)), batch_size=2)
     out["data"] = [int(x) for b in loader for x in b]
@@ -137,7 +165,10 @@ def test_plugins_match_reference_and_resume(tmp_path):
         ref = train_reference(case, steps=STEPS, batch_size=BATCH)
         ddp_losses, ddp_state = got["train"][(case, "ddp")]
         ddp_err = _max_diff({k: ref.state_dict[k] for k in ddp_state}, ddp_state)
-        for name in _plugins():
+        ddp_norms = got["norms"][(case, "ddp")]
+        for name in TRAINED:
+            if not torch.allclose(torch.tensor(got["norms"][(case, name)]), torch.tensor(ddp_norms), rtol=1e-5):
+                errors.append(f"{case}/{name}: gradient norms {got['norms'][(case, name)]} != DDP's {ddp_norms}")
             losses, state = got["train"][(case, name)]
             if not torch.allclose(torch.tensor(losses), torch.tensor(ref.losses), rtol=1e-5, atol=0):
                 errors.append(f"{case}/{name}: losses {losses} != reference {ref.losses}")
@@ -147,6 +178,11 @@ def test_plugins_match_reference_and_resume(tmp_path):
             err = _max_diff(ddp_state, state)
             if err > 2 * ddp_err + 1e-6:
                 errors.append(f"{case}/{name}: parameters differ from DDP's by {err:.3g} (DDP vs reference: {ddp_err:.3g})")
+    one = train_reference("llama", steps=1, batch_size=BATCH)
+    for name, state in got["accum"].items():  # no_sync accumulation = one step on the whole batch
+        err = _max_diff({k: one.state_dict[k] for k in state}, state)
+        if err > 1e-5:
+            errors.append(f"no_sync {name}: parameters differ from the one-step reference by {err:.3g}")
     for name, r in got["resume"].items():
         if r["loss"][0] != r["loss"][1] or r["param_diffs"] or r["lr"][0] != r["lr"][1]:
             errors.append(f"resume {name}: {r['loss']} params differing {r['param_diffs'][:3]} lr {r['lr']}")
