@@ -52,6 +52,12 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 1) -> Non
         raise
 
 
+def require_version(found: Any, expected: int, what: str, fix: str) -> None:
+    """Refuse a file whose format ``what`` has another version than the one this elixir reads."""
+    if found != expected:
+        raise ValueError(f"{what} version {found} is not supported (this elixir reads version {expected}); {fix}")
+
+
 def read_json(path: str | os.PathLike, what: str) -> Any:
     """Load JSON from ``path``; a malformed file raises ValueError naming ``what`` it should be."""
     with open(path) as f:

@@ -84,6 +84,15 @@ def _nbytes(numel: int, dtype: torch.dtype) -> int:
     return numel * torch.empty((), dtype=dtype).element_size()
 
 
+
+def _copy_of(src: torch.Tensor, dtype: torch.dtype, on_host: bool, spec: ChunkSpec) -> torch.Tensor:
+    """A copy of ``src`` in ``dtype``: in (pinned, as the spec says) host memory or on the spec's device."""
+    if on_host:
+        out = dev.empty_host(src.numel(), dtype, pin=spec.pin_memory)
+        out.copy_(src)
+        return out
+    return src.to(device=spec.device, dtype=dtype, copy=True)
+
 class Chunk:
     """Runtime state of one chunk on this rank (see the module docstring)."""
 
@@ -124,11 +133,7 @@ class Chunk:
         self.state = ChunkState.HOLD
         src = flat[lo : lo + n]
         if spec.sharded:
-            if spec.shard_on_host:
-                self.shard = dev.empty_host(n, spec.dtype, pin=spec.pin_memory)
-                self.shard.copy_(src)
-            else:
-                self.shard = src.to(device=spec.device, dtype=spec.dtype, copy=True)
+            self.shard = _copy_of(src, spec.dtype, spec.shard_on_host, spec)
             self.ledger.alloc("shard", _loc(spec.shard_on_host), _nbytes(n, spec.dtype))
         else:
             self.shard = self.payload  # replicated: the payload is the shard, always resident
@@ -138,11 +143,8 @@ class Chunk:
         else:
             if spec.master_on_disk:  # plain (resizable) host memory: elixir.offload frees it
                 self.master = src.to(device="cpu", dtype=torch.float32, copy=True)
-            elif spec.master_on_host:
-                self.master = dev.empty_host(n, torch.float32, pin=spec.pin_memory)
-                self.master.copy_(src)
             else:
-                self.master = src.to(device=spec.device, dtype=torch.float32, copy=True)
+                self.master = _copy_of(src, torch.float32, spec.master_on_host, spec)
             self.ledger.alloc("master", _loc(spec.master_on_host), _nbytes(n, torch.float32))
         return self.payload
 

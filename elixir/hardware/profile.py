@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from elixir.fileio import atomic_write_json, read_json
+from elixir.fileio import atomic_write_json, read_json, require_version
 
 HARDWARE_SCHEMA_VERSION = 1
 
@@ -350,12 +350,8 @@ class HardwareProfile:
 
     @classmethod
     def from_json(cls, d: dict) -> HardwareProfile:
-        version = d.get("schema_version")
-        if version != HARDWARE_SCHEMA_VERSION:
-            raise ValueError(
-                f"hardware profile schema version {version} is not supported (this elixir reads "
-                f"version {HARDWARE_SCHEMA_VERSION}); re-run `elixir hwprofile`"
-            )
+        require_version(d.get("schema_version"), HARDWARE_SCHEMA_VERSION, "hardware profile schema",
+                        "re-run `elixir hwprofile`")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

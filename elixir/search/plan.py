@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from elixir.fileio import atomic_write_json, read_json
+from elixir.fileio import atomic_write_json, read_json, require_version
 
 PLAN_FORMAT_VERSION = 1
 
@@ -215,12 +215,7 @@ class SearchResult:
 
     @classmethod
     def from_json(cls, d: dict) -> SearchResult:
-        version = d.get("format_version")
-        if version != PLAN_FORMAT_VERSION:
-            raise ValueError(
-                f"plan format version {version} is not supported (this elixir reads version "
-                f"{PLAN_FORMAT_VERSION}); re-run the search with this version"
-            )
+        require_version(d.get("format_version"), PLAN_FORMAT_VERSION, "plan format", "re-run the search with this version")
         pred = d.get("prediction")
         order = d.get("param_order")
         return cls(

@@ -41,6 +41,7 @@ __all__ = [
     "param_owning_modules",
     "canonical_param_names",
     "tensors_in",
+    "map_tensors",
     "install_step_hooks",
     "StepHooks",
 ]
@@ -141,6 +142,22 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for x in obj.values():
             yield from tensors_in(x)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with every tensor inside nested tuples (named ones rebuilt as such), lists and dicts
+    replaced by ``fn(tensor)``; dicts (``ModelOutput`` included) are updated in place."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(x, fn) for x in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        for k in list(obj.keys()):
+            obj[k] = map_tensors(obj[k], fn)
+        return obj
+    return obj
 
 
 StepCallback = Callable[[StepKind, str, nn.Module], None]

@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import torch
 
+from elixir.tracer.hooks import map_tensors
+
 
 class ScaleGrad(torch.autograd.Function):
     """``y = x`` in forward; ``dL/dx = scale * dL/dy`` in backward (scale read at backward time)."""
@@ -35,16 +37,8 @@ class ScaleGrad(torch.autograd.Function):
 
 def scale_outputs(obj: Any, get_scale: Callable[[], float]) -> Any:
     """``obj`` with every floating tensor that requires grad wrapped in :class:`ScaleGrad`."""
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad and obj.is_floating_point():
-            return ScaleGrad.apply(obj, get_scale)
-        return obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(scale_outputs(x, get_scale) for x in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(scale_outputs(x, get_scale) for x in obj)
-    if isinstance(obj, dict):
-        for k in list(obj.keys()):
-            obj[k] = scale_outputs(obj[k], get_scale)
-        return obj
-    return obj
+
+    def scale(t: torch.Tensor) -> torch.Tensor:
+        return ScaleGrad.apply(t, get_scale) if t.requires_grad and t.is_floating_point() else t
+
+    return map_tensors(obj, scale)

@@ -30,7 +30,7 @@ from elixir.chunk import BlockCache, Chunk, ChunkSpec, GradState, MemoryLedger, 
 from elixir.offload.for_plan import store_for_plan
 from elixir.offload.store import DiskStore
 from elixir.search.plan import Placement, dtype_from_name
-from elixir.tracer.hooks import borrowed_children, step_params
+from elixir.tracer.hooks import borrowed_children, map_tensors, step_params, tensors_in
 from elixir.wrapper.fused_kernels import apply_fused_kernels
 from elixir.wrapper.param_map import ParamMap, ParamSlot
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
@@ -50,33 +50,14 @@ class _ModInfo:
     key: int  # id of the module
 
 
-def _grad_tensors(obj: Any, out: list) -> list:
+def _grad_tensors(obj: Any) -> list[torch.Tensor]:
     """Tensors requiring grad inside nested outputs (tensors, tuples, lists, dicts, ModelOutput)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
-            out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            _grad_tensors(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _grad_tensors(x, out)
-    return out
+    return [t for t in tensors_in(obj) if t.requires_grad]
 
 
 def _map_floats(obj: Any, dtype: torch.dtype) -> Any:
     """Cast floating tensors in nested inputs/outputs to ``dtype`` (other values unchanged)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_floats(x, dtype) for x in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_floats(x, dtype) for x in obj)
-    if isinstance(obj, dict):
-        for k in list(obj.keys()):
-            obj[k] = _map_floats(obj[k], dtype)
-        return obj
-    return obj
+    return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
 
 
 class ElixirModule(nn.Module):
@@ -362,7 +343,7 @@ class ElixirModule(nn.Module):
         for c in chunks:
             c.unpin()
         if info.chunks and torch.is_grad_enabled():
-            tensors = _grad_tensors(output, [])
+            tensors = _grad_tensors(output)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, functools.partial(self._pre_backward, info), mode="any"
@@ -524,7 +505,7 @@ class ElixirModule(nn.Module):
             kwargs = _map_floats(kwargs, self.dtype)
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
-            tensors = _grad_tensors(out, [])
+            tensors = _grad_tensors(out)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
         elif not self._in_backward:
