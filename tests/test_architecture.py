@@ -218,3 +218,11 @@ def test_no_module_reads_another_modules_private_names():
             found.append(f"elixir/{rel}:{node.lineno}: .{node.attr}")
     assert not found, ("private names read across modules (make them public, or add a foreign one to "
                        "FOREIGN_PRIVATE with the reason):\n" + "\n".join(found))
+
+
+def test_readme_layout_lists_every_folder():
+    readme = open(os.path.join(os.path.dirname(ROOT), "README.md")).read()
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`elixir/([\w]+)/`", layout))
+    folders = {d for d in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, d)) and d != "__pycache__"}
+    assert listed == folders, f"README's layout table: missing {sorted(folders - listed)}, stale {sorted(listed - folders)}"
