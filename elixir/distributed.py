@@ -192,7 +192,6 @@ def _drain_at_exit() -> None:
     # handed to the gloo threads. Bounded: after a failure a peer may never join them.
     if _pending and is_initialized():
         drain(timeout_s=EXIT_DRAIN_TIMEOUT_S)
-    _pending.clear()
     time.sleep(EXIT_GIL_RELEASE_S)  # a gloo thread dropping a finished work's tensors gets the GIL now
 
 
