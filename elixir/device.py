@@ -358,6 +358,19 @@ def describe(device: Optional[torch.device] = None) -> str:
 _HOST_ALLOCATOR_TUNED = False
 
 
+def trim_host_memory() -> None:
+    """Give the free pages inside glibc's heap back to the OS (``malloc_trim(0)``, which also
+    releases whole free pages in the middle of the heap). For one-off phases that interleave
+    short-lived host buffers with long-lived ones (building chunks), where the holes the
+    short-lived ones leave would otherwise stay resident. A no-op where glibc is not the allocator."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def keep_host_memory() -> bool:
     """Ask glibc's malloc to keep freed host memory for reuse instead of returning it to the OS.
 

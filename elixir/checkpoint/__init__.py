@@ -30,13 +30,16 @@ anything in the model or optimizer is modified.
 **Where each part lives**: ``format.py`` (safetensors files, on the ``safetensors`` library),
 ``index.py`` (``index.json``, typed), ``atomic.py`` (the whole-directory commit), ``layout.py``
 (what of the model and optimizer a checkpoint holds), ``save.py``, ``load.py``, ``consolidate.py``,
-``errors.py`` (:class:`CheckpointError` and the one rule for raising it on every rank).
+``errors.py`` (:class:`CheckpointError` and the one rule for raising it on every rank),
+``pretrained.py`` (Hugging Face directories: :func:`load_pretrained` reads only each rank's rows,
+:func:`save_pretrained` writes the sharded HF layout one gathered chunk at a time).
 """
 
 from elixir.checkpoint.consolidate import consolidate
 from elixir.checkpoint.errors import CheckpointError
 from elixir.checkpoint.index import FORMAT, VERSION, Entry, Index
 from elixir.checkpoint.load import load
+from elixir.checkpoint.pretrained import LoadReport, load_pretrained, save_pretrained
 from elixir.checkpoint.save import save
 
-__all__ = ["CheckpointError", "save", "load", "consolidate", "FORMAT", "VERSION", "Index", "Entry"]
+__all__ = ["CheckpointError", "save", "load", "consolidate", "load_pretrained", "save_pretrained", "LoadReport", "FORMAT", "VERSION", "Index", "Entry"]

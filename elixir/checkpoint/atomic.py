@@ -19,19 +19,21 @@ from elixir.checkpoint.index import INDEX
 from elixir.fileio import fsync_dir
 
 
-def staging_dir(path: str) -> str:
+def staging_dir(path: str, markers: tuple[str, ...] = (INDEX,)) -> str:
     """Create and return a fresh staging directory for a checkpoint at ``path``, after removing
-    debris of earlier saves that crashed. Refuses to replace anything that is not a checkpoint."""
+    debris of earlier saves that crashed. Refuses to replace anything that is not a checkpoint:
+    an existing ``path`` must hold one of the files ``markers`` names (or be an empty directory)."""
     target = os.path.abspath(path)
     parent, name = os.path.split(target)
-    if os.path.exists(target) and not os.path.isfile(os.path.join(target, INDEX)):
+    whole = any(os.path.isfile(os.path.join(target, m)) for m in markers)
+    if os.path.exists(target) and not whole and not (os.path.isdir(target) and not os.listdir(target)):
         raise CheckpointError(
-            f"{target} exists and is not an elixir checkpoint (no {INDEX}); refusing to replace it — "
+            f"{target} exists and is not a checkpoint (none of {', '.join(markers)}); refusing to replace it — "
             "choose another path or remove it yourself"
         )
     os.makedirs(parent, exist_ok=True)
     debris = glob.glob(os.path.join(parent, f".{name}.tmp-*"))  # left by a save that crashed
-    if os.path.isfile(os.path.join(target, INDEX)):  # the target is whole: older copies are debris too
+    if whole:  # the target is whole: older copies are debris too
         debris += glob.glob(os.path.join(parent, f".{name}.old-*"))
     for stale in debris:
         shutil.rmtree(stale, ignore_errors=True)

@@ -33,6 +33,8 @@ from elixir.search.plan import Placement, dtype_from_name
 from elixir.tracer.hooks import borrowed_children, map_tensors, step_params, tensors_in
 from elixir.wrapper.fused_kernels import apply_fused_kernels
 from elixir.wrapper.param_map import ParamMap, ParamSlot
+from elixir.wrapper.hf_guard import guard_save_pretrained
+from elixir.wrapper.materialize import Materializer, agreed_seed, assign, has_meta_tensors
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
 from elixir.wrapper.state_dict import full_state_dict, load_full_state_dict
 
@@ -65,7 +67,10 @@ class ElixirModule(nn.Module):
 
     Args:
         module: the model (on CPU or the compute device; identical on every rank, or synced from
-            rank 0 with ``sync_module_states``).
+            rank 0 with ``sync_module_states``), or a model built on ``torch.device("meta")``:
+            then each chunk is materialised in turn with the model's own initialisers and each
+            rank keeps only its shards (:mod:`elixir.wrapper.materialize`; load weights after
+            with :func:`elixir.checkpoint.load_pretrained`).
         search_result: the plan (from ``minimum_waste_search`` or ``optimal_search``), or the path of
             a saved one (``elixir plan --out``, ``SearchResult.save``). Every rank must hold the same
             plan: construction checks that with one small all-gather and names the ranks that differ.
@@ -98,6 +103,10 @@ class ElixirModule(nn.Module):
             or ``torch.bfloat16``/``torch.float16`` to halve their bytes; CPUAdam/HybridAdam read
             them as they are, other optimizers get an fp32 copy of one chunk at a time). Default:
             the plan's ``grad_dtype`` (fp32 when it names none).
+        init_seed: seed of the initialisers of a meta-device model (default: drawn from the
+            global torch RNG on rank 0). The values depend only on the model and this seed, not on
+            the plan or the world size; :func:`elixir.wrapper.materialize.materialize` gives the
+            same values to a plain-torch copy.
     """
 
     def __init__(
@@ -116,6 +125,7 @@ class ElixirModule(nn.Module):
         offload_dir: Optional[str] = None,
         offload_direct: bool = False,
         grad_dtype: Optional[torch.dtype] = None,
+        init_seed: Optional[int] = None,
     ) -> None:
         super().__init__()
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -147,6 +157,9 @@ class ElixirModule(nn.Module):
         self.cache = BlockCache(search_result.cache_blocks, strict=strict_cache)
 
         named = dict(module.named_parameters())
+        self.materializer: Optional[Materializer] = None
+        if has_meta_tensors(module):
+            self.materializer = Materializer(module, agreed_seed(init_seed, process_group))
         if sync_module_states and self.world_size > 1:
             self._broadcast_non_chunked(named)
         self.chunks: list[Chunk] = []
@@ -158,6 +171,7 @@ class ElixirModule(nn.Module):
         self.offload_direct = offload_direct
         self.disk_store: Optional[DiskStore] = None
         self._build_chunks(named, sync_module_states)
+        guard_save_pretrained(self)  # the HF model's own save_pretrained would read released payloads
         self._chunk_params: list[list[int]] = self.param_map.by_chunk
         self.ledger.reset_peaks()
 
@@ -190,16 +204,22 @@ class ElixirModule(nn.Module):
         chunked = {n for c in self.plan.chunks for n in c.params}
         with torch.no_grad():
             for n, p in named.items():
-                if n not in chunked:
+                if n not in chunked and not p.is_meta:
                     edist.broadcast(p.data, 0, self.group)
             for b in self.module.buffers():
-                edist.broadcast(b.data, 0, self.group)
+                if not b.is_meta:
+                    edist.broadcast(b.data, 0, self.group)
 
     def _build_chunks(self, named: dict, sync: bool) -> None:
         plan = self.plan
         self.disk_store = store_for_plan(
             plan, self.ledger, self.rank, self.world_size, self.group, self.offload_dir, self.offload_direct
         )
+        mat = self.materializer
+        on_meta: list[tuple[nn.Parameter, nn.Parameter]] = []  # (meta param, its chunk view)
+        # one staging buffer for every chunk's flat values: allocated once, so the shards kept
+        # meanwhile are not interleaved with a freed temporary per chunk
+        staging = torch.empty(max((cp.chunk_size for cp in plan.chunks), default=0), dtype=torch.float32, device=self.device)
         for ci, cp in enumerate(plan.chunks):
             # At world size 1 a device shard is the whole chunk: keep it resident (gathering would
             # only copy it), exactly like a replicated chunk.
@@ -220,27 +240,40 @@ class ElixirModule(nn.Module):
                 pin_memory=bool(plan.info.get("pin_memory", True)),
             )
             chunk = Chunk(spec, self.ledger, self.group, streams=self.streams)
-            flat = torch.zeros(cp.chunk_size, dtype=torch.float32, device=self.device)
+            flat = staging[: cp.chunk_size].zero_()
             offset = 0
             members = []
             for name, shape in zip(cp.params, cp.shapes):
                 p = named[name]
                 n = p.numel()
-                flat[offset : offset + n].copy_(p.detach().reshape(-1))
+                src = mat.take(p) if p.is_meta else p.detach()
+                flat[offset : offset + n].copy_(src.reshape(-1))
+                del src
                 slot = self.param_map.add(p, name, ci, offset, shape)
                 members.append((p, slot))
                 offset += n
-            if sync and self.world_size > 1:
+            if sync and self.world_size > 1 and mat is None:  # meta values are computed alike on every rank
                 edist.broadcast(flat, 0, self.group)
             payload = chunk.init_from(flat)
             del flat
             for p, slot in members:
-                p.data = payload[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                view = payload[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                if p.is_meta:  # stays on meta (inert to later initialisers) until every chunk is built
+                    on_meta.append((p, nn.Parameter(view, requires_grad=p.requires_grad)))
+                else:
+                    p.data = view
             if sharded:
                 chunk.release()
             if spec.master_on_disk:
                 self.disk_store.register(chunk)
             self.chunks.append(chunk)
+            if mat is not None:  # construction stays within the shards plus the staging area
+                dev.trim_host_memory()
+        del staging
+        if mat is not None:
+            mat.finish(self.device, skip={id(p) for p, _ in on_meta})
+            for p, view in on_meta:
+                assign(p, view)
         self._move_rest_to_device()
         if self.dtype != torch.float32:
             with torch.no_grad():

@@ -23,7 +23,7 @@ class StateDictMismatch(RuntimeError):
     """A state dict's keys or shapes do not match the wrapped model."""
 
 
-def _chunk_values(em: ElixirModule, chunk) -> torch.Tensor:
+def chunk_values(em: ElixirModule, chunk) -> torch.Tensor:
     """The full fp32 values of ``chunk`` (gathered from the masters), on CPU."""
     full = torch.empty(chunk.spec.capacity, dtype=torch.float32, device=em.device)
     with staged(em.disk_store, [chunk.index], write_back=False):  # a disk master: read, not written
@@ -39,7 +39,7 @@ def full_state_dict(em: ElixirModule, rank0_only: bool = False) -> dict[str, tor
     keep = not rank0_only or em.rank == 0
     values: dict[int, torch.Tensor] = {}  # id(param) -> full value
     for chunk in em.chunks:
-        full = _chunk_values(em, chunk)
+        full = chunk_values(em, chunk)
         if keep:
             for i in em.param_map.chunk_params(chunk.index):
                 s = em.slots[i]

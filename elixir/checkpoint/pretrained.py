@@ -1,0 +1,362 @@
+"""Hugging Face checkpoint directories in and out of an ElixirModule, streamed shard by shard.
+
+``load_pretrained(path, model, strict=True)`` reads ``model.safetensors``, or the sharded files
+listed by ``model.safetensors.index.json``, into a wrapped model: each rank reads, through the
+``safetensors`` library's lazy slices, only the rows its own shards (and replicated chunks, frozen
+parameters and buffers) need, and converts dtypes on the fly (a bf16 checkpoint into fp32 masters).
+It works at any world size and with chunks whose master is on disk (staged one chunk at a time).
+Keys follow transformers: a tied weight saved once under either name fills every name; keys the
+model's ``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected`` patterns name,
+and the legacy ``rotary_emb.inv_freq`` / ``position_ids`` entries, are not reported; a checkpoint of
+the base model loads into a model with a head and vice versa (the ``base_model_prefix``). Every rank
+validates names, shapes and dtypes from the file headers first and agrees; with ``strict`` any
+missing or unexpected key raises :class:`~elixir.checkpoint.CheckpointError` on every rank, before
+anything is modified. Otherwise the report is returned, as ``load_state_dict`` returns it.
+
+``save_pretrained(path, model, max_shard_size="5GB", dtype=None)`` writes the layout
+``transformers.AutoModel*.from_pretrained`` reads: ``model.safetensors`` (one shard) or
+``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``, and ``config.json`` when
+the wrapped model has a config. Tied weights are saved once, under the source name
+``all_tied_weights_keys`` gives (otherwise the first name). Files are assigned to ranks in turn;
+for each file every rank takes part in gathering the chunks that cover it, one chunk at a time, and
+only the file's writer keeps the values, so no rank ever holds more than one file's tensors plus
+one gathered chunk (never the whole model). The directory is staged and renamed into place like
+:func:`~elixir.checkpoint.save`'s (:mod:`elixir.checkpoint.atomic`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from elixir.checkpoint import atomic
+from elixir.checkpoint.errors import CheckpointError, agree
+from elixir.checkpoint.format import Reader, write_tensors
+from elixir.fileio import fsync_file
+from elixir.offload.pipeline import staged
+from elixir.wrapper.module import ElixirModule
+from elixir.wrapper.state_dict import chunk_values
+
+__all__ = ["load_pretrained", "save_pretrained", "LoadReport", "SAFE_WEIGHTS", "SAFE_INDEX"]
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+_LEGACY_UNEXPECTED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
+
+# safetensors' dtype codes, as ``get_slice(k).get_dtype()`` reports them
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What :func:`load_pretrained` found, in transformers' terms (keys of the wrapped model)."""
+
+    missing_keys: list = field(default_factory=list)
+    unexpected_keys: list = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# what the model holds, under HF's key conventions
+
+
+def _model_keys(em: ElixirModule) -> dict[str, list[str]]:
+    """State-dict keys of each distinct tensor, grouped: first key -> every key naming it."""
+    names: dict[int, list[str]] = {}
+    for k, t in em.module.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(k)
+    return {ks[0]: ks for ks in names.values()}
+
+
+def _tensors(em: ElixirModule) -> dict[str, torch.Tensor]:
+    return dict(em.module.state_dict(keep_vars=True))
+
+
+def _patterns(model, attr: str) -> list[str]:
+    pats = getattr(model, attr, None) or ()
+    return [p for p in pats]
+
+
+def _matches(key: str, pats: list[str]) -> bool:
+    return any(re.search(p, key) for p in pats)
+
+
+def _saved_name(em: ElixirModule, keys: list[str]) -> str:
+    """The one name a tied tensor is saved under: the tie's source if the model names one."""
+    tied = getattr(em.module, "all_tied_weights_keys", None) or {}
+    for k in keys:
+        if k not in tied:
+            return k
+    return keys[0]
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """Bytes in ``size``: an int, or a string such as "5GB", "500MB", "2GiB" (as transformers)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B)\s*", str(size), re.I)
+    if not m:
+        raise ValueError(f"max_shard_size {size!r}: give bytes (int) or a string like '5GB' or '500MB'")
+    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    return int(float(m.group(1)) * units[m.group(2).lower()])
+
+
+# --------------------------------------------------------------------------------------------
+# saving
+
+
+def save_pretrained(
+    path: str,
+    model: ElixirModule,
+    max_shard_size: Union[int, str] = "5GB",
+    dtype: Optional[torch.dtype] = None,
+) -> None:
+    """Write ``model`` as a Hugging Face checkpoint directory at ``path`` (see the module
+    docstring), with floating tensors in ``dtype`` (default: chunked parameters as their fp32
+    masters, other tensors as they are). Collective: call on every rank."""
+    if not isinstance(model, ElixirModule):
+        raise TypeError("save_pretrained needs the ElixirModule")
+    em = model
+    limit = parse_size(max_shard_size)
+    tensors = _tensors(em)
+    keys = [_saved_name(em, ks) for ks in _model_keys(em).values()]
+    ignore = _patterns(em.module, "_keys_to_ignore_on_save")
+    keys = [k for k in keys if not _matches(k, ignore)]
+    slot_of = {s.name: s for s in em.slots}
+    pname = {id(em.params[s.index]): s.name for s in em.slots}
+
+    def out_dtype(k: str) -> torch.dtype:
+        t = tensors[k]
+        base = torch.float32 if id(t) in pname else t.dtype
+        return dtype if dtype is not None and t.is_floating_point() else base
+
+    # shards in state-dict order, a new file when the next tensor would pass the limit (as HF)
+    files: list[list[str]] = [[]]
+    size = 0
+    for k in keys:
+        n = tensors[k].numel() * torch.empty((), dtype=out_dtype(k)).element_size()
+        if files[-1] and size + n > limit:
+            files.append([])
+            size = 0
+        files[-1].append(k)
+        size += n
+    nfiles = len(files)
+    names = [SAFE_WEIGHTS] if nfiles == 1 else [f"model-{i + 1:05d}-of-{nfiles:05d}.safetensors" for i in range(nfiles)]
+
+    tmp, error = None, None
+    if em.rank == 0:
+        try:
+            tmp = atomic.staging_dir(path, markers=(CONFIG, SAFE_WEIGHTS, SAFE_INDEX))
+        except (OSError, CheckpointError) as e:
+            error = str(e)
+    tmp = agree(em.group, em.world_size, error, tmp)[0]
+    try:
+        error = None
+        em.cache.release_all()
+        for fi, fkeys in enumerate(files):
+            writer = fi % em.world_size
+            mine = em.rank == writer
+            out: dict[str, torch.Tensor] = {}
+            by_chunk: dict[int, list[str]] = {}
+            for k in fkeys:
+                t = tensors[k]
+                if id(t) in pname:
+                    by_chunk.setdefault(slot_of[pname[id(t)]].chunk, []).append(k)
+                elif mine:
+                    out[k] = t.detach().to("cpu", out_dtype(k)).contiguous()
+            for ci in sorted(by_chunk):  # one gathered chunk at a time (collective)
+                full = chunk_values(em, em.chunks[ci])
+                if mine:
+                    for k in by_chunk[ci]:
+                        s = slot_of[pname[id(tensors[k])]]
+                        out[k] = full[s.offset : s.offset + s.numel].view(s.shape).to(out_dtype(k), copy=True)
+                del full
+            if mine and error is None:
+                try:
+                    write_tensors(os.path.join(tmp, names[fi]), {k: out[k] for k in fkeys})
+                except (OSError, CheckpointError) as e:
+                    error = f"writing {names[fi]} failed: {e}"
+            del out
+        agree(em.group, em.world_size, error)
+        if em.rank == 0:
+            try:
+                _write_meta(tmp, em, files, names, tensors, out_dtype, dtype)
+                atomic.commit(tmp, path)
+            except OSError as e:
+                error = f"could not write the checkpoint's index or move it into place at {path}: {e}"
+        agree(em.group, em.world_size, error)
+    except BaseException:
+        if em.rank == 0 and tmp and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_meta(tmp, em, files, names, tensors, out_dtype, dtype) -> None:
+    if len(files) > 1:
+        total = sum(tensors[k].numel() * torch.empty((), dtype=out_dtype(k)).element_size() for f in files for k in f)
+        index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for i, f in enumerate(files) for k in f}}
+        p = os.path.join(tmp, SAFE_INDEX)
+        with open(p, "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+        fsync_file(p)
+    config = getattr(em.module, "config", None)
+    if config is not None and hasattr(config, "to_json_file"):
+        if dtype is not None:  # from_pretrained(dtype="auto") should get the saved dtype
+            config = copy.deepcopy(config)
+            config.dtype = dtype
+        config.to_json_file(os.path.join(tmp, CONFIG))
+        fsync_file(os.path.join(tmp, CONFIG))
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def _checkpoint_files(root: str) -> dict[str, str]:
+    """Saved key -> file name."""
+    idx = os.path.join(root, SAFE_INDEX)
+    if os.path.isfile(idx):
+        with open(idx) as f:
+            try:
+                return dict(json.load(f)["weight_map"])
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"{idx} is not a safetensors index ({e})") from None
+    single = os.path.join(root, SAFE_WEIGHTS)
+    if os.path.isfile(single):
+        reader = Reader(root)
+        return {k: SAFE_WEIGHTS for k in reader.handle(SAFE_WEIGHTS).keys()}
+    raise CheckpointError(
+        f"{root} holds neither {SAFE_WEIGHTS} nor {SAFE_INDEX}: not a Hugging Face safetensors checkpoint "
+        "(convert .bin weights with transformers first)"
+    )
+
+
+def _prefix_map(em: ElixirModule, saved: dict[str, str], model_keys: set[str]) -> dict[str, str]:
+    """Model key -> saved key, adding or removing the ``base_model_prefix`` when that is what
+    makes the names meet (a base model's checkpoint into a model with a head, and back)."""
+    direct = {k: k for k in saved if k in model_keys}
+    prefix = getattr(em.module, "base_model_prefix", "") or ""
+    if not prefix or len(direct) == len(saved):
+        return direct
+    add = {f"{prefix}.{k}": k for k in saved if f"{prefix}.{k}" in model_keys}
+    strip = {k[len(prefix) + 1:]: k for k in saved if k.startswith(prefix + ".") and k[len(prefix) + 1:] in model_keys}
+    return max((direct, add, strip), key=len)
+
+
+def load_pretrained(path: str, model: ElixirModule, strict: bool = True) -> LoadReport:
+    """Load the Hugging Face checkpoint directory ``path`` into ``model`` (see the module
+    docstring). Collective: call on every rank. Returns the missing and unexpected keys."""
+    if not isinstance(model, ElixirModule):
+        raise TypeError("load_pretrained needs the ElixirModule")
+    em = model
+    error, plan, report = None, None, None
+    try:
+        plan, report = _plan_load(os.path.abspath(path), em, strict)
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # a corrupt header, an unreadable file: the same error on every rank
+        error = f"reading the checkpoint at {path} failed: {type(e).__name__}: {e}"
+    agree(em.group, em.world_size, error)
+    _apply(em, *plan)
+    return report
+
+
+def _plan_load(root: str, em: ElixirModule, strict: bool):
+    if not os.path.isdir(root):
+        raise CheckpointError(f"no checkpoint directory at {root}")
+    saved = _checkpoint_files(root)
+    groups = _model_keys(em)
+    tensors = _tensors(em)
+    all_keys = {k for ks in groups.values() for k in ks}
+    to_saved = _prefix_map(em, saved, all_keys)
+    used_saved = set()
+    source: dict[str, tuple[str, str]] = {}  # first model key -> (file, saved key)
+    missing = []
+    for first, ks in groups.items():
+        hit = next((k for k in ks if k in to_saved), None)
+        if hit is None:
+            missing.extend(ks)
+            continue
+        for k in ks:
+            if k in to_saved:
+                used_saved.add(to_saved[k])
+        sk = to_saved[hit]
+        source[first] = (saved[sk], sk)
+    unexpected = [k for k in saved if k not in used_saved]
+    missing = [k for k in missing if not _matches(k, _patterns(em.module, "_keys_to_ignore_on_load_missing"))]
+    tied = getattr(em.module, "all_tied_weights_keys", None) or {}
+    missing = [k for k in missing if k not in tied]  # a tie's target is filled by its source
+    skip_unexpected = _patterns(em.module, "_keys_to_ignore_on_load_unexpected") + list(_LEGACY_UNEXPECTED)
+    unexpected = [k for k in unexpected if not _matches(k, skip_unexpected)]
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"the checkpoint at {root} does not match the model: missing keys {sorted(missing)[:12]}"
+            f"{' ...' if len(missing) > 12 else ''}, unexpected keys {sorted(unexpected)[:12]}"
+            f"{' ...' if len(unexpected) > 12 else ''} (pass strict=False to load the keys that match)"
+        )
+    reader = Reader(root)
+    problems = []
+    for first, (fname, sk) in source.items():
+        sl = reader.handle(fname).get_slice(sk)
+        shape, want = tuple(sl.get_shape()), tuple(tensors[first].shape)
+        if shape != want:
+            problems.append(f"{sk}: shape {shape} in the checkpoint, {want} in the model")
+        got = _DTYPES.get(sl.get_dtype())
+        if got is None or got.is_floating_point != tensors[first].is_floating_point():
+            problems.append(f"{sk}: dtype {sl.get_dtype()} in the checkpoint cannot fill a {tensors[first].dtype} tensor")
+    if problems:
+        raise CheckpointError("the checkpoint does not fit the model: " + "; ".join(problems[:8]))
+    return (reader, source, tensors), LoadReport(sorted(missing), sorted(unexpected))
+
+
+def _rows(reader: Reader, fname: str, key: str, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of the flattened tensor ``key``, reading only the rows that hold them."""
+    sl = reader.handle(fname).get_slice(key)
+    shape = list(sl.get_shape())
+    if len(shape) == 0:
+        return sl[:].reshape(-1)[start:end]
+    row = 1
+    for d in shape[1:]:
+        row *= d
+    r0, r1 = start // row, -(-end // row)
+    return sl[r0:r1].reshape(-1)[start - r0 * row : end - r0 * row]
+
+
+def _apply(em: ElixirModule, reader: Reader, source: dict, tensors: dict) -> None:
+    pname = {id(em.params[s.index]): s for s in em.slots}
+    by_param = {pname[id(tensors[k])].index: v for k, v in source.items() if id(tensors[k]) in pname}
+    with torch.no_grad():
+        em.cache.release_all()  # gathered payloads would be stale
+        for first, (fname, sk) in source.items():  # frozen parameters and buffers: whole, every rank
+            t = tensors[first]
+            if id(t) not in pname:
+                t.copy_(reader.handle(fname).get_tensor(sk).to(t.dtype))
+        for chunk in em.chunks:
+            spec = chunk.spec
+            lo, hi = spec.shard_offset, spec.shard_offset + spec.shard_numel
+            todo = [i for i in em._chunk_params[chunk.index] if i in by_param]
+            if not todo:
+                continue
+            with staged(em.disk_store, [chunk.index]):  # a disk master: staged, written back
+                for i in todo:
+                    s = em.slots[i]
+                    a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+                    if a >= b:
+                        continue
+                    fname, sk = by_param[i]
+                    src = _rows(reader, fname, sk, a - s.offset, b - s.offset)
+                    chunk.master[a - lo : b - lo].copy_(src)  # converts (bf16 file -> fp32 master)
+                    if chunk.shard is not chunk.master:
+                        chunk.shard[a - lo : b - lo].copy_(src)
