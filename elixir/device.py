@@ -364,8 +364,6 @@ def trim_host_memory() -> None:
     short-lived host buffers with long-lived ones (building chunks), where the holes the
     short-lived ones leave would otherwise stay resident. A no-op where glibc is not the allocator."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass

@@ -44,6 +44,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from elixir import distributed as edist
+
 _INT_SENTINEL = -(2**31) + 7  # fills integer tensors before init; a value still equal was never written
 
 
@@ -60,8 +62,6 @@ def agreed_seed(seed: Optional[int], group=None) -> int:
     """The initialisation seed every rank uses: ``seed``, or one drawn from the global torch RNG
     (so ``torch.manual_seed`` makes builds reproducible) and taken from rank 0. Collective when
     the group has more than one rank."""
-    from elixir import distributed as edist
-
     value = int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item())
     if edist.get_world_size(group) > 1:
         t = torch.tensor([value], dtype=torch.int64)
