@@ -265,3 +265,20 @@ def test_meta_construction_memory_small():
 @pytest.mark.dist
 def test_meta_construction_memory_1b():
     _check_memory(MEM_1B)
+
+
+def test_plan_host_prediction_includes_construction_staging(monkeypatch):
+    from elixir.search import cost_model, optimal_search
+
+    model = _hf("llama-7b", "meta")
+
+    def plan():
+        return optimal_search(model, 2, device_memory=2**34, host_memory=2**34, disk=2**34)
+
+    with_staging = plan()
+    monkeypatch.setattr(cost_model, "CONSTRUCTION_STAGING", 0)
+    without = plan()
+    assert [c.chunk_size for c in with_staging.chunks] == [c.chunk_size for c in without.chunks]
+    largest = max(c.chunk_size for c in with_staging.chunks)
+    extra = with_staging.prediction.peak_host_bytes - without.prediction.peak_host_bytes
+    assert extra == 2 * largest * 4  # two fp32 chunks: the staging flat and one unit's values

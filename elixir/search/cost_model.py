@@ -27,6 +27,8 @@ that fits. A sharded tied chunk keeps its shard and optimizer state on the devic
   together (the runtime then uses one tensor); ``g`` is the shard gradient's element size (4 in
   fp32, 2 with bf16/fp16 ``grad_dtype``), and 0 with the fused backward-and-step, which frees each
   chunk's gradient as soon as it has stepped the chunk (:mod:`elixir.wrapper.backward_step`);
+- host, fixed: :func:`construction_staging_bytes`, the chunks staged while the model is
+  materialised from meta or loaded (:data:`CONSTRUCTION_STAGING` fp32 chunks);
 - a safety margin (:class:`MemoryPolicy`) is held back from each budget for allocator
   fragmentation and workspaces that the tracer does not see.
 
@@ -60,6 +62,7 @@ from elixir.search.step_profile import BACKWARD, StepProfile
 
 ALIGN = 16  # elements per rank a shard is aligned to (as minimum_waste_search)
 DISK_STAGING = 2  # disk chunks whose master + state are in host memory at once (offload/pipeline.py)
+CONSTRUCTION_STAGING = 2  # fp32 chunks staged while building or loading (wrapper/materialize.py, checkpoint/pretrained.py)
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "cpuadam": 8, "sgd": 4, "none": 0}
 
@@ -306,6 +309,14 @@ def per_chunk_bytes(st: Setting, shard: int) -> dict[str, tuple[int, int, int]]:
     }
 
 
+def construction_staging_bytes(layout: Layout) -> int:
+    """Host bytes staged while the model is built or loaded: :data:`CONSTRUCTION_STAGING` chunks
+    of fp32 values (the flat a chunk is assembled in, and the values of one initialisation unit
+    of a meta-built model or the rows ``load_pretrained`` reads for it). Counted as held for the
+    whole run: a conservative upper bound, since the optimizer's disk staging comes later."""
+    return CONSTRUCTION_STAGING * max(layout.capacities, default=0) * 4
+
+
 def staging_bytes(st: Setting, shard: int, disk_chunks: int) -> int:
     """Host bytes that stream the optimizer state of ``disk_chunks`` disk chunks."""
     return min(int(disk_chunks), DISK_STAGING) * shard * (4 + st.opt_bytes)
@@ -484,6 +495,7 @@ def place(
     repl_any = any(not s for s in layout.sharded)
     for rwhere in ("D", "H") if repl_any else ("D",):
         rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
+        rh += construction_staging_bytes(layout)
         dev_free = dev_budget - base_dev - rd
         host_free = host_budget - rh - (base_dev + rd if unified else 0)
         if dev_free < 0 or host_free < 0:
@@ -674,6 +686,7 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     cb, ct = per_chunk_bytes(st, shard), per_chunk_fixed_time(st, shard)
     fixed = fixed_device_bytes(profile, lay, st, blocks)
     rd, rh = replicated_optimizer_bytes(lay, st, rwhere)
+    rh += construction_staging_bytes(lay)
     hw = st.hardware
     repl_numel = sum(c.chunk_size for c in repl)
     t_repl = replicated_optimizer_time(st, repl_numel, rwhere)
