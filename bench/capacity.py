@@ -1,0 +1,308 @@
+"""The largest LLaMA-style model each system trains on this machine (batch 1, seq 256, 3 steps).
+
+Systems: (a) plain torch AdamW fp32, (b) plain torch bf16 autocast, (c) FSDP2 with
+``CPUOffloadPolicy``, (d) DeepSpeed ZeRO-3 with NVMe offload (or CPU offload when its async-I/O op
+cannot be built; the error is recorded), (e) elixir built on meta with ``optimal_search`` placing
+every chunk (disk included). A size passes when 3 steps finish with finite, falling losses under
+the memory cap. Sizes come from a ladder of LLaMA configs; each system's largest passing rung is
+found by bisection (training memory grows with the rung).
+
+Every trial runs in its own process, watched by this one: when the trial's resident memory passes
+``--mem-cap`` it is killed (an OOM fails cleanly instead of taking the box down). Free disk is
+checked first; each trial's offload directory is removed after it. Prints a rich table: largest
+size, step time, peak RSS, disk bytes read and written per step, and what stopped the next rung.
+
+    python bench/capacity.py                       # all systems, the full ladder (long: hours)
+    python bench/capacity.py --tiny --systems a,e  # a smoke test at toy sizes (a minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+SYSTEMS = {
+    "a": "torch fp32 AdamW",
+    "b": "torch bf16 autocast",
+    "c": "FSDP2 CPUOffloadPolicy",
+    "d": "DeepSpeed ZeRO-3 offload",
+    "e": "elixir (meta, optimal_search)",
+}
+# (hidden, layers): parameters grow roughly 12 * hidden^2 * layers
+LADDER = [(1024, 8), (1536, 12), (2048, 16), (2048, 22), (2560, 24), (3072, 26), (3584, 28), (4096, 30),
+          (4096, 36), (5120, 36), (5120, 44), (6144, 44), (6656, 52), (7168, 56), (8192, 60)]
+TINY = [(64, 1), (64, 2), (128, 2), (128, 4)]
+GIB = 2**30
+
+
+def llama_config(hidden: int, layers: int, vocab: int = 32000):
+    from transformers import LlamaConfig
+
+    heads = max(1, hidden // 128)
+    return LlamaConfig(hidden_size=hidden, intermediate_size=max(64, int(hidden * 8 / 3) // 64 * 64),
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                       vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+def n_params(hidden: int, layers: int, vocab: int) -> int:
+    inter = max(64, int(hidden * 8 / 3) // 64 * 64)
+    return layers * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) + 2 * vocab * hidden + hidden
+
+
+# --------------------------------------------------------------------------------------------
+# one trial (in its own process)
+
+
+def _io() -> tuple[int, int]:
+    with open("/proc/self/io") as f:
+        d = dict(line.split(": ") for line in f.read().splitlines())
+    return int(d["read_bytes"]), int(d["write_bytes"])
+
+
+def _build(system: str, cfg, offload: str, mem_cap: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if system in ("a", "b"):
+        model = AutoModelForCausalLM.from_config(cfg).train()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if system == "c":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg).train()
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        model.to_empty(device="cpu")
+        model.initialize_weights()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if system == "d":
+        import deepspeed  # noqa: F401  (raises ImportError: recorded as the reason)
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = AutoModelForCausalLM.from_config(cfg).train()
+        base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                "zero_optimization": {"stage": 3}}
+        try:
+            ds = dict(base)
+            ds["zero_optimization"] = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": offload},
+                                       "offload_optimizer": {"device": "nvme", "nvme_path": offload}}
+            engine, opt, _, _ = deepspeed.initialize(model=model, config=ds)
+            return engine, ("deepspeed", "nvme")
+        except Exception as e:  # the async-I/O op does not build here: fall back to CPU offload
+            print(json.dumps({"note": f"NVMe offload failed ({type(e).__name__}: {str(e)[:300]}); CPU offload"}))
+            ds = dict(base)
+            ds["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+            engine, opt, _, _ = deepspeed.initialize(model=model, config=ds)
+            return engine, ("deepspeed", "cpu")
+    if system == "e":
+        from elixir.optim import HybridAdam
+        from elixir.search import optimal_search
+        from elixir.wrapper import ElixirModule, ElixirOptimizer
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg).train()
+        batch = {"input_ids": torch.zeros(1, 256, dtype=torch.long)}
+
+        def step_fn(m, b):
+            loss = m(input_ids=b["input_ids"], labels=b["input_ids"]).loss
+            loss.backward()
+            return loss
+
+        free = shutil.disk_usage(offload).free
+        plan = optimal_search(model, 1, inp=batch, step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap,
+                              disk=int(free * 0.9))
+        em = ElixirModule(model, plan, offload_dir=offload)
+        return em, ElixirOptimizer(em, HybridAdam(em.parameters(), lr=1e-4))
+    raise ValueError(system)
+
+
+def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: int, offload: str, mem_cap: int) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    cfg = llama_config(hidden, layers, vocab)
+    model, opt = _build(system, cfg, offload, mem_cap)
+    ids = torch.randint(0, vocab, (1, seq))
+    losses, times, io = [], [], []
+    for _ in range(steps):
+        r0, w0 = _io()
+        t0 = time.perf_counter()
+        if isinstance(opt, tuple):  # DeepSpeed's engine steps itself
+            loss = model(input_ids=ids, labels=ids).loss
+            model.backward(loss)
+            model.step()
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=system == "b"):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        r1, w1 = _io()
+        io.append((r1 - r0, w1 - w0))
+        losses.append(float(loss))
+    ok = all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    later = io[1:] or io
+    return {
+        "ok": ok, "losses": losses, "step_s": sum(times[1:]) / max(1, len(times) - 1),
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "read_per_step": sum(r for r, _ in later) // len(later), "written_per_step": sum(w for _, w in later) // len(later),
+        "reason": "" if ok else f"losses not finite and falling: {losses}",
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# the driver
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return total
+
+
+def run_trial(args, system: str, rung: tuple[int, int]) -> dict:
+    offload = tempfile.mkdtemp(prefix=f"capacity-{system}-", dir=args.offload_dir)
+    cmd = [sys.executable, os.path.abspath(__file__), "--trial", system, "--rung", f"{rung[0]}x{rung[1]}",
+           "--vocab", str(args.vocab), "--seq", str(args.seq), "--steps", str(args.steps),
+           "--trial-dir", offload, "--mem-cap", str(args.mem_cap)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
+               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    peak, killed = 0, False
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        while proc.poll() is None:
+            rss = _tree_rss(proc.pid)
+            peak = max(peak, rss)
+            if rss > args.mem_cap * GIB or time.monotonic() - t0 > args.timeout:
+                killed = "memory" if rss > args.mem_cap * GIB else "timeout"
+                os.killpg(proc.pid, 9)
+                break
+            time.sleep(0.2)
+        out, err = proc.communicate()
+    finally:
+        shutil.rmtree(offload, ignore_errors=True)
+    if killed:
+        return {"ok": False, "reason": f"killed: RSS passed the {args.mem_cap:g} GiB cap" if killed == "memory"
+                else f"killed after {args.timeout} s", "peak_rss": peak}
+    result, notes = None, []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            if "note" in d:
+                notes.append(d["note"])
+            else:
+                result = d
+    if result is None:
+        last = (err.strip().splitlines() or ["(no output)"])[-1]
+        return {"ok": False, "reason": last[:300], "peak_rss": peak, "notes": notes}
+    result["notes"] = notes
+    return result
+
+
+def search(args, system: str, ladder: list) -> dict:
+    lo, hi, best, fail = 0, len(ladder) - 1, None, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        r = run_trial(args, system, ladder[mid])
+        r["rung"] = ladder[mid]
+        print(f"  {SYSTEMS[system]}: {ladder[mid]} -> {'ok' if r['ok'] else 'FAIL: ' + r['reason']}", flush=True)
+        if r["ok"]:
+            best, lo = r, mid + 1
+        else:
+            fail, hi = r, mid - 1
+    return {"best": best, "first_fail": fail}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default="a,b,c,d,e")
+    p.add_argument("--tiny", action="store_true", help="toy sizes (a smoke test)")
+    p.add_argument("--mem-cap", type=float, default=None, help="GiB (default: 90%% of this machine's RAM)")
+    p.add_argument("--offload-dir", default=tempfile.gettempdir())
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per trial")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--trial", help=argparse.SUPPRESS)
+    p.add_argument("--rung", help=argparse.SUPPRESS)
+    p.add_argument("--trial-dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.mem_cap is None:
+        args.mem_cap = 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    if args.trial:
+        h, layers = (int(x) for x in args.rung.split("x"))
+        r = trial(args.trial, h, layers, args.vocab, args.seq, args.steps, args.trial_dir, int(args.mem_cap * GIB))
+        print(json.dumps(r), flush=True)
+        return
+    ladder = TINY if args.tiny else LADDER
+    if args.tiny:
+        args.vocab = min(args.vocab, 512)
+    largest = n_params(*ladder[-1], args.vocab)
+    free = shutil.disk_usage(args.offload_dir).free
+    need = 16 * largest  # fp32 master + Adam moments of the largest rung, the most any system offloads
+    if free < need:
+        sys.exit(f"capacity: {args.offload_dir} has {free / GIB:.1f} GiB free; the ladder's largest rung needs up to "
+                 f"{need / GIB:.1f} GiB of offload space. Free some, pass --offload-dir elsewhere, or use --tiny.")
+    results = {}
+    for s in args.systems.split(","):
+        print(f"{SYSTEMS[s]}:", flush=True)
+        results[s] = search(args, s, ladder)
+    _report(results, args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({s: r for s, r in results.items()}, f, indent=2, default=str)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _report(results: dict, args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"Largest LLaMA-style model trained (batch 1, seq {args.seq}, {args.steps} steps, cap {args.mem_cap:.1f} GiB)")
+    for col in ("system", "largest", "params", "step (s)", "peak RSS", "disk read/step", "disk written/step", "stopped by"):
+        t.add_column(col)
+    for s, r in results.items():
+        b, f = r["best"], r["first_fail"]
+        why = (f or {}).get("reason", "the ladder's top") if f else "the ladder's top"
+        if b is None:
+            t.add_row(SYSTEMS[s], "none", "", "", "", "", "", why)
+            continue
+        h, layers = b["rung"]
+        t.add_row(SYSTEMS[s], f"h{h} L{layers}", _count(n_params(h, layers, args.vocab)), f"{b['step_s']:.2f}",
+                  f"{b['peak_rss'] / GIB:.2f} GiB", f"{b['read_per_step'] / GIB:.2f} GiB",
+                  f"{b['written_per_step'] / GIB:.2f} GiB", why + ("; " + "; ".join(b.get("notes", [])) if b.get("notes") else ""))
+    Console().print(t)
+
+
+if __name__ == "__main__":
+    main()
