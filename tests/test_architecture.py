@@ -183,6 +183,7 @@ FOREIGN_PRIVATE = {
     "_get_obj_in_tls": "torch._C thread-local state (see elixir/distributed.py)",
     "_remove_obj_from_tls": "torch._C thread-local state (see elixir/distributed.py)",
     "_stash_obj_in_tls": "torch._C thread-local state (see elixir/distributed.py)",
+    "_init_weights": "transformers PreTrainedModel: the per-module initialiser post_init runs (wrapper/materialize.py)",
 }
 
 

@@ -346,7 +346,7 @@ def _apply(em: ElixirModule, reader: Reader, source: dict, tensors: dict) -> Non
         for chunk in em.chunks:
             spec = chunk.spec
             lo, hi = spec.shard_offset, spec.shard_offset + spec.shard_numel
-            todo = [i for i in em._chunk_params[chunk.index] if i in by_param]
+            todo = [i for i in em.param_map.by_chunk[chunk.index] if i in by_param]
             if not todo:
                 continue
             with staged(em.disk_store, [chunk.index]):  # a disk master: staged, written back
