@@ -195,3 +195,57 @@ def test_example_and_bench_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "efficiency vs dd" in r.stdout and "RSS saved" in r.stdout
     assert os.listdir(tmp_path) == []  # every file was private to its run
+
+
+def test_a_failed_write_loses_nothing(tmp_path):
+    """A full disk while writing a bucket back: the step raises, naming the fix; the bucket's
+    stepped moments stay in memory and reach the disk on the retry; no value is lost or stale."""
+    import errno
+
+    def params():
+        g = torch.Generator().manual_seed(0)
+        return [nn.Parameter(torch.randn(640, generator=g)) for _ in range(3)]
+
+    def grads(step):
+        g = torch.Generator().manual_seed(10 + step)
+        return [torch.randn(640, generator=g) for _ in range(3)]
+
+    ref_p = params()
+    ref = CPUAdam(ref_p, lr=1e-2)
+    snapshots = []
+    for step in range(3):
+        for p, gr in zip(ref_p, grads(step)):
+            p.grad = gr
+        ref.step()
+        snapshots.append({i: {k: v.clone() for k, v in ref.state[p].items()} for i, p in enumerate(ref_p)})
+
+    ps = params()
+    opt = CPUAdam(ps, lr=1e-2, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path), nvme_offload_bucket_numel=640)
+    for step in range(2):
+        for p, gr in zip(ps, grads(step)):
+            p.grad = gr
+        opt.step()
+    assert len(opt.nvme.buckets) == 3
+    io = opt.nvme.store.io
+    real_write, calls = io.write, []
+
+    class Full:
+        def wait(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def write_failing_once(f, offset, t):  # the second bucket's first flat, once
+        calls.append(offset)
+        return Full() if len(calls) == 3 else real_write(f, offset, t)
+
+    io.write = write_failing_once
+    for p, gr in zip(ps, grads(2)):
+        p.grad = gr
+    with pytest.raises(OSError, match="free space in") as err:
+        opt.step()
+    assert err.value.errno == errno.ENOSPC and "its values stay in memory" in str(err.value)
+    io.write = real_write
+    sd = opt.state_dict()["state"]
+    # buckets 0 and 1 were stepped (1's failed write was retried), bucket 2 was not reached
+    for i, want in ((0, snapshots[2][0]), (1, snapshots[2][1]), (2, snapshots[1][2])):
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(sd[i][k], want[k]), (i, k)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -48,9 +49,9 @@ class DiskState(enum.Enum):
 
 _MOVES = {
     DiskState.OFFLOADED: {DiskState.READING},
-    DiskState.READING: {DiskState.RESIDENT},
+    DiskState.READING: {DiskState.RESIDENT, DiskState.OFFLOADED},  # OFFLOADED: the read failed
     DiskState.RESIDENT: {DiskState.WRITING, DiskState.OFFLOADED},
-    DiskState.WRITING: {DiskState.OFFLOADED},
+    DiskState.WRITING: {DiskState.OFFLOADED, DiskState.RESIDENT},  # RESIDENT: the write failed
 }
 
 
@@ -228,12 +229,29 @@ class DiskStore:
                 h.wait()
             except Exception as e:  # wait for every transfer before touching the buffers
                 error = error or e
+        if error is not None:
+            # nothing is lost: a failed read leaves the disk copy as the truth (buffers dropped), a
+            # failed write keeps the chunk staged in memory (the disk copy is stale)
+            failed_read = rec.state is DiskState.READING
+            if failed_read:
+                self._drop(rec, DiskState.OFFLOADED)
+            elif rec.state is DiskState.WRITING:
+                self._move(rec, DiskState.RESIDENT)
+            full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+            fix = (
+                f"free space in {os.path.dirname(self.path)!r} or point the offload directory at a larger disk"
+                if full else "check the disk holding the offload directory"
+            )
+            message = (
+                f"offload file {self.path!r}: {'reading' if failed_read else 'writing'} chunk {index} failed ({error}); "
+                f"{'the disk copy is unchanged' if failed_read else 'its values stay in memory'}; {fix}"
+            )
+            code = getattr(error, "errno", None)
+            raise (OSError(code, message) if code is not None else OSError(message)) from error
         if rec.state is DiskState.READING:
             self._move(rec, DiskState.RESIDENT)
         elif rec.state is DiskState.WRITING:
             self._drop(rec, DiskState.OFFLOADED)
-        if error is not None:
-            raise OSError(f"offload file {self.path!r}: transfer of chunk {index} failed: {error}") from error
 
     def _drop(self, rec: DiskChunk, new: DiskState) -> None:
         self._move(rec, new)

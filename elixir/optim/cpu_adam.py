@@ -186,10 +186,10 @@ class CPUAdam(torch.optim.Optimizer):
                 if not on_disk:  # an offloaded parameter's moments start as zeros in the file
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            if on_disk:
+            if on_disk:  # counted when its last piece is stepped (a failed step leaves it as it was)
                 disk[id(p)] = i
             else:
+                state["step"] += 1
                 buckets[(gi, int(state["step"].item()))].append(i)
         for (gi, step), idx in buckets.items():
             self._run_kernel(
@@ -208,7 +208,7 @@ class CPUAdam(torch.optim.Optimizer):
                 calls: Dict[Tuple[int, int], List[Tuple[int, Any]]] = defaultdict(list)
                 for s in segments:
                     i = disk[id(s.param)]
-                    calls[(group_of[id(s.param)], int(self.state[s.param]["step"].item()))].append((i, s))
+                    calls[(group_of[id(s.param)], int(self.state[s.param]["step"].item()) + 1)].append((i, s))
                 for (gi, step), items in calls.items():
                     ps, gs, ms, vs, os_ = [], [], [], [], []
                     for i, s in items:
@@ -219,6 +219,9 @@ class CPUAdam(torch.optim.Optimizer):
                         o = out_lowps[i]
                         os_.append(None if o is None else o.view(-1)[s.start : s.end])
                     self._run_kernel(gi, step, ps, gs, ms, vs, os_, div_scale)
+                for s in segments:
+                    if s.end == s.param.numel():
+                        self.state[s.param]["step"] += 1
 
             nvme.step(set(disk), step_bucket)
 
