@@ -10,6 +10,7 @@ side with the eager path."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import resource
 import warnings
 
@@ -222,8 +223,6 @@ def _construction_rise(fields: dict, on_meta: bool) -> dict:
     """Peak RSS rise of building + wrapping (eager) or wrapping (meta) on this rank."""
     from elixir import distributed as edist
 
-    import gc
-
     world = edist.get_world_size()
     plan = _small_chunk_plan(build_model("llama-7b", device="meta", **fields), world)
     gc.collect()
@@ -249,7 +248,7 @@ def _check_memory(fields: dict) -> None:
               f"{m['chunk'] / mib:.0f} MiB; peak RSS rise: meta {m['rise'] / mib:.0f} MiB, eager "
               f"{e['rise'] / mib:.0f} MiB, bound {bound / mib:.0f} MiB; meta staging peak {m['staged'] / mib:.0f} MiB")
         results.append((m, e, bound))
-    for m, e, bound in results:
+    for m, _e, bound in results:
         assert m["rise"] <= bound, (m, bound)
         # tighter, so that a full copy of the model (the eager path's cost) cannot pass at this size
         assert m["rise"] <= m["shard"] + 3 * m["chunk"] + 100 * mib < m["model"], m
