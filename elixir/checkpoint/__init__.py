@@ -23,6 +23,11 @@ fsynced, then the directory is renamed into place (an older checkpoint at ``path
 renamed aside and removed after). A crash at any moment leaves the previous checkpoint loadable:
 if it falls between the two renames, :func:`load` finds the renamed-aside copy.
 
+**Damage**: the index records every file's CRC-32 (:mod:`elixir.checkpoint.checksum`); ``load``
+checks each file before reading it and before changing anything, and names a damaged file.
+``verify(path)`` (also ``elixir checkpoint verify PATH``) checks a checkpoint without loading it.
+Checkpoints written before checksums load unchecked (``verify`` says it cannot check them).
+
 **Bad input** (missing or truncated files, another model's checkpoint, a dtype that is not the
 saved one, mismatched optimizer groups) raises :class:`CheckpointError` on every rank before
 anything in the model or optimizer is modified.
@@ -30,7 +35,7 @@ anything in the model or optimizer is modified.
 **Where each part lives**: ``format.py`` (safetensors files, on the ``safetensors`` library),
 ``index.py`` (``index.json``, typed), ``atomic.py`` (the whole-directory commit), ``layout.py``
 (what of the model and optimizer a checkpoint holds), ``save.py``, ``load.py``, ``consolidate.py``,
-``errors.py`` (:class:`CheckpointError` and the one rule for raising it on every rank),
+``checksum.py``, ``verify.py``, ``errors.py`` (:class:`CheckpointError` and the one rule for raising it on every rank),
 ``pretrained.py`` (Hugging Face directories: :func:`load_pretrained` reads only each rank's rows,
 :func:`save_pretrained` writes the sharded HF layout one gathered chunk at a time).
 """
@@ -41,5 +46,7 @@ from elixir.checkpoint.index import FORMAT, VERSION, Entry, Index
 from elixir.checkpoint.load import load
 from elixir.checkpoint.pretrained import LoadReport, load_pretrained, save_pretrained
 from elixir.checkpoint.save import save
+from elixir.checkpoint.verify import Verified, verify
 
-__all__ = ["CheckpointError", "save", "load", "consolidate", "load_pretrained", "save_pretrained", "LoadReport", "FORMAT", "VERSION", "Index", "Entry"]
+__all__ = ["CheckpointError", "save", "load", "consolidate", "verify", "Verified", "load_pretrained", "save_pretrained",
+           "LoadReport", "FORMAT", "VERSION", "Index", "Entry"]

@@ -21,12 +21,13 @@ def consolidate(path: str) -> dict[str, Any]:
     optimizer built the same way on the unwrapped model."""
     root = atomic.resolve(path)
     index = Index.read(root)
-    reader = Reader(root)
+    reader = Reader(root, lambda fname: index.check(root, fname))
     if index.kind == "full":
         h = reader.handle("model.safetensors")
         model = {k: h.get_tensor(k) for k in h.keys()}
         optim = None
         if index.optimizer is not None:
+            index.check(root, "optimizer.pt")
             optim = torch.load(os.path.join(root, "optimizer.pt"), map_location="cpu", weights_only=True)
         return {"model": model, "optimizer": optim, "loss_scaler": index.loss_scaler, "extra": load_extra(root, index)}
     pieces = index.pieces()

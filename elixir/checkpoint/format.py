@@ -8,7 +8,7 @@ slices asked for, checking each tensor's dtype against the one expected.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors import safe_open
@@ -55,15 +55,22 @@ def write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
 
 
 class Reader:
-    """The safetensors files under one checkpoint directory, opened lazily; slices read with dtype checks."""
+    """The safetensors files under one checkpoint directory, opened lazily; slices read with dtype checks.
 
-    def __init__(self, root: str):
+    ``check(fname)``, when given, runs before a file is first opened (the index's checksum check),
+    so every file read is verified before any of it is used.
+    """
+
+    def __init__(self, root: str, check: Optional[Callable[[str], None]] = None):
         self.root = root
+        self._check = check
         self._files: dict[str, Any] = {}
 
     def handle(self, fname: str) -> Any:
         h = self._files.get(fname)
         if h is None:
+            if self._check is not None:
+                self._check(fname)
             try:
                 h = safe_open(os.path.join(self.root, fname), framework="pt")
             except Exception as e:

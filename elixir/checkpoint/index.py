@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from elixir.checkpoint.checksum import check_file
 from elixir.checkpoint.errors import CheckpointError
 from elixir.checkpoint.format import dtype_name, dtype_of
 from elixir.fileio import atomic_write_json
@@ -61,6 +62,9 @@ class Index:
         world_size: the world size it was saved at.
         model: the model's fingerprint, ``{"params": {name: shape}, "tensors": {name: shape}}``.
         files: every file's size in bytes (checked on load: a truncated copy is refused).
+        checksums: every file's checksum (:mod:`elixir.checkpoint.checksum`), checked before a
+            file is read; empty for checkpoints written before elixir stored them (those load
+            unchecked).
         optimizer: param groups by parameter name (with JSON-encoded hyper-parameters), the
             optimizer's class, and for sharded checkpoints its non-elementwise state (``scalars``).
         loss_scaler: the loss scaler's state dict, if any.
@@ -76,10 +80,13 @@ class Index:
     extra: bool = False
     entries: list[Entry] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
+    checksums: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"format": FORMAT, "version": VERSION, "kind": self.kind, "world_size": self.world_size,
                              "model": self.model, "files": self.files}
+        if self.checksums:
+            d["checksums"] = self.checksums
         if self.kind == "sharded":
             d["entries"] = [e.to_json() for e in self.entries]
         else:
@@ -93,15 +100,16 @@ class Index:
             kind=d["kind"], world_size=d["world_size"], model=d["model"], files=d["files"],
             optimizer=d.get("optimizer"), loss_scaler=d.get("loss_scaler"), extra=bool(d.get("extra")),
             entries=[Entry.from_json(e) for e in d.get("entries", [])], aliases=d.get("aliases", {}),
+            checksums=d.get("checksums", {}),
         )
 
     def write(self, root: str) -> None:
         atomic_write_json(os.path.join(root, INDEX), self.to_json())
 
     @classmethod
-    def read(cls, root: str) -> Index:
-        """The index of the checkpoint directory ``root``, after checking that every file it lists
-        is there with the recorded size."""
+    def read(cls, root: str, check_files: bool = True) -> Index:
+        """The index of the checkpoint directory ``root``; with ``check_files``, after checking that
+        every file it lists is there with the recorded size (:meth:`check_present`)."""
         ipath = os.path.join(root, INDEX)
         try:
             with open(ipath) as f:
@@ -114,14 +122,28 @@ class Index:
             raise CheckpointError(f"{ipath} is not an elixir checkpoint index")
         if d.get("version") != VERSION:
             raise CheckpointError(f"{ipath} has format version {d.get('version')}; this elixir reads version {VERSION}")
-        for fname, size in d["files"].items():
+        index = cls.from_json(d)
+        if check_files:
+            index.check_present(root)
+        return index
+
+    def check_present(self, root: str) -> None:
+        """Raise :class:`CheckpointError` naming the first listed file that is missing or whose size
+        is not the recorded one."""
+        for fname, size in self.files.items():
             fp = os.path.join(root, fname)
             if not os.path.isfile(fp):
                 raise CheckpointError(f"checkpoint file {fname} is missing from {root} (an incomplete copy?)")
             actual = os.path.getsize(fp)
             if actual != size:
                 raise CheckpointError(f"checkpoint file {fname} has {actual} bytes, the index says {size}: truncated or replaced")
-        return cls.from_json(d)
+
+    def check(self, root: str, fname: str) -> None:
+        """Raise :class:`CheckpointError` naming ``fname`` if its checksum is not the recorded one
+        (nothing to check when the index predates checksums)."""
+        expected = self.checksums.get(fname)
+        if expected is not None:
+            check_file(root, fname, expected)
 
     def pieces(self) -> dict[tuple[str, str], list[Entry]]:
         """Sharded entries by ``("param", name)`` or ``(state_key, name)``."""

@@ -39,8 +39,9 @@ def _load_staged(path: str, em: ElixirModule, optimizer: Optional[ElixirOptimize
     plan = None
     try:
         root = atomic.resolve(path)
-        index = Index.read(root)
-        _check_model(index, em, strict)
+        index = Index.read(root, check_files=False)
+        _check_model(index, em, strict)  # first: an index from another model is named as such
+        index.check_present(root)
         if optimizer is not None and index.optimizer is None:
             raise CheckpointError("the checkpoint holds no optimizer state; call load(path, model) without the optimizer")
         plan = (_prepare_sharded if index.kind == "sharded" else _prepare_full)(root, index, em, optimizer, mapped)
@@ -94,6 +95,7 @@ def load_extra(root: str, index: Index) -> Any:
     """The ``extra`` saved with the checkpoint, or None."""
     if not index.extra:
         return None
+    index.check(root, "extra.pt")
     try:
         return torch.load(os.path.join(root, "extra.pt"), map_location="cpu", weights_only=True)
     except Exception as e:
@@ -116,7 +118,7 @@ def scalar_state(reader: Reader, pieces: dict, scalars: dict, pname: str, start:
 
 def _prepare_sharded(root: str, index: Index, em: ElixirModule, eo: Optional[ElixirOptimizer],
                      mapped: dict[int, torch.Tensor]) -> dict:
-    reader = Reader(root)
+    reader = Reader(root, lambda fname: index.check(root, fname))
     pieces = index.pieces()
     module_entries = {e.name: e for e in index.entries if e.kind == "module"}
     saved_params = index.model["params"]
@@ -148,7 +150,7 @@ def _prepare_sharded(root: str, index: Index, em: ElixirModule, eo: Optional[Eli
 
 def _prepare_full(root: str, index: Index, em: ElixirModule, eo: Optional[ElixirOptimizer],
                   mapped: dict[int, torch.Tensor]) -> dict:
-    reader = Reader(root)
+    reader = Reader(root, lambda fname: index.check(root, fname))
     h = reader.handle("model.safetensors")
     keys = set(h.keys())
 
@@ -168,6 +170,7 @@ def _prepare_full(root: str, index: Index, em: ElixirModule, eo: Optional[Elixir
     opt = None
     if eo is not None:
         _group_check(index, eo, em)
+        index.check(root, "optimizer.pt")
         try:
             osd = torch.load(os.path.join(root, "optimizer.pt"), map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:

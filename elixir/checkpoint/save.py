@@ -11,6 +11,7 @@ import torch
 
 from elixir.checkpoint import atomic
 from elixir.checkpoint import format as tensor_files
+from elixir.checkpoint.checksum import file_checksum
 from elixir.checkpoint.errors import CheckpointError, agree
 from elixir.checkpoint.index import Entry, Index, encode
 from elixir.checkpoint.layout import (
@@ -136,7 +137,8 @@ def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], ext
                 tensors[key] = t.detach()
                 entries.append(Entry("module", k, key, tensor_files.dtype_name(t.dtype), fname, shape=list(t.shape)))
         size = tensor_files.write_tensors(os.path.join(tmp, fname), tensors)
-        meta = {"file": fname, "size": size, "entries": entries, "scalars": scalars}
+        crc = file_checksum(os.path.join(tmp, fname))  # each rank its own file, in parallel
+        meta = {"file": fname, "size": size, "checksum": crc, "entries": entries, "scalars": scalars}
     except Exception as e:  # report to every rank instead of leaving them in a collective
         error = f"writing this rank's shard failed: {type(e).__name__}: {e}"
     metas = agree(em.group, em.world_size, error, meta)
@@ -159,6 +161,7 @@ def _write_sharded_index(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimize
         world_size=em.world_size,
         model=fingerprint(em),
         files={m["file"]: m["size"] for m in metas},
+        checksums={m["file"]: m["checksum"] for m in metas},
         entries=[e for m in metas for e in m["entries"]],
         optimizer=None if eo is None else {**optimizer_meta(eo, em), "scalars": all_scalars},
         loss_scaler=None if eo is None or eo.scaler is None else eo.scaler.state_dict(),
@@ -166,6 +169,7 @@ def _write_sharded_index(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimize
     )
     if extra is not None:
         index.files["extra.pt"] = _save_torch(extra, os.path.join(tmp, "extra.pt"))
+        index.checksums["extra.pt"] = file_checksum(os.path.join(tmp, "extra.pt"))
     index.write(tmp)
 
 
@@ -204,6 +208,7 @@ def _save_full(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra:
                 optimizer=None if eo is None else optimizer_meta(eo, em),
                 loss_scaler=scaler,
                 extra=extra is not None,
+                checksums={f: file_checksum(os.path.join(tmp, f)) for f in files},
             ).write(tmp)
         except Exception as e:
             error = f"writing the full checkpoint failed: {type(e).__name__}: {e}"
