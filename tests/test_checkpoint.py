@@ -19,6 +19,7 @@ import torch
 from elixir import checkpoint
 from elixir import distributed as edist
 from elixir.checkpoint import CheckpointError
+from elixir.checkpoint.checksum import file_checksum
 from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
@@ -225,6 +226,7 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
     os.truncate(f, os.path.getsize(f) - 64)
     idx = json.load(open(os.path.join(p, "index.json")))
     idx["files"]["rank00000-of-00001.safetensors"] = os.path.getsize(f)
+    idx["checksums"]["rank00000-of-00001.safetensors"] = file_checksum(f)  # index "fixed" to match
     json.dump(idx, open(os.path.join(p, "index.json"), "w"))
     _expect_error(p, target, topt, "corrupt or truncated")
     # mismatched dtype
@@ -236,6 +238,7 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     idx = json.load(open(os.path.join(p, "index.json")))
     idx["files"]["rank00000-of-00001.safetensors"] = os.path.getsize(f)
+    idx["checksums"]["rank00000-of-00001.safetensors"] = file_checksum(f)  # index "fixed" to match
     json.dump(idx, open(os.path.join(p, "index.json"), "w"))
     _expect_error(p, target, topt, "dtype")
     # another model's checkpoint
