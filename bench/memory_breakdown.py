@@ -10,7 +10,7 @@ the model's non-chunked tensors) and the gap that is left.
 
     python bench/memory_breakdown.py                                # ~150M params, bf16
     python bench/memory_breakdown.py --hidden 512 --layers 8 --steps 2
-    python bench/memory_breakdown.py --grad-dtype bfloat16 --fused-step   # the byte-saving options
+    python bench/memory_breakdown.py --grad-dtype float32 --fused-step off   # the old behaviour
 
 The same run also prints the plan's predicted peak (device + host; on a CPU box they are one pool)
 against the measured peak RSS: the check of issue 21's "predictions hold".
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import threading
 import time
@@ -112,12 +113,15 @@ def main(argv: Optional[list] = None) -> dict:
                     help="shard-gradient dtype (auto: the search chooses)")
     ap.add_argument("--fused-step", default="auto", choices=("auto", "on", "off"),
                     help="step each chunk during backward (auto: the search chooses)")
-    ap.add_argument("--trim", action="store_true")
-    ap.add_argument("--meta", action="store_true", help="build the model on meta (needs meta-init support)")
+    ap.add_argument("--plan", default=None, help="run this saved plan instead of searching")
+    ap.add_argument("--save-plan", default=None, help="save the plan the search made here")
+    ap.add_argument("--separate-step", action="store_true",
+                    help="step after backward even if the plan fuses it (the speed comparison)")
+    ap.add_argument("--json", default=None, help="write the summary here")
     args = ap.parse_args(argv)
 
     from elixir.optim import HybridAdam
-    from elixir.search import optimal_search
+    from elixir.search import SearchResult, optimal_search
     from elixir.wrapper import ElixirModule, ElixirOptimizer
 
     dtype = getattr(torch, args.dtype)
@@ -131,24 +135,27 @@ def main(argv: Optional[list] = None) -> dict:
     host_b = int(args.host_memory * GiB) or int(n_params * 5.5)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
-    meta_inp = {"input_ids": ids.to("meta"), "labels": ids.to("meta")}
 
     def step_fn(m, b):
         m(**b).loss.backward()
 
-    with torch.device("meta"):
-        meta_model, _ = build(args.hidden, inter, args.layers, args.vocab, args.seq)
-    plan = optimal_search(meta_model, 1, unified_dtype=dtype, optimizer_type="HybridAdam", inp=meta_inp,
-                          step_fn=step_fn, device_memory=dev_b, host_memory=host_b, disk=int(args.disk * GiB),
-                          grad_dtype=None if args.grad_dtype == "auto" else getattr(torch, args.grad_dtype),
-                          fused_step=None if args.fused_step == "auto" else args.fused_step == "on")
-    del meta_model
+    if args.plan:
+        plan = SearchResult.load(args.plan)
+    else:  # the eager model: the search counts this process's RSS less the model as its baseline
+        plan = optimal_search(model, 1, unified_dtype=dtype, optimizer_type="HybridAdam",
+                              inp={"input_ids": ids.to("meta"), "labels": ids.to("meta")}, step_fn=step_fn,
+                              device_memory=dev_b, host_memory=host_b, disk=int(args.disk * GiB),
+                              grad_dtype=None if args.grad_dtype == "auto" else getattr(torch, args.grad_dtype),
+                              fused_step=None if args.fused_step == "auto" else args.fused_step == "on")
+        if args.save_plan:
+            plan.save(args.save_plan)
     sampler.phase("wrap")
     em = ElixirModule(model, plan, dtype=dtype, offload_dir=args.offload_dir)
-    opt = ElixirOptimizer(em, HybridAdam(list(em.parameters()), lr=1e-4))
+    opt = ElixirOptimizer(em, HybridAdam(list(em.parameters()), lr=1e-4),
+                          fused_step=False if args.separate_step else None)
     gc.collect()
     wrapped = rss_bytes()
-    reports, times = [], []
+    after_bwd, after_step, times, losses = [], [], [], []
     for s in range(args.steps):
         em.reset_peak_memory()
         t0 = time.perf_counter()
@@ -156,40 +163,57 @@ def main(argv: Optional[list] = None) -> dict:
         loss = em(input_ids=ids, labels=ids).loss
         sampler.phase(f"bwd{s}")
         loss.backward()
+        after_bwd.append(em.memory_report())
         sampler.phase(f"opt{s}")
         opt.step()
         opt.zero_grad()
-        if args.trim:
-            from elixir import device as dev
-            dev.release_free_host_memory()
         times.append(time.perf_counter() - t0)
-        reports.append(em.memory_report())
-    print("step times:", [round(t, 2) for t in times])
+        losses.append(loss.item())
+        after_step.append(em.memory_report())
     sampler.stop()
     pred = plan.prediction
-    kinds = {}
+    kinds: dict[str, int] = {}
     for c in plan.chunks:
         k = ("S" if c.sharded else "R") + c.shard_placement.value[0] + c.optim_placement.value[0]
         kinds[k] = kinds.get(k, 0) + 1
+    fused = opt.backward_step is not None
     print(f"model {n_params / 1e6:.1f}M params, {args.dtype}, batch {args.batch} x seq {args.seq}; "
           f"plan {plan.chunk_size:,} el/chunk, {kinds}, {plan.cache_blocks} blocks, grads {plan.grad_dtype}, "
-          f"fused step {plan.fused_step}")
-    print(f"budgets device {dev_b / GiB:.2f} GiB host {host_b / GiB:.2f} GiB; baseline RSS {base / GiB:.3f} GiB, "
+          f"fused step {fused}")
+    print(f"budgets device {dev_b / GiB:.2f} GiB host {host_b / GiB:.2f} GiB; RSS at start {base / GiB:.3f} GiB, "
           f"after wrap {wrapped / GiB:.3f} GiB")
+    print("losses:", [round(x, 4) for x in losses])
+    print("step times (s):", [round(t, 2) for t in times], f"predicted {pred.step_time_s:.2f}")
     print(f"{'phase':>8} {'peak GiB':>9} {'end GiB':>9}")
     for name, peak, end in sampler.phases:
         print(f"{name:>8} {_fmt(peak)}   {_fmt(end)}")
-    last = reports[-1]
-    print("ledger (last step):")
-    for k, v in last.items():
-        print(f"  {k:>28} {_fmt(v)}")
-    measured = sampler.overall
+    print(f"{'memory_report() GiB':>28} {'after bwd':>9} {'after step':>10}")
+    for k in after_step[-1]:
+        if k.endswith("element_bytes"):
+            print(f"{k:>28} {after_bwd[-1][k]:9d} {after_step[-1][k]:10d}")
+        else:
+            print(f"{k:>28} {_fmt(after_bwd[-1][k])}   {_fmt(after_step[-1][k])}")
+    # training peak: from the first forward on. Building the model eagerly in fp32 and wrapping
+    # it peaks separately (the model plus the chunks being filled); meta-device construction
+    # removes that peak, and the search does not predict it.
+    measured = max(peak for name, peak, _ in sampler.phases if name[:3] in ("fwd", "bwd", "opt"))
+    build_peak = max(peak for name, peak, _ in sampler.phases if name[:3] not in ("fwd", "bwd", "opt"))
     predicted = pred.peak_device_bytes + pred.peak_host_bytes
     print(f"predicted peak device+host {_fmt(predicted)} GiB ({_fmt(pred.peak_device_bytes)} + "
-          f"{_fmt(pred.peak_host_bytes)}); measured peak RSS {_fmt(measured)} GiB; ratio {measured / predicted:.3f}")
-    print("predicted memory terms:", {k: round(v / GiB, 3) for k, v in plan.info["predicted_memory"].items()})
-    print("meminfo:", {k: round(v / GiB, 3) for k, v in meminfo().items()})
-    return {"params": n_params, "predicted": predicted, "measured": measured}
+          f"{_fmt(pred.peak_host_bytes)}); measured training peak RSS {_fmt(measured)} GiB; ratio "
+          f"{measured / predicted:.3f} (construction peak {_fmt(build_peak)} GiB)")
+    print("predicted terms (GiB):", {k: round(v / GiB, 3) for k, v in plan.info["predicted_memory"].items()})
+    print("meminfo (GiB):", {k: round(v / GiB, 3) for k, v in meminfo().items()})
+    steady = after_step[-1]["rss_bytes"]
+    out = {"params": n_params, "predicted": predicted, "measured": measured, "build_peak": build_peak, "steady_rss": steady,
+           "bytes_per_param": steady / n_params, "step_s": times, "predicted_step_s": pred.step_time_s,
+           "losses": losses, "plan": kinds, "grad_dtype": plan.grad_dtype, "fused": fused}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+    if em.disk_store is not None:
+        em.disk_store.close()
+    return out
 
 
 def hidden_mult(h: int) -> float:

@@ -171,9 +171,11 @@ class Chunk:
         with streams.issue(streams.gather) as ready:
             src = self.shard
             if self.spec.shard_on_host:
-                # Host shard: bring it in first (non-blocking from pinned memory on an accelerator;
-                # on CPU a copy of the same memory, kept so the path is exercised).
-                src = src.to(self.spec.device, non_blocking=dev.non_blocking_ok(src, self.spec.device), copy=True)
+                # Host shard: bring it in first on an accelerator (non-blocking from pinned memory).
+                # On CPU host and device are one memory: gather from the shard itself (a copy here
+                # was a transient chunk's worth of RSS that no prediction counted).
+                if dev.is_accelerator(self.spec.device):
+                    src = src.to(self.spec.device, non_blocking=dev.non_blocking_ok(src, self.spec.device), copy=True)
             self._work = edist.all_gather_into(self.payload, src, self.group, async_op=True)
         self._ready = ready
         self.state = ChunkState.GATHERING

@@ -12,7 +12,7 @@ import torch
 
 from elixir.offload.state_binding import FragmentState, bind_state, is_bound
 from elixir.offload.store import MASTER, DiskStore
-from elixir.offload.stream import run_pipelined, staged
+from elixir.offload.stream import release_staging, run_pipelined, staged
 
 __all__ = ["disk_mapped", "run_pipelined", "staged"]
 
@@ -94,6 +94,8 @@ class BackwardStager:
             if self.writing is not None:
                 st.finish(self.writing)
                 self.writing = None
+                # backward frees activations while chunks stage: keep their holes from adding up
+                release_staging()
             if self.ahead is not None and self.ahead != index:
                 st.offload(self.ahead, write=False)  # guessed wrong: the disk copy is current
                 self.ahead = None
@@ -126,3 +128,4 @@ class BackwardStager:
         finally:
             self.ahead = self.writing = None
             self.done.clear()
+            release_staging()

@@ -263,10 +263,6 @@ class DiskStore:
                 )
             flat.untyped_storage().resize_(0)
         self._account(rec, -1)
-        # Give the staged bytes back to the OS now: with device.keep_host_memory malloc keeps
-        # every freed byte, and the holes that staging buffers leave in its heap would otherwise
-        # pile up beside longer-lived allocations (measured: peak RSS growing step after step).
-        dev.release_free_host_memory()
 
     @contextlib.contextmanager
     def sliceable(self, index: int) -> Iterator[None]:
@@ -358,6 +354,31 @@ class DiskStore:
             "bytes_read": self.bytes_read,
             "bytes_written": self.bytes_written,
         }
+
+    def page_cache_bytes(self) -> int:
+        """Bytes of the offload file the kernel holds in its page cache now (``mincore``): not
+        process memory, but charged to the same memory cgroup, and dirty pages among them must be
+        written back before they can be reclaimed. ``offload_direct=True`` keeps most transfers
+        out of it. 0 where it cannot be measured."""
+        try:
+            import ctypes
+
+            size = os.fstat(self.location.file.fd).st_size
+            if size == 0:
+                return 0
+            page = mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            mm = mmap.mmap(self.location.file.fd, size, access=mmap.ACCESS_COPY)  # never written
+            view = ctypes.c_char.from_buffer(mm)
+            try:
+                libc = ctypes.CDLL("libc.so.6", use_errno=True)
+                ok = libc.mincore(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(size), vec) == 0
+            finally:
+                del view
+                mm.close()
+            return (len(vec) - bytes(vec).count(0)) * page if ok else 0  # bit 0: resident
+        except (OSError, ValueError, TypeError, AttributeError, BufferError):
+            return 0
 
     def reset_peak(self) -> None:
         self.peak_staged_bytes = self.staged_bytes

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator, Optional, Sequence
 
+from elixir import device as dev
 from elixir.offload.store import DiskStore
 
 
@@ -40,6 +41,16 @@ def run_pipelined(store: DiskStore, indices: Sequence[int], work: Callable[[int]
     except BaseException:
         store.settle()
         raise
+    finally:
+        release_staging()
+
+
+def release_staging() -> None:
+    """Give the staged bytes back to the OS once a pass over the disk records is done: malloc
+    keeps freed memory (for good under :func:`elixir.device.keep_host_memory`), and the holes
+    staging buffers leave in its heap beside longer-lived allocations would otherwise pile up
+    (measured: peak RSS growing step after step)."""
+    dev.release_free_host_memory()
 
 
 @contextlib.contextmanager

@@ -29,6 +29,10 @@ that fits. A sharded tied chunk keeps its shard and optimizer state on the devic
   chunk's gradient as soon as it has stepped the chunk (:mod:`elixir.wrapper.backward_step`);
 - host, fixed: :func:`construction_staging_bytes`, the chunks staged while the model is
   materialised from meta or loaded (:data:`CONSTRUCTION_STAGING` fp32 chunks);
+- host, fixed: ``process_bytes``, what the training process holds besides the model and elixir's
+  own tensors (the interpreter, torch, the libraries it imported: about 0.3-0.5 GiB on a CPU box);
+  :func:`~elixir.search.optimal.optimal_search` measures it as this process's RSS less the bytes
+  of the model it plans;
 - a safety margin (:class:`MemoryPolicy`) is held back from each budget for allocator
   fragmentation and workspaces that the tracer does not see.
 
@@ -287,6 +291,7 @@ class Setting:
     dtype: str
     pin: bool = True
     grad_elem: int = 4  # shard-gradient element size (grad_dtype)
+    process_bytes: int = 0  # host bytes the process holds outside elixir (interpreter, libraries)
     fused_step: bool = False  # the fused backward-and-step (no persistent shard gradients)
 
     @property
@@ -372,6 +377,8 @@ def fixed_device_bytes(profile: StepProfile, layout: Layout, st: Setting, blocks
         # their gradients arrive at both ends of backward, so their buffers live throughout
         "grad_buffers": (layout.grad_buffers * layout.chunk_size + own_extra + repl) * st.reduce_elem,
         "replicated": repl * st.elem,
+        # autograd's gradient of one parameter, before the runtime adds it into its chunk's buffer
+        "param_grad": max(profile.numel.values(), default=0) * st.elem,
         # fused step: the one chunk's shard gradient between its reduction and its step
         "grad_in_flight": _largest_shard(layout, st.world) * st.grad_elem if st.fused_step else 0,
     }
@@ -497,7 +504,7 @@ def place(
         rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
         rh += construction_staging_bytes(layout)
         dev_free = dev_budget - base_dev - rd
-        host_free = host_budget - rh - (base_dev + rd if unified else 0)
+        host_free = host_budget - rh - st.process_bytes - (base_dev + rd if unified else 0)
         if dev_free < 0 or host_free < 0:
             continue
         repl_opt_numel = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
@@ -618,10 +625,10 @@ def _finish(
     it = iter(kinds)
     for s in layout.sharded:
         placements.append(next(it) if s else "R" + rwhere)
-    memory = dict(fixed, placed_device=dev_var)
+    memory = dict(fixed, placed_device=dev_var, process=st.process_bytes)
     return Evaluation(
         chunk_size=layout.chunk_size, blocks=blocks, prefetch_depth=depth, placements=tuple(placements),
-        device_bytes=sum(fixed.values()) + dev_var, host_bytes=host, disk_bytes=disk,
+        device_bytes=sum(fixed.values()) + dev_var, host_bytes=host + st.process_bytes, disk_bytes=disk,
         step_time=fb + t_opt, breakdown=breakdown, memory=memory, gathers=gathers, shard_shared=layout.own > 0,
     )
 

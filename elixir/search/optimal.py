@@ -120,7 +120,7 @@ def _block_candidates(layout: Layout, world: int = 2) -> list[int]:
 class _Searcher:
     def __init__(self, profile: StepProfile, world: int, hardware: HardwareProfile, budgets: Budgets,
                  optimizer_type: str, overlap: bool, policy: MemoryPolicy, reduce_dtype: Optional[str],
-                 grad_dtype: str = "float32", fused_step: bool = False) -> None:
+                 grad_dtype: str = "float32", fused_step: bool = False, process_bytes: int = 0) -> None:
         key = optimizer_type.lower()
         if key not in OPTIMIZER_STATE_BYTES:
             raise ValueError(f"optimizer_type {optimizer_type!r} not known; use one of {sorted(OPTIMIZER_STATE_BYTES)}")
@@ -135,7 +135,7 @@ class _Searcher:
         self.setting = Setting(
             world=world, elem=_elem(profile.dtype), reduce_elem=_elem(reduce_dtype or profile.dtype),
             opt_bytes=OPTIMIZER_STATE_BYTES[key], hardware=hardware.per_rank(hardware.ranks_per_node(world)),
-            dtype=profile.dtype, grad_elem=_elem(grad_dtype), fused_step=fused_step,
+            dtype=profile.dtype, grad_elem=_elem(grad_dtype), fused_step=fused_step, process_bytes=int(process_bytes),
         )
         self.optimizer_type = optimizer_type
         self.reduce_dtype = reduce_dtype
@@ -243,7 +243,8 @@ class _Searcher:
         w = self.world
         for _ in range(16):
             w *= 2
-            other = _Searcher(self.profile, w, self.hw, self.budgets, _opt_name(st.opt_bytes), False, self.policy, None)
+            other = _Searcher(self.profile, w, self.hw, self.budgets, _opt_name(st.opt_bytes), False, self.policy, None,
+                              self.grad_dtype, self.fused_step, st.process_bytes)
             try:
                 ok = other.fits()
             except ValueError:
@@ -391,6 +392,7 @@ def search_profile(
     fused_step: Optional[bool] = None,
     ranks_per_node: Optional[int] = None,
     hardware_choice: Optional[str] = None,
+    process_bytes: int = 0,
 ) -> SearchResult:
     """The search proper, on a ready :class:`StepProfile` (``optimal_search`` traces, then calls this).
 
@@ -408,6 +410,9 @@ def search_profile(
     it also scores gradients in the compute dtype (bf16/fp16) with the fused step (not for fp16,
     whose loss scaling needs every gradient first) and keeps the faster plan that fits. A plan
     with ``fused_step`` assumes no ``max_norm`` clipping: pass ``fused_step=False`` if you clip.
+
+    ``process_bytes``: host bytes the training process holds outside elixir and the model (counted
+    in the host prediction and against the host budget).
     """
     t0 = time.perf_counter()
     policy = policy or MemoryPolicy()
@@ -423,7 +428,7 @@ def search_profile(
     budgets = Budgets(int(device_memory), int(host_memory), int(disk or 0))
     rd = None if reduce_dtype is None else dtype_name(reduce_dtype)
     g0 = "float32" if grad_dtype is None else dtype_name(grad_dtype)
-    s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, g0, bool(fused_step))
+    s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, g0, bool(fused_step), process_bytes)
     found, error = None, None
     try:
         found = s.run()
@@ -433,7 +438,8 @@ def search_profile(
     lean_fused = profile.dtype != "float16" if fused_step is None else fused_step
     binds = found is None or any(p not in ("DD", "RD") for p in found[0].placements)
     if binds and (lean_grad, lean_fused) != (g0, bool(fused_step)):
-        lean = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, lean_grad, lean_fused)
+        lean = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, lean_grad, lean_fused,
+                         process_bytes)
         try:
             other = lean.run()
         except DoesNotFitError as e:  # the leanest configuration's suggestions are the useful ones
@@ -458,6 +464,7 @@ def search_profile(
         "usable_after_margins": dict(zip(("device", "host", "disk"), s.usable)),
         "margins": {"device": policy.device_margin, "host": policy.host_margin, "disk": policy.disk_margin},
         "predicted_memory": {k: int(v) for k, v in best.memory.items()},
+        "process_bytes": int(process_bytes),
         "gathers_per_step": best.gathers,
         "waste": 1 - layout.used / (layout.chunk_size * (layout.n_sharded - layout.own)) if layout.n_sharded > layout.own else 0.0,
         "chunk_size": layout.chunk_size,
@@ -569,7 +576,7 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     if p.peak_disk_bytes:
         t.add_row("disk", _fmt(p.peak_disk_bytes))
     for k, v in info.get("predicted_memory", {}).items():
-        t.add_row(f"  device: {k}", _fmt(v))
+        t.add_row(f"  {'host' if k == 'process' else 'device'}: {k}", _fmt(v))
     t.add_row("predicted step time", f"{p.step_time_s:.4f} s")
     for k, v in p.breakdown.items():
         t.add_row(f"  {k}", f"{v:.4f} s")
@@ -608,6 +615,7 @@ def optimal_search(
     reduce_dtype: Optional[torch.dtype] = None,
     grad_dtype: Optional[torch.dtype] = None,
     fused_step: Optional[bool] = None,
+    process_bytes: Optional[int] = None,
 ) -> SearchResult:
     """Plan ``model`` for ``group_size`` ranks: the lowest predicted step time that fits.
 
@@ -630,6 +638,11 @@ def optimal_search(
         grad_dtype, fused_step: the plan's shard-gradient dtype and fused backward-and-step; None
             lets the search choose them when memory binds (see :func:`search_profile`). Pass
             ``fused_step=False`` when training clips gradients (``max_norm``).
+        process_bytes: host bytes the training process holds besides elixir's tensors and the
+            model (interpreter, torch, libraries); counted in the host prediction and budget.
+            Default: this process's RSS now, less the bytes of ``model``'s materialised parameters
+            and buffers (they move into chunks, or are counted as buffers) — right when planning
+            in the process that will train, after its imports. Pass 0 to plan for another machine.
 
     Raises:
         DoesNotFitError: nothing fits; the message names the smallest changes that would.
@@ -644,7 +657,20 @@ def optimal_search(
         profile, group_size, hardware=hardware, device_memory=device_memory, host_memory=host_memory, disk=disk,
         optimizer_type=optimizer_type, overlap=overlap, policy=policy, reduce_dtype=reduce_dtype, verbose=verbose,
         grad_dtype=grad_dtype, fused_step=fused_step,
+        process_bytes=_process_bytes(model) if process_bytes is None else int(process_bytes),
     )
+
+
+def _process_bytes(model: nn.Module) -> int:
+    """This process's RSS less the bytes of ``model``'s materialised tensors (see optimal_search)."""
+    from elixir import device as dev
+
+    seen, own = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):  # host tensors only: RSS holds nothing else
+        if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            own += t.untyped_storage().nbytes()
+    return max(0, dev.rss_bytes() - own)
 
 
 __all__ = ["Budgets", "DoesNotFitError", "optimal_search", "search_profile", "chunk_size_candidates"]

@@ -150,7 +150,11 @@ class ElixirModule(nn.Module):
         self.fused_kernels = apply_fused_kernels(module) if use_fused_kernels else []
         self.prefetch = prefetch
         self.device = dev.default_device()
-        dev.keep_host_memory()  # reuse freed host memory: no page faults per gathered chunk and gradient buffer
+        if not any(cp.optim_placement is Placement.DISK for cp in search_result.chunks):
+            # reuse freed host memory: no page faults per gathered chunk and gradient buffer. Not
+            # with disk chunks: their staging buffers churn through malloc's heap, and the holes
+            # they leave made the peak RSS exceed every count of the bytes in use (issue 21).
+            dev.keep_host_memory()
         self.ledger = MemoryLedger(memory_limit)
         self.streams = dev.SideStreams(self.device)  # gather / reduce / copy streams of every chunk
         dev.reset_peak_memory(self.device)  # torch's peak statistics beside the ledger's
@@ -188,6 +192,7 @@ class ElixirModule(nn.Module):
         self._no_sync = False
         self._pre_step_hooks: list = []
         self._grad_ready_hooks: list = []
+        self._memory_reporters: list = []
         self._backward_end_hooks: list = []
         self._grad_ready = [False] * len(self.chunks)  # this backward: announced to the hooks
         self._drift_warned = False
@@ -641,10 +646,49 @@ class ElixirModule(nn.Module):
     # accounting
 
     def memory_report(self) -> dict[str, int]:
-        """The runtime's own bytes on this rank (shards, masters, cache, peaks)."""
+        """Where this rank's bytes are: the runtime's own tensors by category (the ledger), the
+        optimizer's state, the disk staging, and beside them the process as the OS sees it.
+
+        Ledger and optimizer (current, and ``peak_*`` since :meth:`reset_peak_memory`):
+        ``shard_*`` compute shards; ``master_bytes`` fp32 masters resident (disk masters only
+        while staged); ``cache_bytes`` / ``gathered_bytes`` the rCache; ``grad_buffer`` full-size
+        gradient buffers during backward; ``shard_grad_bytes`` reduced shard gradients, in
+        ``grad_element_bytes`` per element (0 between steps with the fused backward-and-step);
+        ``optimizer_state_bytes`` the inner optimizer's resident state (an ElixirOptimizer reports
+        it); ``disk_staged_bytes`` masters+state of disk chunks staged in host memory.
+
+        Process (CPU box: device and host are one pool): ``rss_bytes`` / ``peak_rss_bytes``;
+        ``elixir_bytes`` what the ledger and the optimizer account for; ``untracked_bytes`` = RSS
+        less elixir's bytes: the interpreter and libraries (the search's ``process`` term), the
+        model's other tensors, activations alive now, transient copies and allocator slack;
+        ``heap_free_bytes`` memory malloc holds free in its heap (slack: resident unless trimmed;
+        with ``keep_host_memory`` it is never given back, so RSS keeps its high-water mark).
+        ``offload_page_cache_bytes`` the offload file's pages in the kernel's page cache (not in
+        RSS, but charged to the same memory cgroup)."""
         L = self.ledger
         block = max((c.payload_bytes for c in self.chunks if c.spec.sharded), default=0)
+        extra: dict[str, int] = {}
+        for fn in self._memory_reporters:
+            extra.update(fn())
+        store = self.disk_store
+        tracked = sum(L.current.values()) + extra.get("optimizer_state_bytes", 0)
+        heap = dev.host_allocator_stats()
+        rss = dev.rss_bytes()
+        process = {
+            "rss_bytes": rss,
+            "peak_rss_bytes": dev.peak_rss_bytes(),
+            "elixir_bytes": tracked,
+            "heap_free_bytes": heap.get("heap_free_bytes", 0),
+            "untracked_bytes": max(0, rss - tracked),
+            "offload_page_cache_bytes": store.page_cache_bytes() if store is not None else 0,
+        }
         return {
+            "grad_element_bytes": torch.empty((), dtype=self.grad_dtype).element_size(),
+            "peak_shard_grad_bytes": L.bytes("shard_grad", peak=True),
+            "disk_staged_bytes": store.staged_bytes if store is not None else 0,
+            "peak_disk_staged_bytes": store.peak_staged_bytes if store is not None else 0,
+            **extra,
+            **process,
             "shard_bytes": L.bytes("shard"),
             "shard_device_bytes": L.bytes("shard", "device"),
             "shard_host_bytes": L.bytes("shard", "host"),
@@ -664,6 +708,12 @@ class ElixirModule(nn.Module):
 
     def reset_peak_memory(self) -> None:
         self.ledger.reset_peaks()
+        if self.disk_store is not None:
+            self.disk_store.reset_peak()
+
+    def register_memory_reporter(self, fn) -> None:
+        """``fn()`` returns a dict of byte counts merged into :meth:`memory_report`."""
+        self._memory_reporters.append(fn)
         dev.reset_peak_memory(self.device)
 
     # ------------------------------------------------------------------------------------------

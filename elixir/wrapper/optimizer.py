@@ -121,6 +121,7 @@ class ElixirOptimizer:
             max_norm,
             norm_type,
         )
+        module.register_memory_reporter(self._memory_report)
         self.backward_step: Optional[BackwardStep] = None
         self.fused_step_fallback: Optional[str] = None
         if module.plan.fused_step if fused_step is None else fused_step:
@@ -263,6 +264,19 @@ class ElixirOptimizer:
         else:
             self.module.after_optimizer_step()
         return None
+
+    def _memory_report(self) -> dict[str, int]:
+        """Host/device bytes of the inner optimizer's tensor state resident now (a disk chunk's
+        state counts only while staged)."""
+        seen, total = set(), 0
+        for st in self.optim.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.dim() >= 1:
+                    key = v.untyped_storage().data_ptr()
+                    if key and key not in seen:
+                        seen.add(key)
+                        total += v.untyped_storage().nbytes()
+        return {"optimizer_state_bytes": total}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad()
