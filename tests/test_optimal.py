@@ -167,7 +167,7 @@ def test_tight_budget_terminates_with_a_clear_error():
     # Budgets that leave room for fewer than 3 blocks (the reference looped forever there).
     model = _tiny_gpt()
     with pytest.raises(DoesNotFitError) as e:
-        optimal_search(model, 2, device_memory=1000, host_memory=1000, hardware=HW)
+        optimal_search(model, 2, device_memory=1000, host_memory=1000, hardware=HW, process_bytes=0)
     msg = str(e.value)
     assert "no plan fits" in msg and "memory >=" in msg  # on cpu-box: device and host are one pool
     assert e.value.suggestions
