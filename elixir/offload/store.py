@@ -16,6 +16,7 @@ The master's host bytes are recorded in the runtime's memory ledger only while s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import errno
 import mmap
@@ -361,8 +362,6 @@ class DiskStore:
         written back before they can be reclaimed. ``offload_direct=True`` keeps most transfers
         out of it. 0 where it cannot be measured."""
         try:
-            import ctypes
-
             size = os.fstat(self.location.file.fd).st_size
             if size == 0:
                 return 0

@@ -26,6 +26,7 @@ import torch.nn as nn
 from rich.console import Console
 from rich.table import Table
 
+from elixir import device as dev
 from elixir.hardware.profile import HardwareProfile
 from elixir.hardware.registry import choose_default_profile, load_profile
 from elixir.search.cost_model import (
@@ -663,8 +664,6 @@ def optimal_search(
 
 def _process_bytes(model: nn.Module) -> int:
     """This process's RSS less the bytes of ``model``'s materialised tensors (see optimal_search)."""
-    from elixir import device as dev
-
     seen, own = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):  # host tensors only: RSS holds nothing else
         if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in seen:
