@@ -12,6 +12,7 @@ from elixir.hardware import load_profile
 from elixir.search.cost_model import (
     MemoryPolicy,
     Setting,
+    construction_staging_bytes,
     fixed_device_bytes,
     pack,
     per_chunk_bytes,
@@ -74,7 +75,7 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
                 if blocks == 0 and any(k for k, t in zip(counts, types) if t[0] == "H"):
                     continue
                 d = base + rd + sum(k * cb[t][0] for k, t in zip(counts, types))
-                h = rh + sum(k * cb[t][1] for k, t in zip(counts, types))
+                h = rh + construction_staging_bytes(lay) + sum(k * cb[t][1] for k, t in zip(counts, types))
                 k_disk = sum(k * cb[t][2] for k, t in zip(counts, types))
                 if k_disk:
                     h += (c // world) * (4 + 8)  # one chunk's master + state staged in host memory
