@@ -66,15 +66,44 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> DistInfo:
+#: How long a collective waits for a peer before the backend raises (``init_process_group``'s
+#: ``timeout``): a rank that died mid-step turns into an error on the others within this bound.
+#: gloo usually fails sooner, when the dead peer's socket closes. Override per call or with
+#: the ``ELIXIR_PG_TIMEOUT_S`` environment variable.
+DEFAULT_PG_TIMEOUT_S = 120.0
+_pg_timeout_s: Optional[float] = None  # the timeout the process group was created with here
+
+
+def pg_timeout_s(timeout_s: Optional[float] = None) -> float:
+    """``timeout_s``, else ``$ELIXIR_PG_TIMEOUT_S``, else :data:`DEFAULT_PG_TIMEOUT_S`."""
+    if timeout_s is not None:
+        return float(timeout_s)
+    env = os.environ.get("ELIXIR_PG_TIMEOUT_S")
+    if env:
+        try:
+            value = float(env)
+        except ValueError:
+            raise ValueError(f"ELIXIR_PG_TIMEOUT_S={env!r} is not a number of seconds") from None
+        if value <= 0:
+            raise ValueError(f"ELIXIR_PG_TIMEOUT_S={env!r} must be positive")
+        return value
+    return DEFAULT_PG_TIMEOUT_S
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> DistInfo:
     """Initialise from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
-    run as a single process when those are absent. Safe to call twice."""
+    run as a single process when those are absent. Safe to call twice.
+
+    ``timeout_s``: how long a collective waits for its peers before failing (see
+    :func:`pg_timeout_s`; default :data:`DEFAULT_PG_TIMEOUT_S`, 2 minutes)."""
+    global _pg_timeout_s
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _pg_timeout_s = pg_timeout_s(timeout_s)
         dist.init_process_group(
-            backend=backend or default_backend(), timeout=datetime.timedelta(seconds=timeout_s)
+            backend=backend or default_backend(), timeout=datetime.timedelta(seconds=_pg_timeout_s)
         )
         _register_exit_drain()
     if dist.is_initialized():
@@ -125,6 +154,10 @@ def wait_work(work) -> None:
     """Wait for an async work handle returned by this module, and stop tracking it."""
     try:
         work.wait()
+    except CollectiveFailed:
+        raise
+    except RuntimeError as e:
+        raise _failed("waiting for an asynchronous collective", e) from e
     finally:
         for i, w in enumerate(_pending):
             if w is work:
@@ -221,16 +254,47 @@ def _python_free_tls() -> Iterator[None]:
             torch._C._stash_obj_in_tls(key, obj)
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective failed in the backend: a peer rank died, or did not answer within the
+    process group's timeout. The message says where in training (:func:`set_where`)."""
+
+
+_where = [""]  # what this rank is doing, for CollectiveFailed's message (set by the runtime)
+
+
+def set_where(text: str) -> None:
+    """Record what this rank is doing ("step 3, backward"), named if a collective fails."""
+    _where[0] = text
+
+
+def _failed(what: str, e: BaseException) -> CollectiveFailed:
+    timeout = _pg_timeout_s if _pg_timeout_s is not None else pg_timeout_s()
+    return CollectiveFailed(
+        f"elixir: {what} failed at {_where[0] or 'an unknown point'}: a peer rank died or did not "
+        f"answer within the process group's timeout ({timeout:.0f} s; set it with "
+        f"init_distributed(timeout_s=...) or ELIXIR_PG_TIMEOUT_S). Restart from the last checkpoint. "
+        f"Backend: {e}"
+    )
+
+
 def _collective(fn):
-    """Issue ``fn``'s collectives with a Python-free thread-local state, and make sure the exit
-    hook is registered (user scripts may call ``dist.init_process_group`` themselves)."""
+    """Issue ``fn``'s collectives with a Python-free thread-local state, make sure the exit hook
+    is registered (user scripts may call ``dist.init_process_group`` themselves), and turn a
+    backend failure into :class:`CollectiveFailed` naming where this rank was."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if not _exit_drain_registered and is_initialized():
             _register_exit_drain()
-        with _python_free_tls():
-            return fn(*args, **kwargs)
+        try:
+            with _python_free_tls():
+                return fn(*args, **kwargs)
+        except CollectiveFailed:
+            raise
+        except RuntimeError as e:
+            if not is_initialized():
+                raise
+            raise _failed(fn.__name__, e) from e
 
     return wrapper
 

@@ -188,6 +188,7 @@ class ElixirModule(nn.Module):
         self.has_grad = [False] * len(self.slots)  # per param, agreed across ranks, until zero_grad
         self._local_arrived = [False] * len(self.slots)  # got a grad under no_sync, not yet reduced
         self._in_backward = False
+        self.iteration = 0  # training forwards so far (the step named if a collective fails)
         self._fwd_stack: list[tuple] = []
         self._no_sync = False
         self._pre_step_hooks: list = []
@@ -411,6 +412,7 @@ class ElixirModule(nn.Module):
     def _enter_backward(self) -> None:
         if not self._in_backward:
             self._in_backward = True
+            edist.set_where(f"step {self.iteration}, backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -534,6 +536,9 @@ class ElixirModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         if not self._in_backward:
+            if torch.is_grad_enabled():
+                self.iteration += 1
+            edist.set_where(f"step {self.iteration}, forward")
             self._unwind_forward()
             self.observed_order = []
             if self.schedule is not None:

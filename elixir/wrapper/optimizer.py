@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from elixir import device as dev
+from elixir import distributed as edist
 from elixir.offload.pipeline import run_pipelined, staged
 from elixir.offload.state_binding import FragmentState, bind_state
 from elixir.optim.loss_scaler import DynamicLossScaler, LossScalePolicy
@@ -229,6 +230,7 @@ class ElixirOptimizer:
         :meth:`clip_grad_norm_`) in one pass, or inside the kernel on the fused path."""
         if closure is not None:
             raise NotImplementedError("ElixirOptimizer.step does not take a closure")
+        edist.set_where(f"step {self.module.iteration}, optimizer step")
         # The host is about to write masters and host shards that side-stream copies may still
         # read (gathers of host shards, last step's refreshes): let those finish first.
         self.module.streams.synchronize()
