@@ -14,6 +14,7 @@ import torch
 
 from elixir import checkpoint
 from elixir.checkpoint import CheckpointError
+from elixir.cli import main
 from elixir.testing import run_distributed
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -50,8 +51,6 @@ def _flip_byte(path: str, offset_from_end: int = 5) -> None:
 
 def _cli(capsys, *args: str) -> tuple[int, str, str]:
     """``elixir checkpoint ARGS`` through the real command-line entry point, in this process."""
-    from elixir.cli import main
-
     capsys.readouterr()
     rc = main(["checkpoint", *args])
     out = capsys.readouterr()

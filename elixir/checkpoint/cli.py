@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from elixir.checkpoint.errors import CheckpointError
+from elixir.checkpoint.verify import verify
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -14,8 +17,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from elixir.checkpoint import CheckpointError, verify
-
     try:
         result = verify(args.path)
     except CheckpointError as e:
