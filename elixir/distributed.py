@@ -255,8 +255,10 @@ def _python_free_tls() -> Iterator[None]:
 
 
 class CollectiveFailed(RuntimeError):
-    """A collective failed in the backend: a peer rank died, or did not answer within the
-    process group's timeout. The message says where in training (:func:`set_where`)."""
+    """A collective failed: most often a peer rank died, or did not answer within the process
+    group's timeout. The message says where in training (:func:`set_where`) and keeps the
+    backend's own text (gloo raises a plain ``RuntimeError`` for a lost peer, so every
+    ``RuntimeError`` out of a collective is wrapped; the original is the ``__cause__``)."""
 
 
 _where = [""]  # what this rank is doing, for CollectiveFailed's message (set by the runtime)
@@ -270,8 +272,8 @@ def set_where(text: str) -> None:
 def _failed(what: str, e: BaseException) -> CollectiveFailed:
     timeout = _pg_timeout_s if _pg_timeout_s is not None else pg_timeout_s()
     return CollectiveFailed(
-        f"elixir: {what} failed at {_where[0] or 'an unknown point'}: a peer rank died or did not "
-        f"answer within the process group's timeout ({timeout:.0f} s; set it with "
+        f"elixir: {what} failed at {_where[0] or 'an unknown point'}: most often a peer rank died or "
+        f"did not answer within the process group's timeout ({timeout:.0f} s; set it with "
         f"init_distributed(timeout_s=...) or ELIXIR_PG_TIMEOUT_S). Restart from the last checkpoint. "
         f"Backend: {e}"
     )
