@@ -16,7 +16,6 @@ agreeing across ranks (one small all-reduce) on which parameters got a gradient 
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -30,11 +29,18 @@ from elixir.chunk import BlockCache, Chunk, ChunkSpec, GradState, MemoryLedger, 
 from elixir.offload.for_plan import store_for_plan
 from elixir.offload.store import DiskStore
 from elixir.search.plan import Placement, dtype_from_name
-from elixir.tracer.hooks import borrowed_children, map_tensors, step_params, tensors_in
+from elixir.tracer.hooks import (
+    StepKind,
+    borrowed_children,
+    install_step_hooks,
+    map_tensors,
+    step_params,
+    tensors_in,
+)
 from elixir.wrapper.fused_kernels import apply_fused_kernels
-from elixir.wrapper.param_map import ParamMap, ParamSlot
 from elixir.wrapper.hf_guard import guard_save_pretrained
 from elixir.wrapper.materialize import Materializer, agreed_seed, assign, has_meta_tensors
+from elixir.wrapper.param_map import ParamMap, ParamSlot
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
 from elixir.wrapper.state_dict import full_state_dict, load_full_state_dict
 
@@ -329,8 +335,11 @@ class ElixirModule(nn.Module):
             sharded = tuple(self.chunks[c] for c in sorted(chunk_ids) if self.chunks[c].spec.sharded)
             info = _ModInfo(sharded, frozenset(c.index for c in sharded), idx, frozenset(ancestors[id(m)]), id(m))
             self._mod_info[m] = info
-            self._hook_handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, info)))
-            self._hook_handles.append(m.register_forward_hook(functools.partial(self._post_forward, info)))
+        # the tracer's step hooks, so the runtime fires exactly the steps the plan was traced with
+        hooks = install_step_hooks(
+            self.module, on_forward=self._step_forward, on_backward=self._step_backward, on_forward_end=self._step_forward_end
+        )
+        self._hook_handles.extend(hooks.handles)
         for p in self.params:
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
@@ -377,16 +386,22 @@ class ElixirModule(nn.Module):
                     exp[i] = True
                     nexp[self.slots[i].chunk] += 1
 
-    def _post_forward(self, info: _ModInfo, module: nn.Module, args, output) -> None:
+    def _step_forward(self, kind: StepKind, name: str, module: nn.Module) -> None:
+        info = self._mod_info.get(module)
+        if info is not None:  # else a module whose parameters are all frozen
+            self._pre_forward(info, module, None)
+
+    def _step_forward_end(self, kind: StepKind, name: str, module: nn.Module) -> None:
+        if module not in self._mod_info:
+            return
         chunks = self._fwd_stack.pop() if self._fwd_stack else ()
         for c in chunks:
             c.unpin()
-        if info.chunks and torch.is_grad_enabled():
-            tensors = _grad_tensors(output)
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._pre_backward, info), mode="any"
-                )
+
+    def _step_backward(self, kind: StepKind, name: str, module: nn.Module) -> None:
+        info = self._mod_info.get(module)
+        if info is not None and info.chunks:
+            self._pre_backward(info, None)
 
     def _pre_backward(self, info: _ModInfo, grad) -> None:
         self._enter_backward()
