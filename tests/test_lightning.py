@@ -8,6 +8,7 @@ checkpoint; the assertions compare the results afterwards.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -78,6 +79,65 @@ class CountCollectives(L.Callback):
         self.per_batch.append(dict(self._counter))
 
 
+WIDE, DEEP = 1024, 16  # WideRegressor: ~67 MB of fp32 parameters, one ~4 MB chunk per layer, so a
+# rank's shards (half) plus the chunk being materialised are told apart from the whole model
+INIT_SEED = 7
+
+
+def _rss_kib(field: str = "VmRSS") -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith(field + ":")))
+
+
+class WideRegressor(TinyRegressor):
+    """Built in ``configure_model``; records whether it was built on meta, and the peak rise of
+    this process's resident memory from just before ``configure_model`` to just after the strategy
+    wrapped the model (``configure_optimizers`` runs then), with the wrapped values at that point."""
+
+    def __init__(self, build_device=None) -> None:
+        super().__init__(build_in_configure=True)
+        self.build_device = build_device  # None: wherever the strategy builds
+        self.built_on_meta = None
+        self.peak_rise_bytes = None
+        self.initial = None
+
+    @staticmethod
+    def _build() -> torch.nn.Module:
+        layers = [torch.nn.Linear(16, WIDE)]
+        for _ in range(DEEP):
+            layers += [torch.nn.Tanh(), torch.nn.Linear(WIDE, WIDE)]
+        return torch.nn.Sequential(*layers, torch.nn.Tanh(), torch.nn.Linear(WIDE, 4))
+
+    def setup(self, stage: str) -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM (the peak) to the current RSS
+        self.rss_before = _rss_kib()
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            with torch.device(self.build_device) if self.build_device else nullcontext():
+                self.net = self._build()
+            self.built_on_meta = all(p.is_meta for p in self.net.parameters())
+
+    def configure_optimizers(self):
+        self.peak_rise_bytes = (_rss_kib("VmHWM") - self.rss_before) * 1024
+        self.initial = self.trainer.strategy.elixir_module.state_dict()
+        return super().configure_optimizers()
+
+
+def _wide_scenario(build_device=None) -> dict:
+    from elixir.integrations.lightning import ElixirStrategy
+
+    model = WideRegressor(build_device)
+    trainer = _trainer(ElixirStrategy(init_seed=INIT_SEED), max_steps=2)
+    trainer.fit(model)
+    full = sum(p.numel() * 4 for p in model.parameters())  # fp32
+    return {
+        "built_on_meta": model.built_on_meta, "peak_rise": model.peak_rise_bytes, "full_bytes": full,
+        "initial": model.initial, "losses": model.losses,
+    }
+
+
 def _trainer(strategy, precision="32-true", max_steps=STEPS, callbacks=(), **kw):
     return L.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, precision=precision, max_steps=max_steps,
@@ -130,8 +190,10 @@ def _scenarios(tmp: str) -> dict:
     out["resumed"] = (first + model.losses, _params(trainer), trainer.global_step)
     out["ckpt_is_dir"] = os.path.isdir(ckpt)
 
-    # configure_model: layers built in the hook (on the compute device until meta lands)
-    out["configure_model"] = _fit("elixir", module_kw={"build_in_configure": True})[:2]
+    # configure_model: layers built on meta and materialised into shards; the control builds the
+    # same model on the CPU inside the hook (the strategy's meta context overridden)
+    out["meta"] = _wide_scenario()
+    out["eager"] = _wide_scenario("cpu")
     out["manual_refused"] = _refused()
 
     # ModelCheckpoint writes checkpoint directories and removes the older ones (save_top_k=1)
@@ -217,12 +279,23 @@ def test_model_checkpoint_callback(results):
 
 
 @pytest.mark.dist
-def test_configure_model(results):
+def test_configure_model_builds_on_meta_and_no_rank_holds_the_full_model(results):
+    from elixir.wrapper.materialize import materialize
+
+    twin = torch.nn.Module()
+    with torch.device("meta"):
+        twin.net = WideRegressor._build()
+    reference = materialize(twin, INIT_SEED).state_dict()  # plain torch, the values ElixirModule gives
     for rank_out in results:
-        losses, params = rank_out["configure_model"]
-        ref_losses, ref_params = rank_out["elixir"]
-        assert losses == ref_losses
-        _close(params, ref_params, rtol=0, atol=0)
+        meta, eager = rank_out["meta"], rank_out["eager"]
+        assert meta["built_on_meta"] and eager["built_on_meta"] is False
+        full = meta["full_bytes"]
+        # the measure sees a full model when one is built (the control), and none with meta: each
+        # rank's construction peak stays below the whole model (its shard is half of it)
+        assert eager["peak_rise"] >= full, (eager["peak_rise"], full)
+        assert meta["peak_rise"] < full, (meta["peak_rise"], full)
+        _close(meta["initial"], reference, rtol=0, atol=0)
+        assert len(meta["losses"]) == 2 and all(torch.isfinite(torch.tensor(meta["losses"])))
 
 
 def test_registered_and_unsupported_options():

@@ -22,10 +22,11 @@ overridden                             what elixir does there
                                        prepared optimizer, so it neither wraps the model in DDP nor
                                        round-trips the optimizer state
 ``_clip_grad_norm``, ``_get_grad_norm`` ``max_grad_norm`` clips the global norm over every rank's shards
-``save_model``                         an HF-loadable directory (``config.json``, ``model.safetensors``),
-                                       written by ``save_pretrained`` on rank 0 from a state dict gathered
-                                       one chunk at a time (the whole model passes through rank 0's memory
-                                       once; a streaming save lands with ``elixir.checkpoint.save_pretrained``)
+``save_model``                         an HF-loadable directory (``config.json``, ``model.safetensors`` or
+                                       shards plus their index) streamed by
+                                       ``elixir.checkpoint.save_pretrained``: each file is written by one
+                                       rank from chunks gathered one at a time, so no rank holds the whole
+                                       model; the tokenizer and ``training_args.bin`` as the Trainer saves them
 ``_save_optimizer_and_scheduler``      ``checkpoint-N/elixir/``: elixir's sharded checkpoint of the fp32
                                        masters, optimizer state and loss scale (atomic, each rank writes its
                                        own shards); the LR scheduler as the Trainer saves it
@@ -50,12 +51,15 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer
 
 from elixir import checkpoint as echeckpoint
+from elixir.checkpoint.errors import agree
 from elixir.search.placement_policy import PlanArg, SearchArg, check_plan_args, make_plan
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
 ELIXIR_DIR = "elixir"  # inside checkpoint-N/
 SCHEDULER_NAME = "scheduler.pt"
 OPTIMIZER_NAME = "optimizer.pt"
+TRAINING_ARGS_NAME = "training_args.bin"  # transformers' name
+STAGING_NAME = ".elixir-save_pretrained"  # inside the output directory, while save_model runs
 
 
 class _TrainerOptimizer(AcceleratedOptimizer):
@@ -170,8 +174,11 @@ class ElixirTrainer(Trainer):
         if self.elixir_module is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state = self.elixir_module.state_dict(rank0_only=True)  # gathered chunk by chunk; {} off rank 0
-        self._save(output_dir, state_dict=state)
+        _save_pretrained_into(output_dir, self.elixir_module)
+        if self.args.should_save:  # what Trainer._save writes besides the weights
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -199,6 +206,35 @@ class ElixirTrainer(Trainer):
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, map_location="cpu", weights_only=True))
+
+
+def _save_pretrained_into(output_dir: str, em: ElixirModule) -> None:
+    """Stream ``em`` as HF model files into ``output_dir``, keeping whatever else it holds
+    (``checkpoint-N/`` folders, the tokenizer). Collective.
+
+    ``save_pretrained`` commits a whole directory, so it writes a staging folder inside
+    ``output_dir``; rank 0 then moves the files up one by one (each ``os.replace`` is atomic) and
+    removes weight files of an earlier save that the new one does not have (another shard count),
+    as transformers' ``save_pretrained`` does."""
+    staging = os.path.join(output_dir, STAGING_NAME)
+    echeckpoint.save_pretrained(staging, em)
+    error = None
+    if em.rank == 0:
+        try:
+            new = set(os.listdir(staging))
+            for name in os.listdir(output_dir):
+                if name not in new and _is_weight_file(name):
+                    os.remove(os.path.join(output_dir, name))
+            for name in sorted(new):
+                os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+            os.rmdir(staging)
+        except OSError as e:
+            error = f"moving the saved model files from {staging} into {output_dir} failed: {e}"
+    agree(em.group, em.world_size, error)
+
+
+def _is_weight_file(name: str) -> bool:
+    return name.startswith("model") and (name.endswith(".safetensors") or name.endswith(".safetensors.index.json"))
 
 
 def _check_supported(args) -> None:

@@ -14,10 +14,10 @@ How it plugs in (Lightning's own extension points):
   callbacks, LR schedulers, hyper-parameters) travels inside it. ``fit(ckpt_path=...)`` restores it
   after the wrapping, exactly. A plain single-file Lightning checkpoint also loads (full state on
   every rank).
-- ``configure_model()`` runs under Lightning's init contexts. Until elixir's ElixirModule accepts
-  meta-device models, layers are built on the CPU/compute device (every rank holds the full model
-  once, before wrapping) and ``tensor_init_context(empty_init=True)`` is refused instead of silently
-  materialising on meta.
+- ``configure_model()`` runs under ``model_sharded_context``, which builds on the meta device
+  (as does ``Trainer.init_module(empty_init=True)``); ``setup`` hands the meta model to
+  ``ElixirModule``, which materialises one chunk at a time with the model's own initialisers
+  (seeded by ``init_seed``) and keeps only each rank's shards, so no rank holds the whole model.
 
 Unsupported (each raises at setup with the reason): several optimizers, manual optimization,
 clipping by value, ``sync_batchnorm``, accelerators other than cpu and gpu, precisions other than
@@ -55,6 +55,7 @@ from elixir import distributed as edist
 from elixir.integrations.lightning.precision import ElixirPrecision
 from elixir.search.placement_policy import PlanArg, SearchArg, check_plan_args, make_plan
 from elixir.wrapper import ElixirModule, ElixirOptimizer
+from elixir.wrapper.materialize import has_meta_tensors
 
 LIGHTNING_STATE_KEY = "lightning"  # the ``extra`` entry holding Lightning's own checkpoint state
 
@@ -74,6 +75,9 @@ class ElixirStrategy(ParallelStrategy):
         start_method: ``"popen"`` (re-run the script per rank, as ``strategy="ddp"``), ``"spawn"``
             or ``"fork"``; ignored when a launcher such as torchrun created the processes.
         process_group_backend, timeout: for ``torch.distributed.init_process_group``.
+        init_seed: seed of the initialisers of layers built on meta (``configure_model``,
+            ``init_module(empty_init=True)``); default: drawn from the global torch RNG, so
+            ``seed_everything`` makes it reproducible. See ``ElixirModule``.
         verbose: print the plan on rank 0.
     """
 
@@ -95,6 +99,7 @@ class ElixirStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        init_seed: Optional[int] = None,
         verbose: bool = False,
     ) -> None:
         check_plan_args(plan, search, placement_policy)
@@ -111,6 +116,7 @@ class ElixirStrategy(ParallelStrategy):
         self.prefetch = prefetch
         self.offload_dir = offload_dir
         self.loss_scale = dict(loss_scale or {})
+        self.init_seed = init_seed
         self.verbose = verbose
         self._start_method = start_method
         self._process_group_backend = process_group_backend
@@ -218,8 +224,10 @@ class ElixirStrategy(ParallelStrategy):
         return tensor
 
     def model_to_device(self) -> None:
-        if self.elixir_module is None:  # after wrapping, the chunks own the parameters' memory
-            assert self.model is not None
+        # After wrapping the chunks own the parameters' memory; a model on meta is materialised
+        # by ElixirModule, straight into its shards.
+        assert self.model is not None
+        if self.elixir_module is None and not has_meta_tensors(self.model):
             self.model.to(self.root_device)
 
     # ---- wrapping --------------------------------------------------------------------------------
@@ -241,7 +249,7 @@ class ElixirStrategy(ParallelStrategy):
             )
             self.elixir_module = ElixirModule(
                 pl_module, plan, prefetch=self.prefetch, dtype=prec.dtype, output_fp32=prec.output_fp32,
-                offload_dir=self.offload_dir,
+                offload_dir=self.offload_dir, init_seed=self.init_seed,
             )
             self.elixir_optimizer = None
             self.model = self.elixir_module
@@ -274,12 +282,16 @@ class ElixirStrategy(ParallelStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        if empty_init:
-            raise NotImplementedError(
-                "strategy='elixir' cannot build on meta yet (ElixirModule needs materialised weights); "
-                "build the model normally: it is copied into shards once and each rank keeps only its own"
-            )
-        with self.root_device, self.precision_plugin.tensor_init_context():
+        """``empty_init=True`` builds on meta; ``setup`` materialises into shards (ElixirModule)."""
+        device = torch.device("meta") if empty_init else self.root_device
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model()``: layers are built on meta, so no rank ever holds the whole
+        model; ``setup`` materialises them chunk by chunk into each rank's shards."""
+        with torch.device("meta"):
             yield
 
     @contextmanager
