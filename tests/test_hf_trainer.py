@@ -49,6 +49,8 @@ def test_losses_and_weights_equal_ddp(results):
 def test_saved_directory_loads_with_from_pretrained(results):
     res = results[0]
     assert "config.json" in res["final_files"] and "model.safetensors" in res["final_files"]
+    assert "training_args.bin" in res["final_files"]
+    assert not [f for f in res["final_files"] if f.startswith(".")], res["final_files"]  # no staging left
     torch.testing.assert_close(res["loaded_logits"], res["trained_logits"], rtol=1e-5, atol=1e-5)
 
 

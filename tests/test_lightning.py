@@ -7,6 +7,7 @@ checkpoint; the assertions compare the results afterwards.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from contextlib import nullcontext
 
@@ -109,6 +110,9 @@ class WideRegressor(TinyRegressor):
         return torch.nn.Sequential(*layers, torch.nn.Tanh(), torch.nn.Linear(WIDE, 4))
 
     def setup(self, stage: str) -> None:
+        # Return freed heap memory to the OS first: otherwise a build can reuse pages that are
+        # already resident and the peak would not show it.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM (the peak) to the current RSS
         self.rss_before = _rss_kib()
