@@ -271,7 +271,7 @@ class ElixirModule(nn.Module):
             for p, slot in members:
                 view = payload[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 if p.is_meta:  # stays on meta (inert to later initialisers) until every chunk is built
-                    on_meta.append((p, nn.Parameter(view, requires_grad=p.requires_grad)))
+                    on_meta.append((p, _own_version_param(view, p.requires_grad)))
                 else:
                     p.data = view
             if sharded:
@@ -755,3 +755,12 @@ class ElixirModule(nn.Module):
             f"chunks={len(self.chunks)} ({sharded} sharded), cache_blocks={self.cache.capacity}, "
             f"world_size={self.world_size}, dtype={self.dtype}"
         )
+
+
+def _own_version_param(view: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """A parameter over ``view`` with a version counter of its own, as ``p.data = view`` gives an
+    eagerly built parameter: ``nn.Parameter(view)`` would share the payload's counter, so gathering
+    another parameter of the chunk in place would invalidate this one's saved-for-backward uses."""
+    param = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=requires_grad)
+    param.data = view
+    return param
