@@ -125,7 +125,7 @@ class BenchConfig:
     tight_fraction: float = 0.5  # else this fraction of elixir-optimal's predicted device bytes
     attn: str = ""  # attention implementation of the model ("eager", "sdpa"); "": transformers' default
 
-    def for_model(self, name: str, layers: Optional[int] = None) -> "BenchConfig":
+    def for_model(self, name: str, layers: Optional[int] = None) -> BenchConfig:
         if name not in MODELS:
             raise SystemExit(f"unknown model {name!r}; choose from {sorted(MODELS)}")
         e, n, h = MODELS[name]

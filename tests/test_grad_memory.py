@@ -258,8 +258,8 @@ def _layers_profile(dtype: str, n: int = 8, numel: int = 100_000):
 def test_search_picks_lean_gradients_when_memory_binds():
     from elixir.hardware import load_profile
     from elixir.search import DoesNotFitError
-    from elixir.search.optimal import search_profile
     from elixir.search.cost_model import Setting, evaluate_plan
+    from elixir.search.optimal import search_profile
 
     hw = load_profile("cpu-box")
     prof = _layers_profile("bfloat16")

@@ -26,7 +26,6 @@ from typing import Iterator, Optional, Protocol
 
 import torch
 
-from elixir import device as dev
 from elixir.offload.aio import ALIGN, AsyncFileIO, make_io
 from elixir.offload.directory import open_offload_file
 
