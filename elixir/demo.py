@@ -111,7 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"padding (default {d.search})")
     p.add_argument("--budget-mib", type=float, default=d.budget_mib,
                    help="per-rank memory budget in MiB for --search optimal: device memory, and on a CPU-only "
-                        "machine the rank's whole share of RAM (default: the hardware profile's)")
+                        "machine the rank's whole share of RAM, for the model and elixir's runtime (the interpreter and "
+                        "libraries not included) (default: the hardware profile's)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the run's summary to this JSON file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
@@ -240,7 +241,8 @@ class Trainer:
             x, y = example
             self.plan = optimal_search(model, world_size, unified_dtype=dtype, overlap=True, verbose=console is not None,
                                        inp={"input_ids": x, "labels": y}, step_fn=_trace_step, device_memory=budget,
-                                       host_memory=host)
+                                       host_memory=host, process_bytes=0)  # the budget is the model's and runtime's: the
+            # same on every rank and in every process (RSS beside them varies by tens of MiB)
             if console is not None:
                 print_chunks(console, self.plan)
                 if not any(c.sharded for c in self.plan.chunks):
