@@ -201,6 +201,14 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def _peak_rss_bytes() -> int:
+    """This process's peak RSS since it was exec'd (VmHWM). Not ``ru_maxrss``: a spawned rank's
+    ``ru_maxrss`` also holds the parent's RSS at fork time, so under a long pytest run (parent at
+    ~1.3 GB) every rank reported the same 1.3 GB "rise", meta and eager alike."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+
+
 def _small_chunk_plan(model: nn.Module, world: int) -> SearchResult:
     """Chunks as small as the largest parameter, packed in definition order (the bound below is
     in chunks, so small chunks make it tight)."""
@@ -229,7 +237,7 @@ def _construction_rise(fields: dict, on_meta: bool) -> dict:
     before = _rss_bytes()
     model = build_model("llama-7b", device="meta" if on_meta else "cpu", **fields)
     em = ElixirModule(model, plan, init_seed=1)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss_bytes()
     shard = sum(c.spec.shard_numel for c in em.chunks) * 4
     chunk = max(c.spec.capacity for c in em.chunks) * 4
     params = sum(c.spec.capacity for c in em.chunks) * 4
@@ -272,7 +280,8 @@ def test_plan_host_prediction_includes_construction_staging(monkeypatch):
     model = _hf("llama-7b", "meta")
 
     def plan():
-        return optimal_search(model, 2, device_memory=2**34, host_memory=2**34, disk=2**34)
+        # process_bytes fixed: the measured RSS term moves between two calls and is not under test
+        return optimal_search(model, 2, device_memory=2**34, host_memory=2**34, disk=2**34, process_bytes=0)
 
     with_staging = plan()
     monkeypatch.setattr(cost_model, "CONSTRUCTION_STAGING", 0)
