@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -59,6 +58,15 @@ def n_params(hidden: int, layers: int, vocab: int) -> int:
 
 # --------------------------------------------------------------------------------------------
 # one trial (in its own process)
+
+
+def _vm_hwm() -> int:
+    """This process's peak resident bytes (VmHWM; ru_maxrss would include the parent's at fork)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _io() -> tuple[int, int]:
@@ -123,9 +131,20 @@ def _build(system: str, cfg, offload: str, mem_cap: int):
             return loss
 
         free = shutil.disk_usage(offload).free
-        plan = optimal_search(model, 1, inp=batch, step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap,
-                              disk=int(free * 0.9))
-        em = ElixirModule(model, plan, offload_dir=offload)
+        # bf16 chunks with fp32 masters (mixed precision, as (b) computes); on a CPU box device and
+        # host are one pool, so the cap budgets both; the search may put any chunk's state on disk
+        plan = optimal_search(model, 1, unified_dtype=torch.bfloat16, optimizer_type="HybridAdam", inp=batch,
+                              step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap, disk=int(free * 0.9))
+        kinds: dict[str, int] = {}
+        for c in plan.chunks:
+            key = f"{'shard' if c.sharded else 'repl'}:{c.shard_placement.value}/opt:{c.optim_placement.value}"
+            kinds[key] = kinds.get(key, 0) + 1
+        print(json.dumps({"note": f"plan: {plan.chunk_size:,} el/chunk, {kinds}, grads {plan.grad_dtype}, "
+                                  f"fused step {plan.fused_step}, predicted peak "
+                                  f"{(plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes) / GIB:.2f} GiB "
+                                  f"(+{plan.prediction.peak_disk_bytes / GIB:.1f} GiB disk), step "
+                                  f"{plan.prediction.step_time_s:.1f} s"}), flush=True)
+        em = ElixirModule(model, plan, dtype=torch.bfloat16, offload_dir=offload)
         return em, ElixirOptimizer(em, HybridAdam(em.parameters(), lr=1e-4))
     raise ValueError(system)
 
@@ -159,7 +178,7 @@ def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: in
     later = io[1:] or io
     return {
         "ok": ok, "losses": losses, "step_s": sum(times[1:]) / max(1, len(times) - 1),
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": _vm_hwm(),
         "read_per_step": sum(r for r, _ in later) // len(later), "written_per_step": sum(w for _, w in later) // len(later),
         "reason": "" if ok else f"losses not finite and falling: {losses}",
     }
@@ -249,6 +268,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per trial")
+    p.add_argument("--rungs", help="bisect over these ladder indices only (comma-separated, e.g. 2,3,4), "
+                   "to bound a system you already know roughly; default: the whole ladder")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--trial", help=argparse.SUPPRESS)
     p.add_argument("--rung", help=argparse.SUPPRESS)
@@ -262,6 +283,11 @@ def main() -> None:
         print(json.dumps(r), flush=True)
         return
     ladder = TINY if args.tiny else LADDER
+    if args.rungs:
+        try:
+            ladder = [ladder[int(i)] for i in args.rungs.split(",")]
+        except (ValueError, IndexError):
+            sys.exit(f"capacity: --rungs takes indices 0..{len(ladder) - 1} of the ladder, comma-separated; got {args.rungs!r}")
     if args.tiny:
         args.vocab = min(args.vocab, 512)
     largest = n_params(*ladder[-1], args.vocab)
@@ -300,8 +326,12 @@ def _report(results: dict, args) -> None:
         h, layers = b["rung"]
         t.add_row(SYSTEMS[s], f"h{h} L{layers}", _count(n_params(h, layers, args.vocab)), f"{b['step_s']:.2f}",
                   f"{b['peak_rss'] / GIB:.2f} GiB", f"{b['read_per_step'] / GIB:.2f} GiB",
-                  f"{b['written_per_step'] / GIB:.2f} GiB", why + ("; " + "; ".join(b.get("notes", [])) if b.get("notes") else ""))
-    Console().print(t)
+                  f"{b['written_per_step'] / GIB:.2f} GiB", why)
+    console = Console(width=max(140, Console().width))
+    console.print(t)
+    for s, r in results.items():
+        for note in (r["best"] or {}).get("notes", []):
+            console.print(f"{SYSTEMS[s]}: {note}")
 
 
 if __name__ == "__main__":
