@@ -7,7 +7,7 @@ peak RSS with ``nvme_offload_fraction`` 0 and 1, each in its own process, same r
 Per fraction, a child process builds ``--numel`` fp32 parameters (in ``--tensors`` tensors) with
 fixed gradients, takes one warm-up step and times ``--steps`` steps of
 ``HybridAdam(nvme_offload_fraction=f, nvme_offload_dir=--dir)``. It reports the step time, the
-bytes the step read and wrote, the moments kept on disk and its peak RSS (``ru_maxrss``).
+bytes the step read and wrote, the moments kept on disk and its peak RSS (VmHWM, elixir.device.peak_rss_bytes).
 
 Disk figures: ``dd`` writes ``--dd-mib`` MiB sequentially (8 MiB blocks, ``conv=fdatasync``) and
 reads it back (``iflag=direct`` where the file system allows, so the page cache does not answer).
@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import time
 def _child(fraction: float, numel: int, tensors: int, steps: int, directory: str, bucket: int) -> dict:
     import torch
 
+    from elixir import device as dev
     from elixir.optim import HybridAdam
 
     torch.manual_seed(0)
@@ -50,7 +50,7 @@ def _child(fraction: float, numel: int, tensors: int, steps: int, directory: str
     for _ in range(steps):
         opt.step()
     dt = (time.perf_counter() - t0) / steps
-    out = {"fraction": fraction, "step_s": dt, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    out = {"fraction": fraction, "step_s": dt, "peak_rss": dev.peak_rss_bytes()}
     if store is not None:
         r = store.report()
         out.update(

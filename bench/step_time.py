@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -365,6 +364,7 @@ def worker(system: str, cfg: BenchConfig, out: str, profile: Optional[str]) -> N
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
+    from elixir import device as dev
     from elixir import distributed as edist
 
     info = edist.init_distributed(backend="gloo")
@@ -420,7 +420,7 @@ def worker(system: str, cfg: BenchConfig, out: str, profile: Optional[str]) -> N
         else:
             losses.append(step(i))
         times.append(time.perf_counter() - t0)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = dev.peak_rss_bytes()
     if system.startswith("elixir"):
         extra["memory"] = model.memory_report()
         extra["collectives"] = dict(comm.seconds)

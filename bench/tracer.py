@@ -67,9 +67,11 @@ def _one_memtracker(model_name: str, batch: int, seq: int, ckpt: bool) -> dict:
 
 def _child(args: argparse.Namespace) -> None:
     fn = _one_elixir if args.child == "elixir" else _one_memtracker
+    from elixir import device as dev
+
     out = fn(args.model, args.batch, args.seq, args.ckpt)
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    out["rss_gb"] = ru.ru_maxrss / 1e6
+    out["rss_gb"] = dev.peak_rss_bytes() / 1e9
     out["cpu_s"] = ru.ru_utime + ru.ru_stime
     print("RESULT " + json.dumps(out))
 

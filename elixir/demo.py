@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from elixir import device as dev
 from elixir import distributed as edist
 from elixir.data import eval_batches, load_corpus, sample_batch
 from elixir.hardware import default_profile
@@ -217,12 +217,6 @@ def _lm_loss(model, x, y):
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (``ru_maxrss`` is in kilobytes on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
 def _trace_step(model, batch) -> None:
     """The training step the search traces (on meta tensors): forward, loss, backward."""
     _lm_loss(model, batch["input_ids"], batch["labels"]).backward()
@@ -272,7 +266,7 @@ class Trainer:
             "cache": int(r["cache_bytes"]),
             "peak_gathered": int(r["peak_gathered_bytes"]),
             "device_peak": int(r["device_peak_bytes"]),
-            "peak_rss": peak_rss_bytes(),
+            "peak_rss": dev.peak_rss_bytes(),
         }
 
     def predicted_runtime_bytes(self) -> Optional[int]:

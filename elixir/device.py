@@ -338,13 +338,23 @@ def reset_peak_memory(device: DeviceLike = None) -> None:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size in bytes (Linux/macOS)."""
+    """This process's peak resident set size in bytes since it was exec'd: ``VmHWM`` from
+    ``/proc/self/status`` on Linux. Not ``ru_maxrss``: a spawned process's ``ru_maxrss`` also
+    holds its parent's RSS at fork time, so a rank spawned from a large process reports the
+    parent's peak. Elsewhere (macOS), ``ru_maxrss`` (bytes there); 0 where neither exists."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         # lazy: resource exists on Unix only
         import resource
-        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return kb if sys.platform == "darwin" else kb * 1024
-    except Exception:  # pragma: no cover - platform without resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+    except (ImportError, OSError):  # pragma: no cover - platform without resource
         return 0
 
 

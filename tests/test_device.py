@@ -5,6 +5,9 @@ events exactly as on CUDA, so the ordering code runs (and is checked) in the CPU
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -259,3 +262,21 @@ def test_backward_step_waits_on_the_host_only_for_host_chunks():
     assert {host for host, _ in pairs} == {True, False}  # both kinds were stepped during backward
     for host, what in pairs:
         assert what == (("host",) if host else ("device",)), (host, what)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and fork-inherited ru_maxrss are Linux's")
+def test_peak_rss_of_a_spawned_process_excludes_the_parents_rss_at_fork():
+    # ru_maxrss of a child starts at its parent's RSS at fork (kept across exec), so a rank spawned
+    # from a large process reported the parent's peak; peak_rss_bytes reads the child's own VmHWM
+    ballast = bytearray(384 << 20)
+    ballast[::4096] = b"\1" * len(ballast[::4096])  # touch every page: resident
+    parent = dev.rss_bytes()
+    code = ("import resource; from elixir import device as d; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, d.peak_rss_bytes(), d.rss_bytes())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout.split()
+    ru_maxrss, peak, now = (int(x) for x in out)
+    del ballast
+    assert ru_maxrss > parent - (64 << 20)  # why ru_maxrss is wrong here: the parent's RSS at fork
+    # the child's own peak: at least its RSS now, and without the parent's ballast
+    assert now <= peak < ru_maxrss - (256 << 20)

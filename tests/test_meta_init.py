@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import resource
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 
+from elixir import device as dev
 from elixir.models import build_model
 from elixir.search import minimum_waste_search
 from elixir.search.plan import ChunkPlan, Placement, SearchResult
@@ -196,19 +196,6 @@ MEM_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, nu
               num_key_value_heads=16, vocab_size=32000, max_position_embeddings=256)  # 1.1B params, 4.4 GB
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _peak_rss_bytes() -> int:
-    """This process's peak RSS since it was exec'd (VmHWM). Not ``ru_maxrss``: a spawned rank's
-    ``ru_maxrss`` also holds the parent's RSS at fork time, so under a long pytest run (parent at
-    ~1.3 GB) every rank reported the same 1.3 GB "rise", meta and eager alike."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
-
-
 def _small_chunk_plan(model: nn.Module, world: int) -> SearchResult:
     """Chunks as small as the largest parameter, packed in definition order (the bound below is
     in chunks, so small chunks make it tight)."""
@@ -234,10 +221,10 @@ def _construction_rise(fields: dict, on_meta: bool) -> dict:
     world = edist.get_world_size()
     plan = _small_chunk_plan(build_model("llama-7b", device="meta", **fields), world)
     gc.collect()
-    before = _rss_bytes()
+    before = dev.rss_bytes()
     model = build_model("llama-7b", device="meta" if on_meta else "cpu", **fields)
     em = ElixirModule(model, plan, init_seed=1)
-    peak = _peak_rss_bytes()
+    peak = dev.peak_rss_bytes()  # VmHWM: a spawned rank's ru_maxrss holds the parent's RSS at fork
     shard = sum(c.spec.shard_numel for c in em.chunks) * 4
     chunk = max(c.spec.capacity for c in em.chunks) * 4
     params = sum(c.spec.capacity for c in em.chunks) * 4
