@@ -203,7 +203,19 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
+OFFLOADS_TO_DISK = {"d", "e"}
+
+
+def _disk_need(rung: tuple[int, int], vocab: int) -> int:
+    """The most offload space a rung can take: fp32 master + Adam moments + a compute-dtype copy."""
+    return 16 * n_params(*rung, vocab)
+
+
 def run_trial(args, system: str, rung: tuple[int, int]) -> dict:
+    free = shutil.disk_usage(args.offload_dir).free
+    if system in OFFLOADS_TO_DISK and free < _disk_need(rung, args.vocab):
+        return {"ok": False, "peak_rss": 0, "reason": f"not run: {args.offload_dir} has {free / GIB:.1f} GiB free, "
+                f"the rung may need {_disk_need(rung, args.vocab) / GIB:.1f} GiB of offload space"}
     offload = tempfile.mkdtemp(prefix=f"capacity-{system}-", dir=args.offload_dir)
     cmd = [sys.executable, os.path.abspath(__file__), "--trial", system, "--rung", f"{rung[0]}x{rung[1]}",
            "--vocab", str(args.vocab), "--seq", str(args.seq), "--steps", str(args.steps),
@@ -290,11 +302,10 @@ def main() -> None:
             sys.exit(f"capacity: --rungs takes indices 0..{len(ladder) - 1} of the ladder, comma-separated; got {args.rungs!r}")
     if args.tiny:
         args.vocab = min(args.vocab, 512)
-    largest = n_params(*ladder[-1], args.vocab)
     free = shutil.disk_usage(args.offload_dir).free
-    need = 16 * largest  # fp32 master + Adam moments of the largest rung, the most any system offloads
-    if free < need:
-        sys.exit(f"capacity: {args.offload_dir} has {free / GIB:.1f} GiB free; the ladder's largest rung needs up to "
+    need = _disk_need(ladder[0], args.vocab)
+    if set(args.systems.split(",")) & OFFLOADS_TO_DISK and free < need:
+        sys.exit(f"capacity: {args.offload_dir} has {free / GIB:.1f} GiB free; the smallest rung needs up to "
                  f"{need / GIB:.1f} GiB of offload space. Free some, pass --offload-dir elsewhere, or use --tiny.")
     results = {}
     for s in args.systems.split(","):
