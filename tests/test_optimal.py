@@ -220,3 +220,48 @@ def test_evaluating_the_chosen_plan_reproduces_its_prediction():
         assert ev.device_bytes == r.prediction.peak_device_bytes
         assert ev.host_bytes == r.prediction.peak_host_bytes
         assert ev.step_time == pytest.approx(r.prediction.step_time_s, rel=1e-9)
+
+
+def _search_on_rank(ballast_mib: int):
+    from elixir import distributed as edist
+
+    ballast = bytearray((ballast_mib << 20) * edist.get_rank())  # rank 1 holds more than rank 0
+    ballast[::4096] = b"\1" * len(ballast[::4096])
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    r = optimal_search(model, 2, device_memory=1 << 30, host_memory=1 << 30, hardware=HW)
+    del ballast
+    return r.info["process_bytes"], r.to_json()["chunks"]
+
+
+def test_process_bytes_agree_across_ranks():
+    # each rank measures its own RSS; ranks searching on different figures could pick different
+    # plans, so optimal_search takes the most over the process group
+    from elixir.testing import run_distributed
+
+    (b0, chunks0), (b1, chunks1) = run_distributed(_search_on_rank, 2, 128)
+    assert b0 == b1 > 128 << 20
+    assert chunks0 == chunks1
+
+
+def test_world_size_suggestion_keeps_the_searchs_dtypes():
+    # the no-fit diagnostics re-search at larger world sizes; they once rebuilt that search from a
+    # guess (optimizer from its state bytes, default reduce dtype), so with fp32 reduction of bf16
+    # chunks they suggested world sizes at which the real search still does not fit
+    params = [(f"l{i}.w", (4096,)) for i in range(8)]
+    fwd = [(n,) for n, _ in params]
+    profile = StepProfile(params=tuple(params), steps=tuple(fwd + fwd[::-1]), step_kinds=(FORWARD,) * 8 + (BACKWARD,) * 8,
+                          activation_bytes=1000, matmul_param_numel=8 * 4096, tokens=4, dtype="bfloat16",
+                          info={"source": "synthetic"})
+    suggested = 0
+    for budget in range(140_000, 170_000, 2_000):
+        kw = dict(hardware=HW, device_memory=budget, host_memory=budget, reduce_dtype=torch.float32,
+                  fused_step=False, grad_dtype=torch.float32)
+        try:
+            search_profile(profile, 2, **kw)
+            continue
+        except DoesNotFitError as e:
+            world = e.needs.get("world_size")
+        if world:
+            suggested += 1
+            search_profile(profile, world, **kw)  # raises if the suggestion does not fit
+    assert suggested

@@ -32,7 +32,7 @@ that fits. A sharded tied chunk keeps its shard and optimizer state on the devic
 - host, fixed: ``process_bytes``, what the training process holds besides the model and elixir's
   own tensors (the interpreter, torch, the libraries it imported: about 0.3-0.5 GiB on a CPU box);
   :func:`~elixir.search.optimal.optimal_search` measures it as this process's RSS less the bytes
-  of the model it plans;
+  of the model it plans (the most over the ranks of an initialised process group);
 - a safety margin (:class:`MemoryPolicy`) is held back from each budget for allocator
   fragmentation and workspaces that the tracer does not see.
 
@@ -61,6 +61,7 @@ from typing import Optional
 import numpy as np
 
 from elixir.hardware.profile import HardwareProfile
+from elixir.search.plan import disk_bytes_per_element
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 
@@ -295,6 +296,11 @@ class Setting:
     fused_step: bool = False  # the fused backward-and-step (no persistent shard gradients)
 
     @property
+    def disk_elem(self) -> int:
+        """Bytes per shard element a disk chunk keeps on disk (and stages in host memory)."""
+        return disk_bytes_per_element(self.opt_bytes)
+
+    @property
     def kept_grad(self) -> int:
         """Bytes per element of the shard gradient kept until the optimizer step."""
         return 0 if self.fused_step else self.grad_elem
@@ -308,8 +314,8 @@ def per_chunk_bytes(st: Setting, shard: int) -> dict[str, tuple[int, int, int]]:
         "DD": (shard * (e + m_same + g + k), 0, 0),
         "DH": (shard * e, shard * (4 + g + k), 0),
         "HH": (0, shard * (e + m_same + g + k), 0),
-        "DK": (shard * e, shard * g, shard * (4 + k)),
-        "HK": (0, shard * (e + g), shard * (4 + k)),
+        "DK": (shard * e, shard * g, shard * st.disk_elem),
+        "HK": (0, shard * (e + g), shard * st.disk_elem),
         "HD": (shard * (4 + g + k), shard * e, 0),  # only scored for given plans
     }
 
@@ -324,7 +330,7 @@ def construction_staging_bytes(layout: Layout) -> int:
 
 def staging_bytes(st: Setting, shard: int, disk_chunks: int) -> int:
     """Host bytes that stream the optimizer state of ``disk_chunks`` disk chunks."""
-    return min(int(disk_chunks), DISK_STAGING) * shard * (4 + st.opt_bytes)
+    return min(int(disk_chunks), DISK_STAGING) * shard * st.disk_elem
 
 
 def per_chunk_fixed_time(st: Setting, shard: int) -> dict[str, float]:
@@ -334,7 +340,7 @@ def per_chunk_fixed_time(st: Setting, shard: int) -> dict[str, float]:
     param_h2d = hw.h2d_time(shard * st.elem, st.pin)
     dev = hw.optimizer_time(shard, "device")
     host = hw.optimizer_time(shard, "host")
-    disk = hw.disk_time(shard * (4 + st.opt_bytes), shard * (4 + st.opt_bytes))
+    disk = hw.disk_time(shard * st.disk_elem, shard * st.disk_elem)
     return {
         "DD": dev,
         "DH": grad_d2h + host + param_h2d,
@@ -528,7 +534,7 @@ def place(
         free_per_disk = cb["DH"][1] - cb["DK"][1]  # equals HH - HK
         over = host_need - host_free
         if allow_disk and free_per_disk > 0:
-            stage = shard * (4 + st.opt_bytes)
+            stage = shard * st.disk_elem
             # one disk chunk stages one chunk's master + state; two or more stage DISK_STAGING
             z1 = np.where(over > 0, -(-(over + stage) // free_per_disk), 0)
             zn = np.where(over > 0, -(-(over + DISK_STAGING * stage) // free_per_disk), 0)
@@ -616,7 +622,7 @@ def _finish(
     if st.fused_step and n_disk and layout.n_sharded:
         # the backward stager reads and writes disk chunks while backward computes (2/3 of the
         # compute); the first chunk's read has nothing before it to hide under
-        nbytes = layout.chunk_size // st.world * (4 + st.opt_bytes)
+        nbytes = layout.chunk_size // st.world * st.disk_elem
         t_disk = n_disk * hw.disk_time(nbytes, nbytes)
         fused_hidden = min(t_disk - hw.disk_time(nbytes, 0), 2.0 / 3.0 * comm["compute"])
         breakdown["fused_step_hidden"] = -fused_hidden

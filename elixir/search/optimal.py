@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from elixir import device as dev
+from elixir import distributed as edist
 from elixir.hardware.profile import HardwareProfile
 from elixir.hardware.registry import choose_default_profile, load_profile
 from elixir.search.cost_model import (
@@ -93,10 +94,7 @@ def chunk_size_candidates(profile: StepProfile, world: int, points: int = GRID_P
         r = (hi / lo) ** (1 / max(1, points - 1))
         for i in range(points):
             sizes.add(min(hi, round_up(int(lo * r**i), align)))
-    try:
-        sizes.add(best_chunk_size(sh, align))
-    except Exception:  # noqa: BLE001 - the least-padding size is a bonus candidate
-        pass
+    sizes.add(best_chunk_size(sh, align))
     return sorted(s for s in sizes if s >= lo)
 
 
@@ -151,6 +149,15 @@ class _Searcher:
         there are any and more than one rank (the cost model prices both)."""
         return (False, True) if self.profile.shared and self.world > 1 else (False,)
 
+    def sibling(self, **changes: Any) -> _Searcher:
+        """A searcher with the same model, optimizer, dtypes and hardware, and ``changes`` to the
+        world size, budgets, overlap or policy (the no-fit diagnostics and the report ask them)."""
+        kw = dict(profile=self.profile, world=self.world, hardware=self.hw, budgets=self.budgets,
+                  optimizer_type=self.optimizer_type, overlap=self.overlap, policy=self.policy,
+                  reduce_dtype=self.reduce_dtype, grad_dtype=self.grad_dtype, fused_step=self.fused_step,
+                  process_bytes=self.setting.process_bytes)
+        return _Searcher(**{**kw, **changes})
+
     def layout(self, c: int, shard_shared: bool = False) -> Layout:
         key = (c, shard_shared)
         if key not in self._layouts:
@@ -164,18 +171,21 @@ class _Searcher:
             return replicate(self.profile, lay)
         return lay
 
-    def evaluate(self, layout: Layout, blocks: int, depth: int, usable=None) -> Optional[Evaluation]:
+    def evaluate(self, layout: Layout, blocks: int, depth: int, usable=None,
+                 profile: Optional[StepProfile] = None) -> Optional[Evaluation]:
+        """``profile`` (default: the searcher's) may differ from it in activation bytes only: the
+        layouts are the searcher's."""
         g = simulate_layout(layout, blocks)
         usable = usable or self.usable
-        return place(self.profile, layout, self.setting, blocks, depth, usable, usable[2] > 0, g)
+        return place(profile or self.profile, layout, self.setting, blocks, depth, usable, usable[2] > 0, g)
 
-    def fits(self, usable=None) -> bool:
+    def fits(self, usable=None, profile: Optional[StepProfile] = None) -> bool:
         """Whether any candidate fits: the fewest blocks, no prefetch, for every chunk size."""
         for c in chunk_size_candidates(self.profile, self.world):
             for tied in self.tied_modes:
                 lay = self.layout(c, tied)
                 for b in _block_candidates(lay, self.world)[: 2 if self.world == 1 else 1]:
-                    if self.evaluate(lay, b, 0, usable) is not None:
+                    if self.evaluate(lay, b, 0, usable, profile) is not None:
                         return True
         return False
 
@@ -211,7 +221,6 @@ class _Searcher:
 
     def no_fit_error(self) -> DoesNotFitError:
         dev, host, disk = self.usable
-        st = self.setting
         needs: dict[str, Any] = {}
         options: list[tuple[float, str]] = []
 
@@ -244,12 +253,7 @@ class _Searcher:
         w = self.world
         for _ in range(16):
             w *= 2
-            other = _Searcher(self.profile, w, self.hw, self.budgets, _opt_name(st.opt_bytes), False, self.policy, None,
-                              self.grad_dtype, self.fused_step, st.process_bytes)
-            try:
-                ok = other.fits()
-            except ValueError:
-                ok = False
+            ok = self.sibling(world=w, overlap=False).fits()
             if ok:
                 needs["world_size"] = w
                 options.append((w / self.world - 1, f"world size >= {w} (from {self.world})"))
@@ -307,20 +311,8 @@ class _Searcher:
         return hi
 
     def _fits_with_activation(self, act: int) -> bool:
-        saved = self.profile
-        self.profile = _with_activation(saved, act)
-        try:
-            return self.fits()
-        finally:
-            self.profile = saved
-
-
-def _with_activation(p: StepProfile, act: int) -> StepProfile:
-    return dataclasses.replace(p, activation_bytes=act)
-
-
-def _opt_name(opt_bytes: int) -> str:
-    return {8: "adam", 4: "sgd", 0: "none"}[opt_bytes]
+        """Whether a plan fits were the activations ``act`` bytes (the caller's profile is left as it is)."""
+        return self.fits(profile=dataclasses.replace(self.profile, activation_bytes=act))
 
 
 def human_count(n: int) -> str:
@@ -489,9 +481,7 @@ def search_profile(
 
 def _explain(s: _Searcher, best: Evaluation) -> str:
     """Why this plan: is memory binding, and what would the fastest unconstrained plan need?"""
-    free = _Searcher(s.profile, s.world, s.hw, Budgets(INF, INF, INF if s.budgets.disk else 0), "adam", s.overlap,
-                     MemoryPolicy(0.0, 0.0, 0.0), None)
-    free.setting = s.setting
+    free = s.sibling(budgets=Budgets(INF, INF, INF if s.budgets.disk else 0), policy=MemoryPolicy(0.0, 0.0, 0.0))
     fbest, _, _ = free.run()
     if fbest.step_time >= best.step_time * (1 - 1e-9):
         return "memory does not bind: this is the fastest configuration considered."
@@ -643,7 +633,9 @@ def optimal_search(
             model (interpreter, torch, libraries); counted in the host prediction and budget.
             Default: this process's RSS now, less the bytes of ``model``'s materialised parameters
             and buffers (they move into chunks, or are counted as buffers) — right when planning
-            in the process that will train, after its imports. Pass 0 to plan for another machine.
+            in the process that will train, after its imports. With a process group initialised,
+            the most over its ranks (one collective: call ``optimal_search`` on every rank), so
+            every rank plans on the same figure. Pass 0 to plan for another machine.
 
     Raises:
         DoesNotFitError: nothing fits; the message names the smallest changes that would.
@@ -663,13 +655,19 @@ def optimal_search(
 
 
 def _process_bytes(model: nn.Module) -> int:
-    """This process's RSS less the bytes of ``model``'s materialised tensors (see optimal_search)."""
+    """This process's RSS less the bytes of ``model``'s materialised tensors (see optimal_search),
+    the most over the ranks when a process group is initialised: each rank measures its own
+    RSS, which differs by tens of MiB, and ranks that searched on different figures could pick
+    different plans (and then hang in each other's collectives)."""
     seen, own = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):  # host tensors only: RSS holds nothing else
         if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
             own += t.untyped_storage().nbytes()
-    return max(0, dev.rss_bytes() - own)
+    mine = max(0, dev.rss_bytes() - own)
+    if edist.is_initialized() and edist.get_world_size() > 1:
+        return max(int(b) for b in edist.all_gather_object(mine))
+    return mine
 
 
 __all__ = ["Budgets", "DoesNotFitError", "optimal_search", "search_profile", "chunk_size_candidates"]
