@@ -1,6 +1,7 @@
 """optimal_search: terminates, respects budgets, raises exactly when nothing fits, explains itself."""
 
 import itertools
+import json
 import math
 
 import pytest
@@ -20,7 +21,8 @@ from elixir.search.cost_model import (
     unified_memory,
 )
 from elixir.search.optimal import DoesNotFitError, chunk_size_candidates, optimal_search, search_profile
-from elixir.search.plan import SearchResult
+from elixir.search.placement import DD, DH, DK, HH, HK
+from elixir.search.plan import Placement, SearchResult
 from elixir.search.step_profile import BACKWARD, FORWARD, StepProfile
 
 HW = load_profile("cpu-box")
@@ -58,7 +60,7 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
     dev, host, disk = POLICY.usable(*budgets)
     elem = 4 if profile.dtype == "float32" else 2
     stt = Setting(world=world, elem=elem, reduce_elem=elem, opt_bytes=8, hardware=HW, dtype=profile.dtype)
-    types = ["DD", "DH", "HH"] + (["DK", "HK"] if disk > 0 else [])
+    types = [DD, DH, HH] + ([DK, HK] if disk > 0 else [])
     tied_modes = (False, True) if profile.shared and world > 1 else (False,)
     for c, tied in itertools.product(chunk_size_candidates(profile, world), tied_modes):
         lay = pack(profile, c, world, tied)
@@ -66,13 +68,13 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
         cb = per_chunk_bytes(stt, c // world if n else 0)
         # at world size 1 device shards stay whole and need no block: 0 blocks when all are there
         block_options = ([0] if world == 1 or not lay.n_sharded else []) + ([max(1, lay.min_blocks)] if lay.n_sharded else [])
-        for blocks, rw in itertools.product(block_options, ("D", "H")):
+        for blocks, rw in itertools.product(block_options, (Placement.DEVICE, Placement.HOST)):
             base = sum(fixed_device_bytes(profile, lay, stt, blocks).values())
             rd, rh = replicated_optimizer_bytes(lay, stt, rw)
             for counts in itertools.product(range(n + 1), repeat=len(types)):
                 if sum(counts) != n:
                     continue
-                if blocks == 0 and any(k for k, t in zip(counts, types) if t[0] == "H"):
+                if blocks == 0 and any(k for k, t in zip(counts, types) if t.shard is Placement.HOST):
                     continue
                 d = base + rd + sum(k * cb[t][0] for k, t in zip(counts, types))
                 h = rh + construction_staging_bytes(lay) + sum(k * cb[t][1] for k, t in zip(counts, types))
@@ -220,6 +222,60 @@ def test_evaluating_the_chosen_plan_reproduces_its_prediction():
         assert ev.device_bytes == r.prediction.peak_device_bytes
         assert ev.host_bytes == r.prediction.peak_host_bytes
         assert ev.step_time == pytest.approx(r.prediction.step_time_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_scored_candidate_reprices_to_its_own_prediction(world):
+    # one pricing rule: the plan made of any candidate the search scored, evaluated with
+    # evaluate_plan, predicts exactly what the search recorded for it
+    from elixir.search.cost_model import evaluate_plan
+    from elixir.search.optimal import Budgets, _Searcher, to_search_result
+    from elixir.search.step_profile import profile_from_module
+
+    prof = profile_from_module(_tiny_gpt(), activation_bytes=1 << 18, tokens=32)
+    checked = set()
+    host = 3 << 19 if world == 1 else 1 << 20  # tight enough for every placement to be scored
+    for fused in (False, True):
+        s = _Searcher(prof, world, HW, Budgets(3 << 18, host, 1 << 30), "adam", True, POLICY, None,
+                      grad_dtype="bfloat16" if fused else "float32", fused_step=fused)
+        try:
+            _, results, _ = s.run()
+        except DoesNotFitError:
+            continue
+        for ev in results:
+            plan = to_search_result(prof, world, ev, s.layout_of(ev), {}, grad_dtype=s.grad_dtype, fused_step=fused)
+            got = evaluate_plan(prof, plan, s.setting)
+            assert (got.device_bytes, got.host_bytes, got.disk_bytes, got.gathers) == (
+                ev.device_bytes, ev.host_bytes, ev.disk_bytes, ev.gathers)
+            assert got.step_time == pytest.approx(ev.step_time, rel=1e-12)
+            assert got.breakdown == pytest.approx(ev.breakdown, rel=1e-12)
+            checked.update(p.code for p in ev.placements)
+    assert checked >= {"DD", "DH", "HH", "DK", "HK", "RD", "RH"}  # the budgets exercise every placement
+
+
+def test_chunk_placements_are_typed_and_plans_load_as_before(tmp_path):
+    from elixir.search.placement import RH, ChunkPlacement
+
+    for code in ("DD", "DH", "HH", "DK", "HK", "HD", "RD", "RH"):
+        assert ChunkPlacement.from_code(code).code == code
+    with pytest.raises(ValueError, match="placement code"):
+        ChunkPlacement.from_code("XD")
+    with pytest.raises(ValueError, match="replicated"):
+        ChunkPlacement(Placement.HOST, Placement.HOST, replicated=True)
+    # a plan file as written before typed placements loads, and its chunks' placements are typed
+    old = {"format_version": 1, "world_size": 2, "cache_blocks": 1, "prefetch_depth": 0, "search": "optimal",
+           "chunks": [{"params": ["a"], "shapes": [[32]], "chunk_size": 32, "dtype": "float32", "sharded": True,
+                       "shard_placement": "host", "optim_placement": "disk"},
+                      {"params": ["b"], "shapes": [[8]], "chunk_size": 16, "dtype": "float32", "sharded": False,
+                       "shard_placement": "device", "optim_placement": "host"}],
+           "frozen_params": [], "param_order": None, "prediction": None,
+           "info": {"runner_ups": [{"placements": "HKx1 RHx1"}]}, "grad_dtype": "float32", "fused_step": False}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(old))
+    plan = SearchResult.load(path)
+    assert [ChunkPlacement.of(c) for c in plan.chunks] == [HK, RH]
+    assert plan.to_json()["chunks"][0]["shard_placement"] == "host"
+    assert plan.info["runner_ups"][0]["placements"] == "HKx1 RHx1"
 
 
 def _search_on_rank(ballast_mib: int):

@@ -56,12 +56,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
 from elixir.hardware.profile import HardwareProfile
-from elixir.search.plan import disk_bytes_per_element
+from elixir.search.placement import DD, DH, DK, HD, HH, HK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
+from elixir.search.plan import Placement, disk_bytes_per_element
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 
@@ -277,7 +278,7 @@ def replicate(profile: StepProfile, layout: Layout) -> Layout:
 # ---------------------------------------------------------------------------------------------
 # placements
 
-PLACEMENTS = ("DD", "DH", "HH", "DK", "HK")  # (shard, optimizer state): Device / Host / disK
+PLACEMENTS = SHARDED_PLACEMENTS  # what the search chooses from for a sharded chunk (shard, optimizer state)
 
 
 @dataclass(frozen=True)
@@ -306,17 +307,17 @@ class Setting:
         return 0 if self.fused_step else self.grad_elem
 
 
-def per_chunk_bytes(st: Setting, shard: int) -> dict[str, tuple[int, int, int]]:
+def per_chunk_bytes(st: Setting, shard: int) -> dict[ChunkPlacement, tuple[int, int, int]]:
     """(device, host, disk) bytes of one sharded chunk's state for each placement."""
     e, k, g = st.elem, st.opt_bytes, st.kept_grad
     m_same = 0 if e == 4 else 4  # fp32 master shares the shard tensor when they live together
     return {
-        "DD": (shard * (e + m_same + g + k), 0, 0),
-        "DH": (shard * e, shard * (4 + g + k), 0),
-        "HH": (0, shard * (e + m_same + g + k), 0),
-        "DK": (shard * e, shard * g, shard * st.disk_elem),
-        "HK": (0, shard * (e + g), shard * st.disk_elem),
-        "HD": (shard * (4 + g + k), shard * e, 0),  # only scored for given plans
+        DD: (shard * (e + m_same + g + k), 0, 0),
+        DH: (shard * e, shard * (4 + g + k), 0),
+        HH: (0, shard * (e + m_same + g + k), 0),
+        DK: (shard * e, shard * g, shard * st.disk_elem),
+        HK: (0, shard * (e + g), shard * st.disk_elem),
+        HD: (shard * (4 + g + k), shard * e, 0),  # only priced for given plans
     }
 
 
@@ -333,7 +334,7 @@ def staging_bytes(st: Setting, shard: int, disk_chunks: int) -> int:
     return min(int(disk_chunks), DISK_STAGING) * shard * st.disk_elem
 
 
-def per_chunk_fixed_time(st: Setting, shard: int) -> dict[str, float]:
+def per_chunk_fixed_time(st: Setting, shard: int) -> dict[ChunkPlacement, float]:
     """Optimizer-phase seconds of one sharded chunk for each placement (gathers excluded)."""
     hw = st.hardware
     grad_d2h = hw.d2h_time(shard * st.reduce_elem, st.pin)
@@ -342,12 +343,12 @@ def per_chunk_fixed_time(st: Setting, shard: int) -> dict[str, float]:
     host = hw.optimizer_time(shard, "host")
     disk = hw.disk_time(shard * st.disk_elem, shard * st.disk_elem)
     return {
-        "DD": dev,
-        "DH": grad_d2h + host + param_h2d,
-        "HH": grad_d2h + host,
-        "DK": grad_d2h + host + param_h2d + disk,
-        "HK": grad_d2h + host + disk,
-        "HD": dev + hw.d2h_time(shard * st.elem, st.pin),
+        DD: dev,
+        DH: grad_d2h + host + param_h2d,
+        HH: grad_d2h + host,
+        DK: grad_d2h + host + param_h2d + disk,
+        HK: grad_d2h + host + disk,
+        HD: dev + hw.d2h_time(shard * st.elem, st.pin),
     }
 
 
@@ -358,7 +359,7 @@ class Evaluation:
     chunk_size: int
     blocks: int
     prefetch_depth: int
-    placements: tuple[str, ...]  # per chunk of the layout (replicated ones: "D" + optimizer place)
+    placements: tuple[ChunkPlacement, ...]  # per chunk of the layout, in its order
     device_bytes: int
     host_bytes: int
     disk_bytes: int
@@ -389,7 +390,7 @@ def fixed_device_bytes(profile: StepProfile, layout: Layout, st: Setting, blocks
         "grad_in_flight": _largest_shard(layout, st.world) * st.grad_elem if st.fused_step else 0,
     }
     if layout.own:
-        out["tied_shards"] = sum(per_chunk_bytes(st, c // st.world)["DD"][0] for c in layout.own_capacities)
+        out["tied_shards"] = sum(per_chunk_bytes(st, c // st.world)[DD][0] for c in layout.own_capacities)
     return out
 
 
@@ -401,11 +402,12 @@ def _largest_shard(layout: Layout, world: int) -> int:
                + [c for c, s in zip(layout.capacities, layout.sharded) if not s])
 
 
-def replicated_optimizer_bytes(layout: Layout, st: Setting, where: str) -> tuple[int, int]:
-    """(device, host) bytes of the replicated chunks' master, gradient and optimizer state."""
+def replicated_optimizer_bytes(layout: Layout, st: Setting, where: Placement) -> tuple[int, int]:
+    """(device, host) bytes of the replicated chunks' master, gradient and optimizer state, kept
+    ``where`` (the device or the host)."""
     repl = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
     g = st.kept_grad
-    if where == "D":
+    if where is Placement.DEVICE:
         return repl * ((0 if st.elem == 4 else 4) + g + st.opt_bytes), 0
     return 0, repl * (4 + g + st.opt_bytes)
 
@@ -419,11 +421,11 @@ def compute_seconds(profile: StepProfile, hw: HardwareProfile, dtype: str) -> fl
     return hw.compute_time(profile.flops(), dtype)
 
 
-def replicated_optimizer_time(st: Setting, numel: int, where: str) -> float:
+def replicated_optimizer_time(st: Setting, numel: int, where: Placement) -> float:
     """Optimizer-phase seconds of the replicated chunks (``numel`` elements) with their optimizer
-    on the device (``"D"``) or on the host (``"H"``: gradients down, parameters back up)."""
+    on the device or on the host (gradients down, parameters back up)."""
     hw = st.hardware
-    if where == "D" or not numel:
+    if where is Placement.DEVICE or not numel:
         return hw.optimizer_time(numel, "device")
     return (hw.optimizer_time(numel, "host") + hw.d2h_time(numel * st.reduce_elem, st.pin)
             + hw.h2d_time(numel * st.elem, st.pin))
@@ -477,6 +479,10 @@ def place(
     optimizer states on disk ``z`` that make host memory fit. Sharded tied chunks (``layout.own``)
     are not scanned: they stay ``DD``, priced in the fixed part.
 
+    The scan only chooses, on the per-chunk tables (:func:`per_chunk_bytes`,
+    :func:`per_chunk_fixed_time`); the chosen placement's memory and time come from
+    :func:`price`, the one pricing rule, which :func:`evaluate_plan` uses too.
+
     On a CPU-only profile the "device" is the host: one memory pool, so ``host`` budgets the
     device and host bytes together (see :func:`unified_memory`), and ``device`` is a cap on the
     device part alone.
@@ -485,107 +491,87 @@ def place(
     hw = st.hardware
     unified = unified_memory(hw)
     n = layout.n_sharded - layout.own
-    own_gathers, per_chunk_gathers = per_chunk_gathers[n:], per_chunk_gathers[:n]
-    own_kinds = ("DD",) * layout.own
-    t_own_opt = sum(hw.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
+    body_gathers = per_chunk_gathers[:n]
+    own_kinds = (DD,) * layout.own
     shard = layout.chunk_size // st.world if n else 0
-    fixed = fixed_device_bytes(profile, layout, st, blocks)
-    base_dev = sum(fixed.values())
+    base_dev = sum(fixed_device_bytes(profile, layout, st, blocks).values())
     cb = per_chunk_bytes(st, shard)
     ct = per_chunk_fixed_time(st, shard)
-    g_sorted = np.sort(per_chunk_gathers)[::-1]  # most gathered first
+    g_sorted = np.sort(body_gathers)[::-1]  # most gathered first
     # host-shard gather cost if the n - x least gathered chunks have host shards
     h2d_gather = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
     suffix = np.concatenate([np.cumsum(g_sorted[::-1])[::-1], [0]]) if n else np.zeros(1)
-    gathers = int(per_chunk_gathers.sum() + own_gathers.sum())
-    comm = comm_times(profile, layout, st, gathers, own_gathers)
     # At world size 1 the runtime keeps device-placed chunks whole and resident (no cache block,
     # no gather, no reduction copy); only host-placed shards go through the rCache.
     solo = st.world == 1
     t_gather = hw.all_gather_time(layout.chunk_size * st.elem, 1) if (solo and n) else 0.0
     t_rs = hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1) if (solo and n) else 0.0
     best: Optional[Evaluation] = None
-    repl_any = any(not s for s in layout.sharded)
-    for rwhere in ("D", "H") if repl_any else ("D",):
+    n_repl = sum(not s for s in layout.sharded)
+    for rwhere in (Placement.DEVICE, Placement.HOST) if n_repl else (Placement.DEVICE,):
+        repl_kinds = (RD if rwhere is Placement.DEVICE else RH,) * n_repl
         rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
         rh += construction_staging_bytes(layout)
         dev_free = dev_budget - base_dev - rd
         host_free = host_budget - rh - st.process_bytes - (base_dev + rd if unified else 0)
         if dev_free < 0 or host_free < 0:
             continue
-        repl_opt_numel = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
-        t_repl_opt = replicated_optimizer_time(st, repl_opt_numel, rwhere) + t_own_opt
         if n == 0:
-            cand = _finish(layout, st, blocks, depth, own_kinds, fixed, rd, rh, 0, comm, t_repl_opt, 0.0, gathers, rwhere)
-            if best is None or cand.step_time < best.step_time:
-                best = cand
-            continue
-        y = np.arange(n + 1)
-        dd_dev = cb["DD"][0]
-        s_dev = cb["DH"][0]
-        # shards on device: all y DD chunks, plus as many DH/DK as fit
-        room = dev_free - y * dd_dev
-        ok = room >= 0
-        x = np.minimum(n, y + np.where(ok, room, 0) // max(1, s_dev)) if s_dev else np.full(n + 1, n)
-        # host: (x - y) DH chunks, (n - x) HH chunks; z of them move optimizer state to disk
-        host_need = (x - y) * cb["DH"][1] + (n - x) * cb["HH"][1]
-        if unified:  # the chunks' device bytes come out of the same pool
-            host_need = host_need + y * dd_dev + (x - y) * s_dev
-        free_per_disk = cb["DH"][1] - cb["DK"][1]  # equals HH - HK
-        over = host_need - host_free
-        if allow_disk and free_per_disk > 0:
-            stage = shard * st.disk_elem
-            # one disk chunk stages one chunk's master + state; two or more stage DISK_STAGING
-            z1 = np.where(over > 0, -(-(over + stage) // free_per_disk), 0)
-            zn = np.where(over > 0, -(-(over + DISK_STAGING * stage) // free_per_disk), 0)
-            z = np.where(z1 <= 1, z1, np.maximum(zn, 2))
+            cand = price(profile, layout, st, own_kinds + repl_kinds, blocks, depth, per_chunk_gathers)
         else:
-            z = np.where(over > 0, n + 1, 0)
-        ok &= z <= n - y
-        ok &= z * cb["DK"][2] <= disk_budget
-        if solo:  # blocks only for host shards: none iff every shard is on the device
-            ok &= (x == n) if blocks == 0 else (x < n)
-        if not ok.any():
-            continue
-        zc = np.minimum(z, n - y)
-        # z disk chunks taken from the host-shard chunks first (HK), then DK
-        hk = np.minimum(zc, n - x)
-        dk = zc - hk
-        t_opt = (
-            y * ct["DD"] + (x - y - dk) * ct["DH"] + dk * ct["DK"] + (n - x - hk) * ct["HH"] + hk * ct["HK"]
-        )
-        t_h2d = suffix[x] * h2d_gather
-        if solo:
-            t_h2d = t_h2d + suffix[x] * t_gather + (n - x) * t_rs
-        total = t_opt + t_h2d
-        total = np.where(ok, total, np.inf)
-        yi = int(np.argmin(total))
-        xi, zi, hki, dki = int(x[yi]), int(zc[yi]), int(hk[yi]), int(dk[yi])
-        # assign: most gathered chunks get device shards
-        order = np.argsort(-per_chunk_gathers, kind="stable")
-        kinds = ["HH"] * n
-        for rank_, c in enumerate(order):
-            if rank_ < yi:
-                kinds[c] = "DD"
-            elif rank_ < xi - dki:
-                kinds[c] = "DH"
-            elif rank_ < xi:
-                kinds[c] = "DK"
-            elif rank_ < n - hki:
-                kinds[c] = "HH"
+            y = np.arange(n + 1)
+            dd_dev = cb[DD][0]
+            s_dev = cb[DH][0]
+            # shards on device: all y DD chunks, plus as many DH/DK as fit
+            room = dev_free - y * dd_dev
+            ok = room >= 0
+            x = np.minimum(n, y + np.where(ok, room, 0) // max(1, s_dev)) if s_dev else np.full(n + 1, n)
+            # host: (x - y) DH chunks, (n - x) HH chunks; z of them move optimizer state to disk
+            host_need = (x - y) * cb[DH][1] + (n - x) * cb[HH][1]
+            if unified:  # the chunks' device bytes come out of the same pool
+                host_need = host_need + y * dd_dev + (x - y) * s_dev
+            free_per_disk = cb[DH][1] - cb[DK][1]  # equals HH - HK
+            over = host_need - host_free
+            if allow_disk and free_per_disk > 0:
+                stage = shard * st.disk_elem
+                # one disk chunk stages one chunk's master + state; two or more stage DISK_STAGING
+                z1 = np.where(over > 0, -(-(over + stage) // free_per_disk), 0)
+                zn = np.where(over > 0, -(-(over + DISK_STAGING * stage) // free_per_disk), 0)
+                z = np.where(z1 <= 1, z1, np.maximum(zn, 2))
             else:
-                kinds[c] = "HK"
-        dev = sum(cb[k][0] for k in kinds)
-        host = sum(cb[k][1] for k in kinds) + staging_bytes(st, shard, zi)
-        disk = sum(cb[k][2] for k in kinds)
-        c_comm, c_gathers = comm, gathers
-        if solo:
-            c_comm = dict(comm, all_gather=0.0, reduce_scatter=0.0)  # counted in t_h2d above
-            c_gathers = int(suffix[xi])
-        cand = _finish(
-            layout, st, blocks, depth, tuple(kinds) + own_kinds, fixed, rd + dev, rh + host, disk, c_comm,
-            t_repl_opt + float(t_opt[yi]), float(t_h2d[yi]), c_gathers, rwhere,
-        )
+                z = np.where(over > 0, n + 1, 0)
+            ok &= z <= n - y
+            ok &= z * cb[DK][2] <= disk_budget
+            if solo:  # blocks only for host shards: none iff every shard is on the device
+                ok &= (x == n) if blocks == 0 else (x < n)
+            if not ok.any():
+                continue
+            zc = np.minimum(z, n - y)
+            # z disk chunks taken from the host-shard chunks first (HK), then DK
+            hk = np.minimum(zc, n - x)
+            dk = zc - hk
+            t_opt = y * ct[DD] + (x - y - dk) * ct[DH] + dk * ct[DK] + (n - x - hk) * ct[HH] + hk * ct[HK]
+            t_h2d = suffix[x] * h2d_gather
+            if solo:
+                t_h2d = t_h2d + suffix[x] * t_gather + (n - x) * t_rs
+            total = np.where(ok, t_opt + t_h2d, np.inf)
+            yi = int(np.argmin(total))
+            xi, hki, dki = int(x[yi]), int(hk[yi]), int(dk[yi])
+            # assign: most gathered chunks get device shards
+            order = np.argsort(-body_gathers, kind="stable")
+            kinds = [HH] * n
+            for rank_, c in enumerate(order):
+                if rank_ < yi:
+                    kinds[c] = DD
+                elif rank_ < xi - dki:
+                    kinds[c] = DH
+                elif rank_ < xi:
+                    kinds[c] = DK
+                elif rank_ < n - hki:
+                    kinds[c] = HH
+                else:
+                    kinds[c] = HK
+            cand = price(profile, layout, st, tuple(kinds) + own_kinds + repl_kinds, blocks, depth, per_chunk_gathers)
         if cand.device_bytes > dev_budget or cand.host_bytes > host_budget or cand.disk_bytes > disk_budget:
             continue  # pragma: no cover - guarded by construction
         if unified and cand.device_bytes + cand.host_bytes > host_budget:
@@ -595,31 +581,79 @@ def place(
     return best
 
 
-def _finish(
-    layout: Layout, st: Setting, blocks: int, depth: int, kinds: tuple[str, ...], fixed: dict[str, int],
-    dev_var: int, host: int, disk: int, comm: dict[str, float], t_opt: float, t_h2d: float, gathers: int,
-    rwhere: str,
+def price(
+    profile: StepProfile,
+    layout: Layout,
+    st: Setting,
+    placements: Sequence[ChunkPlacement],
+    blocks: int,
+    depth: int,
+    gathers: np.ndarray,
 ) -> Evaluation:
-    hw = st.hardware
+    """Predicted per-rank memory and step time of ``layout`` with every chunk placed: the one
+    pricing rule, used by the search (:func:`place`) and by :func:`evaluate_plan`.
+
+    ``placements`` has one entry per chunk of ``layout``, in its order: the sharded chunks, the
+    sharded tied chunks (``layout.own``, always ``DD``), then the replicated chunks (all ``RD``
+    or all ``RH``). ``gathers`` counts each sharded chunk's all-gathers per step with ``blocks``
+    rCache blocks (:func:`simulate_layout`). At world size 1 the runtime keeps device-placed
+    shards whole and resident, so only host shards are gathered (a copy into a block) and
+    reduced (a copy out).
+    """
+    n_sh = layout.n_sharded
+    n = n_sh - layout.own
+    if len(placements) != len(layout.chunks):
+        raise ValueError(f"{len(placements)} placements for {len(layout.chunks)} chunks")
+    kinds, own, repl = tuple(placements[:n]), placements[n:n_sh], placements[n_sh:]
+    if any(k.replicated for k in kinds) or any(k != DD for k in own) or any(not k.replicated for k in repl):
+        raise ValueError("placements out of the layout's order: sharded chunks, sharded tied chunks (DD), replicated")
+    if len({k.optim for k in repl}) > 1:
+        raise ValueError("the replicated chunks keep their optimizer state in one place (all RD or all RH)")
+    rwhere = repl[0].optim if repl else Placement.DEVICE
+    hw, solo = st.hardware, st.world == 1
+    g = np.asarray(gathers, dtype=np.int64)
+    g_own, g = g[n:n_sh], g[:n]
+    host_shard = np.asarray([k.shard is not Placement.DEVICE for k in kinds], dtype=bool)
+    if solo and n:  # device shards stay whole and resident at world size 1
+        g = np.where(host_shard, g, 0)
+    shard = layout.chunk_size // st.world if n else 0
+    cb, ct = per_chunk_bytes(st, shard), per_chunk_fixed_time(st, shard)
+    fixed = fixed_device_bytes(profile, layout, st, blocks)
+    rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
+    rh += construction_staging_bytes(layout)
+    repl_numel = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
+    t_opt = (replicated_optimizer_time(st, repl_numel, rwhere)
+             + sum(hw.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
+             + sum(ct[k] for k in kinds))
+    h2d = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
+    t_h2d = float(g[host_shard].sum() * h2d) if n else 0.0
+    n_disk = sum(k.on_disk for k in kinds)
+    dev_var = rd + sum(cb[k][0] for k in kinds)
+    host = rh + sum(cb[k][1] for k in kinds) + staging_bytes(st, shard, n_disk)
+    disk = sum(cb[k][2] for k in kinds)
+    n_gathers = int(g.sum() + g_own.sum())
+    comm = comm_times(profile, layout, st, n_gathers, g_own)
+    if solo and n:
+        comm["reduce_scatter"] = int(host_shard.sum()) * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1)
+
     fb_comm = comm["all_gather"] + comm["reduce_scatter"] + comm["all_reduce"] + t_h2d
-    if hw.overlap and depth >= 1 and layout.n_sharded:
+    if hw.overlap and depth >= 1 and n_sh:
         first_gather = hw.all_gather_time(layout.chunk_size * st.elem, st.world)
         fb = max(comm["compute"], fb_comm) + first_gather
         hidden = comm["compute"] + fb_comm - fb
-    elif hw.overlap_fraction > 0 and depth >= 1 and layout.n_sharded and gathers > 1:
+    elif hw.overlap_fraction > 0 and depth >= 1 and n_sh and n_gathers > 1:
         # no copy engine, but gathers issued ahead still partly run while the rank computes; the
         # first gather of the step has nothing to hide under, nor have reduce-scatters (issued
         # synchronously by the runtime)
-        per_gather = (comm["all_gather"] + t_h2d) / gathers
-        hideable = per_gather * (gathers - 1)
+        per_gather = (comm["all_gather"] + t_h2d) / n_gathers
+        hideable = per_gather * (n_gathers - 1)
         hidden = hw.overlap_fraction * min(comm["compute"], hideable)
         fb = comm["compute"] + fb_comm - hidden
     else:
         fb = comm["compute"] + fb_comm
         hidden = 0.0
     breakdown = dict(comm, h2d_gather=t_h2d, optimizer=t_opt, overlap_hidden=-hidden)
-    n_disk = sum(k[1] == "K" for k in kinds)
-    if st.fused_step and n_disk and layout.n_sharded:
+    if st.fused_step and n_disk and n_sh:
         # the backward stager reads and writes disk chunks while backward computes (2/3 of the
         # compute); the first chunk's read has nothing before it to hide under
         nbytes = layout.chunk_size // st.world * st.disk_elem
@@ -627,15 +661,11 @@ def _finish(
         fused_hidden = min(t_disk - hw.disk_time(nbytes, 0), 2.0 / 3.0 * comm["compute"])
         breakdown["fused_step_hidden"] = -fused_hidden
         t_opt -= fused_hidden
-    placements = []
-    it = iter(kinds)
-    for s in layout.sharded:
-        placements.append(next(it) if s else "R" + rwhere)
     memory = dict(fixed, placed_device=dev_var, process=st.process_bytes)
     return Evaluation(
         chunk_size=layout.chunk_size, blocks=blocks, prefetch_depth=depth, placements=tuple(placements),
         device_bytes=sum(fixed.values()) + dev_var, host_bytes=host + st.process_bytes, disk_bytes=disk,
-        step_time=fb + t_opt, breakdown=breakdown, memory=memory, gathers=gathers, shard_shared=layout.own > 0,
+        step_time=fb + t_opt, breakdown=breakdown, memory=memory, gathers=n_gathers, shard_shared=layout.own > 0,
     )
 
 
@@ -670,50 +700,23 @@ def _plan_order(plan, shared: set) -> list:
     return [c for c in plan.chunks if c.sharded and c not in tied] + tied + [c for c in plan.chunks if not c.sharded]
 
 
-_CODE = {"device": "D", "host": "H", "disk": "K"}
-
-
 def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
-    """Predicted memory and step time of an existing plan under the same model as the search."""
+    """Predicted memory and step time of an existing plan, priced by :func:`price` as the search
+    prices its candidates (so a searched plan evaluates to exactly its own prediction)."""
     st = dataclasses.replace(st, grad_elem=2 if plan.grad_dtype in ("bfloat16", "float16") else 4,
                              fused_step=bool(plan.fused_step))
     lay = layout_from_plan(profile, plan)
     order = _plan_order(plan, set(profile.shared))
-    # sharded tied chunks are priced as DD in the fixed part, like the search does
-    kinds = tuple(_CODE[c.shard_placement.value] + _CODE[c.optim_placement.value]
-                  for c in order[: lay.n_sharded - lay.own])
-    repl = [c for c in order if not c.sharded]
-    rwhere = "D" if all(c.optim_placement.value == "device" for c in repl) else "H"
-    n = lay.n_sharded
-    solo = st.world == 1
+    n_sh = lay.n_sharded
+    n = n_sh - lay.own
+    kinds = tuple(ChunkPlacement.of(c) for c in order[:n])
+    repl = order[n_sh:]
+    # the replicated chunks' state is priced in one place: the device only if all of it is there
+    r = RD if all(c.optim_placement is Placement.DEVICE for c in repl) else RH
     blocks = plan.cache_blocks
-    if solo and all(k[0] == "D" for k in kinds):
-        g, blocks = np.zeros(n, dtype=np.int64), 0  # nothing goes through the cache
+    if st.world == 1 and all(k.shard is Placement.DEVICE for k in kinds):
+        g, blocks = np.zeros(n_sh, dtype=np.int64), 0  # nothing goes through the cache
     else:
-        g = simulate_layout(lay, plan.cache_blocks)
-    g_own, g = g[n - lay.own :], g[: n - lay.own]
-    n -= lay.own
-    if solo:  # device shards stay whole and resident at world size 1
-        g = np.where(np.asarray([k[0] != "D" for k in kinds], dtype=bool), g, 0) if n else g
-    shard = lay.chunk_size // st.world if n else 0
-    cb, ct = per_chunk_bytes(st, shard), per_chunk_fixed_time(st, shard)
-    fixed = fixed_device_bytes(profile, lay, st, blocks)
-    rd, rh = replicated_optimizer_bytes(lay, st, rwhere)
-    rh += construction_staging_bytes(lay)
-    hw = st.hardware
-    repl_numel = sum(c.chunk_size for c in repl)
-    t_repl = replicated_optimizer_time(st, repl_numel, rwhere)
-    t_repl += sum(hw.optimizer_time(c // st.world, "device") for c in lay.own_capacities)
-    h2d = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
-    t_h2d = float(sum(int(gc) * h2d for gc, k in zip(g, kinds) if k[0] == "H"))
-    t_opt = t_repl + sum(ct[k] for k in kinds)
-    dev = rd + sum(cb[k][0] for k in kinds)
-    host = rh + sum(cb[k][1] for k in kinds) + staging_bytes(st, shard, sum(k[1] == "K" for k in kinds))
-    disk = sum(cb[k][2] for k in kinds)
-    gathers = int(g.sum() + g_own.sum())
-    comm = comm_times(profile, lay, st, gathers, g_own)
-    if solo and n:
-        n_host = sum(k[0] != "D" for k in kinds)
-        comm = dict(comm, reduce_scatter=n_host * st.hardware.reduce_scatter_time(lay.chunk_size * st.reduce_elem, 1))
-    return _finish(lay, st, blocks, plan.prefetch_depth, kinds + ("DD",) * lay.own, fixed, dev, host, disk, comm,
-                   t_opt, t_h2d, gathers, rwhere)
+        g = simulate_layout(lay, blocks)
+    # sharded tied chunks are priced as DD, like the search does
+    return price(profile, lay, st, kinds + (DD,) * lay.own + (r,) * len(repl), blocks, plan.prefetch_depth, g)

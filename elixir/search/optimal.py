@@ -45,7 +45,8 @@ from elixir.search.cost_model import (
     unified_memory,
 )
 from elixir.search.minimum_waste import best_chunk_size
-from elixir.search.plan import ChunkPlan, Placement, Prediction, SearchResult, dtype_name
+from elixir.search.placement import DD, RD
+from elixir.search.plan import ChunkPlan, Prediction, SearchResult, dtype_name
 from elixir.search.step_profile import RECOMPUTE, StepProfile, profile_from_module, profile_step
 
 GRID_POINTS = 48  # geometric chunk-size candidates
@@ -53,9 +54,6 @@ REPLICATED_POINTS = 8  # chunk sizes (all-reduce bucket sizes) tried for the ful
 EXTRA_BLOCKS = 6  # block counts tried above the minimum one by one (then geometrically)
 MAX_DEPTH = 2  # deepest prefetch tried when overlap is on
 INF = 1 << 62
-
-_PLACE = {"D": Placement.DEVICE, "H": Placement.HOST, "K": Placement.DISK}
-
 
 class DoesNotFitError(ValueError):
     """No configuration fits the budgets. ``suggestions`` lists changes that would fit, smallest first."""
@@ -167,7 +165,7 @@ class _Searcher:
     def layout_of(self, ev: Evaluation) -> Layout:
         """The layout an evaluation was made on (the packed one, or its fully replicated twin)."""
         lay = self.layout(ev.chunk_size, ev.shard_shared)
-        if lay.n_sharded and all(p.startswith("R") for p in ev.placements):
+        if lay.n_sharded and all(p.replicated for p in ev.placements):
             return replicate(self.profile, lay)
         return lay
 
@@ -337,7 +335,7 @@ def _fmt(n: int) -> str:
 
 
 def _summary(ev: Evaluation) -> str:
-    c = Counter(ev.placements)
+    c = Counter(p.code for p in ev.placements)
     return " ".join(f"{k}x{v}" for k, v in sorted(c.items()))
 
 
@@ -346,11 +344,8 @@ def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: L
     shapes = dict(profile.params)
     chunks = []
     for names, cap, sharded, pl in zip(layout.chunks, layout.capacities, layout.sharded, ev.placements):
-        if sharded:
-            sp, op = _PLACE[pl[0]], _PLACE[pl[1]]
-        else:
-            sp, op = Placement.DEVICE, _PLACE[pl[1]]
-        chunks.append(ChunkPlan(tuple(names), tuple(shapes[n] for n in names), cap, profile.dtype, sharded, sp, op))
+        chunks.append(ChunkPlan(tuple(names), tuple(shapes[n] for n in names), cap, profile.dtype, sharded,
+                                pl.shard, pl.optim))
     traced = profile.info.get("source", "").startswith("tracer")
     pred = Prediction(
         peak_device_bytes=int(ev.device_bytes), peak_host_bytes=int(ev.host_bytes), peak_disk_bytes=int(ev.disk_bytes),
@@ -429,7 +424,7 @@ def search_profile(
         error = e
     lean_grad = profile.dtype if grad_dtype is None and profile.dtype in ("bfloat16", "float16") else g0
     lean_fused = profile.dtype != "float16" if fused_step is None else fused_step
-    binds = found is None or any(p not in ("DD", "RD") for p in found[0].placements)
+    binds = found is None or any(p not in (DD, RD) for p in found[0].placements)
     if binds and (lean_grad, lean_fused) != (g0, bool(fused_step)):
         lean = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, lean_grad, lean_fused,
                          process_bytes)
@@ -498,7 +493,7 @@ def _tied_alternative(s: _Searcher, best: Evaluation, results: list[Evaluation])
     if len(s.tied_modes) < 2:
         return None
     other = not best.shard_shared
-    alt = next((e for e in results if e.shard_shared == other and not all(p.startswith("R") for p in e.placements)), None)
+    alt = next((e for e in results if e.shard_shared == other and not all(p.replicated for p in e.placements)), None)
     mode = "sharded" if other else "replicated"
     if alt is None:
         return {"tied": mode, "fits": False}

@@ -1,0 +1,81 @@
+"""Where one chunk of a candidate plan keeps its state: a typed placement, priced by the cost model.
+
+A :class:`ChunkPlacement` pairs the two :class:`~elixir.search.plan.Placement` values of a
+:class:`~elixir.search.plan.ChunkPlan` (its compute shard's and its optimizer state's) with
+whether the chunk is replicated. Reports and ``info["runner_ups"]`` spell it as a two-letter code,
+shard then optimizer state, with D for device, H for host, K for disk and R for a replicated
+chunk's payload (always on the device): ``DD``, ``DH``, ``HH``, ``DK``, ``HK``, ``HD``, ``RD``,
+``RH``. The code is only a spelling: code that decides reads the fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elixir.search.plan import ChunkPlan, Placement
+
+_LETTER = {Placement.DEVICE: "D", Placement.HOST: "H", Placement.DISK: "K"}
+_FROM_LETTER = {v: k for k, v in _LETTER.items()}
+
+
+@dataclass(frozen=True)
+class ChunkPlacement:
+    """Where one chunk keeps its state between uses.
+
+    Attributes:
+        shard: where this rank's compute-dtype shard lives (a replicated chunk's whole payload:
+            always :attr:`Placement.DEVICE`).
+        optim: where the fp32 master and the optimizer state live.
+        replicated: the chunk is whole on every rank (its gradient all-reduced), not sharded.
+    """
+
+    shard: Placement
+    optim: Placement
+    replicated: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shard", Placement(self.shard))
+        object.__setattr__(self, "optim", Placement(self.optim))
+        if self.replicated and self.shard is not Placement.DEVICE:
+            raise ValueError(f"a replicated chunk's payload lives on the device, not on {self.shard.value}")
+
+    @property
+    def code(self) -> str:
+        """The two-letter spelling used in reports (``"DK"``, ``"RH"``)."""
+        return ("R" if self.replicated else _LETTER[self.shard]) + _LETTER[self.optim]
+
+    @property
+    def on_disk(self) -> bool:
+        """The master and optimizer state live on disk."""
+        return self.optim is Placement.DISK
+
+    def __str__(self) -> str:
+        return self.code
+
+    @classmethod
+    def from_code(cls, code: str) -> ChunkPlacement:
+        """The placement a two-letter code spells (see the module docstring)."""
+        if len(code) != 2 or code[0] not in "DHKR" or code[1] not in _FROM_LETTER:
+            raise ValueError(f"unknown chunk placement code {code!r}; expected e.g. 'DD', 'HK' or 'RH'")
+        if code[0] == "R":
+            return cls(Placement.DEVICE, _FROM_LETTER[code[1]], replicated=True)
+        return cls(_FROM_LETTER[code[0]], _FROM_LETTER[code[1]])
+
+    @classmethod
+    def of(cls, chunk: ChunkPlan) -> ChunkPlacement:
+        """The placement of a plan's chunk."""
+        if not chunk.sharded:
+            return cls(Placement.DEVICE, chunk.optim_placement, replicated=True)
+        return cls(chunk.shard_placement, chunk.optim_placement)
+
+
+DD = ChunkPlacement(Placement.DEVICE, Placement.DEVICE)
+DH = ChunkPlacement(Placement.DEVICE, Placement.HOST)
+HH = ChunkPlacement(Placement.HOST, Placement.HOST)
+DK = ChunkPlacement(Placement.DEVICE, Placement.DISK)
+HK = ChunkPlacement(Placement.HOST, Placement.DISK)
+HD = ChunkPlacement(Placement.HOST, Placement.DEVICE)  # only priced for given plans
+RD = ChunkPlacement(Placement.DEVICE, Placement.DEVICE, replicated=True)
+RH = ChunkPlacement(Placement.DEVICE, Placement.HOST, replicated=True)
+
+SHARDED_PLACEMENTS = (DD, DH, HH, DK, HK)  # what the search chooses from for a sharded chunk
