@@ -37,6 +37,7 @@ from elixir.tracer.hooks import (
     step_params,
     tensors_in,
 )
+from elixir.wrapper.backward_tracker import BackwardTracker, TrainingState
 from elixir.wrapper.fused_kernels import apply_fused_kernels
 from elixir.wrapper.hf_guard import guard_save_pretrained
 from elixir.wrapper.materialize import Materializer, agreed_seed, assign, has_meta_tensors
@@ -185,15 +186,10 @@ class ElixirModule(nn.Module):
         self._chunk_params: list[list[int]] = self.param_map.by_chunk
         self.ledger.reset_peaks()
 
-        # per-backward bookkeeping
-        self._expected = [False] * len(self.slots)
-        self._arrived = [False] * len(self.slots)
-        self._n_expected = [0] * len(self.chunks)
-        self._n_arrived = [0] * len(self.chunks)
+        # per-backward bookkeeping and the training state
+        self.tracker = BackwardTracker([s.chunk for s in self.slots], self._chunk_params)
         self._bwd_stack: list[_ModInfo] = []  # hooked calls whose backward may still be running
         self.has_grad = [False] * len(self.slots)  # per param, agreed across ranks, until zero_grad
-        self._local_arrived = [False] * len(self.slots)  # got a grad under no_sync, not yet reduced
-        self._in_backward = False
         self.iteration = 0  # training forwards so far (the step named if a collective fails)
         self._fwd_stack: list[tuple] = []
         self._no_sync = False
@@ -201,7 +197,6 @@ class ElixirModule(nn.Module):
         self._grad_ready_hooks: list = []
         self._memory_reporters: list = []
         self._backward_end_hooks: list = []
-        self._grad_ready = [False] * len(self.chunks)  # this backward: announced to the hooks
         self._drift_warned = False
         self.observed_order: list[frozenset] = []  # sharded chunk sets of the last iteration
         self.schedule = self._build_schedule() if prefetch else None
@@ -380,11 +375,8 @@ class ElixirModule(nn.Module):
             self._use(info)
         self._fwd_stack.append(info.chunks)
         if torch.is_grad_enabled():
-            exp, nexp = self._expected, self._n_expected
             for i in info.params:
-                if not exp[i]:
-                    exp[i] = True
-                    nexp[self.slots[i].chunk] += 1
+                self.tracker.expect(i)
 
     def _step_forward(self, kind: StepKind, name: str, module: nn.Module) -> None:
         info = self._mod_info.get(module)
@@ -425,8 +417,8 @@ class ElixirModule(nn.Module):
         self._enter_backward()
 
     def _enter_backward(self) -> None:
-        if not self._in_backward:
-            self._in_backward = True
+        if not self.tracker.in_backward:
+            self.tracker.move(TrainingState.BACKWARD)
             edist.set_where(f"step {self.iteration}, backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 
@@ -438,7 +430,7 @@ class ElixirModule(nn.Module):
         slot = self._slot_of[p]
         chunk = self.chunks[slot.chunk]
         i, ci = slot.index, slot.chunk
-        if self._grad_ready[ci]:
+        if self.tracker.ready[ci]:
             raise RuntimeError(
                 f"elixir: a gradient of {slot.name!r} arrived after its chunk's gradient was final and "
                 "the optimizer had stepped it during backward (fused_step): the parameter is used "
@@ -447,27 +439,21 @@ class ElixirModule(nn.Module):
             )
         chunk.add_grad(slot.offset, g)
         p.grad = None
-        if not self._expected[i]:
-            self._expected[i] = True
-            self._n_expected[ci] += 1
-        if not self._arrived[i]:
-            self._arrived[i] = True
-            self._n_arrived[ci] += 1
-        if not self._no_sync and self._n_arrived[ci] == self._n_expected[ci]:
+        if self.tracker.arrive(i) and not self._no_sync:
             self._reduce_chunk(chunk)
 
     def _reduce_chunk(self, chunk: Chunk) -> None:
         chunk.reduce()
-        if self._grad_ready_hooks and not self._grad_ready[chunk.index]:
+        if self._grad_ready_hooks and not self.tracker.ready[chunk.index]:
             # Early (during backward): final only when every parameter of the chunk got its
             # gradient here, so it has one on every rank; otherwise wait for the agreement.
-            if all(self._arrived[i] for i in self._chunk_params[chunk.index]):
+            if self.tracker.chunk_complete(chunk.index):
                 for i in self._chunk_params[chunk.index]:
                     self.has_grad[i] = True
                 self._announce(chunk)
 
     def _announce(self, chunk: Chunk) -> None:
-        self._grad_ready[chunk.index] = True
+        self.tracker.ready[chunk.index] = True
         for fn in self._grad_ready_hooks:
             fn(chunk)
 
@@ -506,13 +492,15 @@ class ElixirModule(nn.Module):
 
     def _finalize_backward(self) -> None:
         """End of backward: agree on which params got gradients, reduce the rest, reset state."""
+        tracker = self.tracker
+        tracker.move(TrainingState.FINALIZING)
         try:
             n, k = len(self.slots), len(self.chunks)
-            local = [a or b for a, b in zip(self._arrived, self._local_arrived)]
+            local = tracker.arrived_or_local()
             if self._no_sync:
-                self._local_arrived = local  # remembered for the next synchronising backward
+                tracker.local_arrived = local  # remembered for the next synchronising backward
             else:
-                self._local_arrived = [False] * n
+                tracker.local_arrived = [False] * n
                 mask = torch.zeros(n + k, dtype=torch.int32)
                 if n:
                     mask[:n] = torch.tensor(local, dtype=torch.int32)
@@ -527,16 +515,12 @@ class ElixirModule(nn.Module):
                     if got[n + c.index]:
                         c.open_grad()
                         self._reduce_chunk(c)
-                    if self._grad_ready_hooks and not self._grad_ready[c.index] and c.grad_valid:
+                    if self._grad_ready_hooks and not tracker.ready[c.index] and c.grad_valid:
                         self._announce(c)
                     c.end_backward()
                 for fn in self._backward_end_hooks:
                     fn(self)
-            self._expected = [False] * n
-            self._arrived = [False] * n
-            self._n_expected = [0] * k
-            self._n_arrived = [0] * k
-            self._grad_ready = [False] * k
+            tracker.reset()
             while self._bwd_stack:
                 for c in self._bwd_stack.pop().chunks:
                     c.unpin()
@@ -544,13 +528,15 @@ class ElixirModule(nn.Module):
             self.cache.release_all()
             self._settle_reductions()
         finally:
-            self._in_backward = False
+            tracker.move(TrainingState.IDLE)
 
     # ------------------------------------------------------------------------------------------
     # forward
 
     def forward(self, *args, **kwargs):
-        if not self._in_backward:
+        tracker = self.tracker
+        outermost = tracker.state is TrainingState.IDLE  # not nested, not a recomputation in backward
+        if not tracker.in_backward:
             if torch.is_grad_enabled():
                 self.iteration += 1
             edist.set_where(f"step {self.iteration}, forward")
@@ -558,6 +544,15 @@ class ElixirModule(nn.Module):
             self.observed_order = []
             if self.schedule is not None:
                 self.schedule.restart()
+        if outermost:
+            tracker.move(TrainingState.FORWARD)
+        try:
+            return self._forward(args, kwargs)
+        finally:
+            if outermost and tracker.state is TrainingState.FORWARD:
+                tracker.move(TrainingState.IDLE)
+
+    def _forward(self, args, kwargs):
         if self.dtype != torch.float32:
             args = _map_floats(args, self.dtype)
             kwargs = _map_floats(kwargs, self.dtype)
@@ -566,7 +561,7 @@ class ElixirModule(nn.Module):
             tensors = _grad_tensors(out)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
-        elif not self._in_backward:
+        elif not self.tracker.in_backward:
             self.cache.release_all()
         if self.output_fp32:
             out = _map_floats(out, torch.float32)
@@ -602,7 +597,7 @@ class ElixirModule(nn.Module):
             self._no_sync = False
             for c in held:
                 c.unpin()
-            if not self._in_backward:
+            if not self.tracker.in_backward:
                 self.cache.release_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
