@@ -36,8 +36,9 @@ SYSTEMS = {
     "e": "elixir (meta, optimal_search)",
 }
 # (hidden, layers): parameters grow roughly 12 * hidden^2 * layers
-LADDER = [(1024, 8), (1536, 12), (2048, 16), (2048, 22), (2560, 24), (3072, 26), (3584, 28), (4096, 30),
-          (4096, 36), (5120, 36), (5120, 44), (6144, 44), (6656, 52), (7168, 56), (8192, 60)]
+LADDER = [(1024, 8), (1536, 12), (1792, 14), (2048, 16), (2048, 22), (2304, 22), (2560, 24), (2816, 24),
+          (3072, 26), (3328, 26), (3584, 28), (3840, 28), (4096, 30), (4096, 36), (5120, 36), (5120, 44),
+          (6144, 44), (6656, 52), (7168, 56), (8192, 60)]  # 165M .. 48.8B, about 1.2-1.4x per rung
 TINY = [(64, 1), (64, 2), (128, 2), (128, 4)]
 GIB = 2**30
 
@@ -206,6 +207,22 @@ def _tree_rss(pid: int) -> int:
 OFFLOADS_TO_DISK = {"d", "e"}
 
 
+def _exception_line(stderr: str) -> str:
+    """The exception a trial died of: the last unindented line of its traceback."""
+    lines = [ln for ln in stderr.strip().splitlines() if ln and not ln[0].isspace() and not ln.startswith("[")]
+    return lines[-1] if lines else "(no output)"
+
+
+def _drop_build_locks(since: float) -> None:
+    """Remove torch JIT-extension build locks left by a trial killed mid-build (DeepSpeed's ops):
+    torch's file baton would make every later trial wait on them forever."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    started = time.time() - (time.monotonic() - since)
+    for dirpath, _, files in os.walk(root):
+        if "lock" in files and os.path.getmtime(os.path.join(dirpath, "lock")) >= started:
+            os.remove(os.path.join(dirpath, "lock"))
+
+
 def _disk_need(rung: tuple[int, int], vocab: int) -> int:
     """The most offload space a rung can take: fp32 master + Adam moments + a compute-dtype copy."""
     return 16 * n_params(*rung, vocab)
@@ -224,8 +241,11 @@ def run_trial(args, system: str, rung: tuple[int, int]) -> dict:
                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     peak, killed = 0, False
     t0 = time.monotonic()
+    log = os.path.join(args.log_dir, f"{system}-h{rung[0]}-L{rung[1]}")
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        # to files, not pipes: a chatty trial (DeepSpeed) fills a pipe nobody reads and blocks
+        with open(log + ".out", "w") as fo, open(log + ".err", "w") as fe:
+            proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, env=env, start_new_session=True)
         while proc.poll() is None:
             rss = _tree_rss(proc.pid)
             peak = max(peak, rss)
@@ -234,12 +254,15 @@ def run_trial(args, system: str, rung: tuple[int, int]) -> dict:
                 os.killpg(proc.pid, 9)
                 break
             time.sleep(0.2)
-        out, err = proc.communicate()
+        proc.wait()
     finally:
         shutil.rmtree(offload, ignore_errors=True)
+    with open(log + ".out") as fo, open(log + ".err") as fe:
+        out, err = fo.read(), fe.read()
     if killed:
-        return {"ok": False, "reason": f"killed: RSS passed the {args.mem_cap:g} GiB cap" if killed == "memory"
-                else f"killed after {args.timeout} s", "peak_rss": peak}
+        _drop_build_locks(since=t0)
+        return {"ok": False, "reason": (f"killed: RSS passed the {args.mem_cap:g} GiB cap" if killed == "memory"
+                else f"killed after {args.timeout:g} s") + f" (log: {log}.err)", "peak_rss": peak}
     result, notes = None, []
     for line in out.splitlines():
         if line.startswith("{"):
@@ -249,8 +272,7 @@ def run_trial(args, system: str, rung: tuple[int, int]) -> dict:
             else:
                 result = d
     if result is None:
-        last = (err.strip().splitlines() or ["(no output)"])[-1]
-        return {"ok": False, "reason": last[:300], "peak_rss": peak, "notes": notes}
+        return {"ok": False, "reason": _exception_line(err)[:300] + f" (log: {log}.err)", "peak_rss": peak, "notes": notes}
     result["notes"] = notes
     return result
 
@@ -283,6 +305,7 @@ def main() -> None:
     p.add_argument("--rungs", help="bisect over these ladder indices only (comma-separated, e.g. 2,3,4), "
                    "to bound a system you already know roughly; default: the whole ladder")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--log-dir", default=None, help="each trial's stdout/stderr (default: a new temporary directory)")
     p.add_argument("--trial", help=argparse.SUPPRESS)
     p.add_argument("--rung", help=argparse.SUPPRESS)
     p.add_argument("--trial-dir", help=argparse.SUPPRESS)
@@ -295,6 +318,9 @@ def main() -> None:
         print(json.dumps(r), flush=True)
         return
     ladder = TINY if args.tiny else LADDER
+    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="capacity-logs-")
+    os.makedirs(args.log_dir, exist_ok=True)
+    print(f"trial logs: {args.log_dir}", flush=True)
     if args.rungs:
         try:
             ladder = [ladder[int(i)] for i in args.rungs.split(",")]
