@@ -299,3 +299,25 @@ def test_wrapping_a_trained_optimizer_keeps_its_state():
     assert _sd_errors(opt.state_dict(), want, 0.0, "wrapped") == []
     for st in want["state"].values():
         assert float(st["step"]) == 2.0
+
+
+def test_update_kernel_and_step_timing_are_chosen_once():
+    import dataclasses
+    import warnings
+
+    from elixir.wrapper.optimizer import StepTiming, UpdateKernel
+
+    def wrap(optim_cls, grad_dtype=None, fused=False, **kw):
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        plan = dataclasses.replace(minimum_waste_search(net, 1), fused_step=fused)
+        em = ElixirModule(net, plan, grad_dtype=grad_dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fused step's fallback warning
+            return ElixirOptimizer(em, optim_cls(em.parameters(), lr=1e-3), **kw)
+
+    assert wrap(CPUAdam).kernel is UpdateKernel.FUSED
+    assert wrap(torch.optim.Adam).kernel is UpdateKernel.INNER
+    assert wrap(torch.optim.Adam, torch.bfloat16).kernel is UpdateKernel.PER_CHUNK
+    assert wrap(CPUAdam).timing is StepTiming.AFTER_BACKWARD
+    assert wrap(CPUAdam, fused=True).timing is StepTiming.DURING_BACKWARD
+    assert wrap(CPUAdam, fused=True, max_norm=1.0).timing is StepTiming.AFTER_BACKWARD  # clipping needs every grad

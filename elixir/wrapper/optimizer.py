@@ -11,6 +11,7 @@ parameter got no gradient on any rank (so the optimizer skips it, as torch does)
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import warnings
 from dataclasses import dataclass
@@ -30,6 +31,22 @@ from elixir.wrapper.clipping import clip_coefficient, global_grad_norm
 from elixir.wrapper.fused_step import fused_step, lowp_target, uses_fused_path
 from elixir.wrapper.loss_scaling import scale_outputs
 from elixir.wrapper.module import ElixirModule
+
+
+class UpdateKernel(enum.Enum):
+    """What updates a chunk's master and refreshes its compute shard; chosen once, from the inner
+    optimizer and the module's shard-gradient dtype."""
+
+    FUSED = "fused"  # elixir's native Adam: unscale, clip, step and write a low-precision shard in one pass
+    PER_CHUNK = "per_chunk"  # the inner optimizer chunk by chunk, on fp32 copies of low-precision gradients
+    INNER = "inner"  # the inner optimizer's own step, over every resident fragment at once
+
+
+class StepTiming(enum.Enum):
+    """When chunks are stepped; chosen once, from ``fused_step`` and what needs every gradient first."""
+
+    DURING_BACKWARD = "during_backward"  # each chunk as soon as its gradient is final (wrapper/backward_step.py)
+    AFTER_BACKWARD = "after_backward"  # every chunk in step(), after backward
 
 
 @dataclass(frozen=True)
@@ -125,9 +142,11 @@ class ElixirOptimizer:
         module.register_memory_reporter(self._memory_report)
         self.backward_step: Optional[BackwardStep] = None
         self.fused_step_fallback: Optional[str] = None
+        self.timing = StepTiming.AFTER_BACKWARD
         if module.plan.fused_step if fused_step is None else fused_step:
             self.fused_step_fallback = fallback_reason(self.max_norm, self.scaler is not None)
             if self.fused_step_fallback is None:
+                self.timing = StepTiming.DURING_BACKWARD
                 self.backward_step = BackwardStep(self)
             else:
                 warnings.warn(f"elixir: fused_step falls back to a separate optimizer step: {self.fused_step_fallback}", stacklevel=2)
@@ -259,7 +278,7 @@ class ElixirOptimizer:
             self._grad_factor = None
             self._found_inf = None
             self._detach_grads()
-        if self.fused and len(fresh) == len(self.module.chunks):
+        if self.kernel is UpdateKernel.FUSED and len(fresh) == len(self.module.chunks):
             # the kernel wrote every compute shard: skip the master -> shard copies of
             # after_optimizer_step() and only drop the stale gathered payloads
             self.module.cache.release_all()
@@ -288,10 +307,20 @@ class ElixirOptimizer:
 
     # ---- precision, clipping, state (issue 5) --------------------------------------------------
 
+    @property
+    def fused(self) -> bool:
+        """Whether the native fused kernel steps the chunks (:attr:`UpdateKernel.FUSED`)."""
+        return self.kernel is UpdateKernel.FUSED
+
     def _init_precision(self, policy: LossScalePolicy, max_norm: float, norm_type: float) -> None:
         self.max_norm = float(max_norm)
         self.norm_type = float(norm_type)
-        self.fused = uses_fused_path(self.optim)
+        if uses_fused_path(self.optim):
+            self.kernel = UpdateKernel.FUSED
+        elif self.module.grad_dtype != torch.float32:  # torch optimizers take no bf16/fp16 grads for fp32 params
+            self.kernel = UpdateKernel.PER_CHUNK
+        else:
+            self.kernel = UpdateKernel.INNER
         self.scaler: Optional[DynamicLossScaler] = None
         self.last_step_skipped = False
         self._grad_factor: Optional[torch.Tensor] = None  # pending fp32 multiplier (clip / scale)
@@ -345,13 +374,13 @@ class ElixirOptimizer:
         """Step the inner optimizer with the pending factor applied; return the fresh chunks."""
         factor = self._pending_factor()
         disk = set(self.disk_chunks)
-        if self.fused:
+        if self.kernel is UpdateKernel.FUSED:
             div = 1.0 / float(factor)
             fresh = fused_step(self, div, skip=disk)
             if disk:
-                self._step_disk(lambda i: fused_step(self, div, only=i), kernel_writes_lowp=True)
+                self._step_disk(lambda i: fused_step(self, div, only=i), UpdateKernel.FUSED)
             return fresh | disk
-        if self.module.grad_dtype != torch.float32:
+        if self.kernel is UpdateKernel.PER_CHUNK:
             self.plain_step(factor)  # scaled in the fp32 copies, not in place in low precision
             return set()
         if float(factor) != 1.0:
@@ -371,7 +400,7 @@ class ElixirOptimizer:
             for c in self.module.chunks:
                 if c.index not in disk:
                     self._plain_chunk(c.index, factor)
-            self._step_disk(lambda i: self._plain_chunk(i, factor), kernel_writes_lowp=False)
+            self._step_disk(lambda i: self._plain_chunk(i, factor), UpdateKernel.PER_CHUNK)
             return
         if not self.disk_chunks:
             self.optim.step()
@@ -385,7 +414,7 @@ class ElixirOptimizer:
             with self._only(lambda p: id(p) in mine):
                 self.optim.step()
 
-        self._step_disk(one, kernel_writes_lowp=False)
+        self._step_disk(one, UpdateKernel.INNER)
 
     def _plain_chunk(self, i: int, factor: Optional[torch.Tensor] = None) -> None:
         """Step chunk ``i``'s fragments that have a gradient with the inner optimizer, on fp32
@@ -414,7 +443,7 @@ class ElixirOptimizer:
         frags = self.chunk_fragments(i)
         self._attach_grads(i)
         try:
-            if self.fused:
+            if self.kernel is UpdateKernel.FUSED:
                 fused_step(self, 1.0, only=i)
                 written = lowp_target(c)
             else:
@@ -447,8 +476,10 @@ class ElixirOptimizer:
 
         run_pipelined(self.disk_store, self.disk_chunks if chunks is None else chunks, staged_work)
 
-    def _step_disk(self, step_chunk: Callable[[int], None], kernel_writes_lowp: bool) -> None:
-        """Step the disk chunks that hold a gradient, refreshing each compute shard while staged."""
+    def _step_disk(self, step_chunk: Callable[[int], None], kernel: UpdateKernel) -> None:
+        """Step the disk chunks that hold a gradient with ``step_chunk`` (an update by ``kernel``),
+        refreshing each compute shard while staged."""
+        kernel_writes_lowp = kernel is UpdateKernel.FUSED
         todo = [i for i in self.disk_chunks if any(self.grad_of(f) is not None for f in self.chunk_fragments(i))]
         # what backward freed (activations, gradient buffers) stays in malloc's heap under
         # device.keep_host_memory; staging buffers rarely fit its holes, so hand it back first
