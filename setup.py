@@ -55,13 +55,14 @@ setup(
     install_requires=["torch>=2.1", "numpy", "scipy", "networkx", "pybind11", "rich", "safetensors"],
     extras_require={
         "hf": ["transformers", "safetensors"],
+        "peft": ["peft>=0.13", "transformers", "safetensors"],
         "plot": ["matplotlib"],
         "lightning": ["lightning>=2.4"],
         "transformers": ["transformers>=4.46", "accelerate", "safetensors"],
         "bench": ["transformers", "safetensors", "psutil"],
         "dev": [
             "pytest", "pytest-timeout", "hypothesis", "ruff", "transformers", "accelerate", "safetensors", "psutil",
-            "matplotlib", "lightning>=2.4",
+            "matplotlib", "lightning>=2.4", "peft>=0.13",
         ],
     },
     ext_modules=ext_modules,

@@ -89,11 +89,22 @@ def test_zoo_plans_are_valid_and_round_trip_json(tmp_path, name):
     model = build_model(name)
     sr = minimum_waste_search(model, 2, prefetch=True)
     assert sr.cache_blocks >= 1 and sr.prefetch_depth == 1
-    assert set(sr.frozen_params) == {n for n, p in model.named_parameters() if not p.requires_grad}
+    # frozen parameters are packed into frozen chunks of their own, never beside trainable ones
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert {n for c in sr.frozen_chunks for n in c.params} == frozen and not sr.frozen_params
+    assert not frozen & {n for c in sr.chunks for n in c.params}
     path = tmp_path / "plan.json"
     sr.save(path)
     back = SearchResult.load(path)
     assert back.chunks == sr.chunks and back.cache_blocks == sr.cache_blocks
+    assert back.frozen_chunks == sr.frozen_chunks
+
+
+def test_frozen_chunks_can_be_left_out():
+    model = build_model("frozen")
+    sr = minimum_waste_search(model, 2, frozen_chunks=False)
+    assert not sr.frozen_chunks
+    assert set(sr.frozen_params) == {n for n, p in model.named_parameters() if not p.requires_grad}
 
 
 def test_traced_order_packs_by_first_use():

@@ -15,7 +15,8 @@ from elixir.checkpoint.load import load_extra, scalar_state
 
 def consolidate(path: str) -> dict[str, Any]:
     """Read a checkpoint (sharded or full) into full tensors in this process, with no model and no
-    process group: ``{"model": state dict (canonical names; fp32 params, buffers, frozen params),
+    process group: ``{"model": state dict (canonical names; fp32 params, buffers, frozen params
+    in their saved dtype),
     "optimizer": torch-format state dict or None, "loss_scaler": ..., "extra": ...}``. The
     optimizer dict is indexed like the optimizer that was saved, so it loads into a plain torch
     optimizer built the same way on the unwrapped model."""
@@ -36,6 +37,11 @@ def consolidate(path: str) -> dict[str, Any]:
     for name, shape in shapes.items():
         numel = int(torch.Size(shape).numel())
         model[name] = reader.assemble(pieces.get(("param", name), []), 0, numel, torch.float32, f"parameter {name}").view(shape)
+    for name, shape in index.model.get("frozen", {}).items():  # frozen chunks' weights, in their saved dtype
+        found = pieces.get(("frozen", name), [])
+        numel = int(torch.Size(shape).numel())
+        model[name] = reader.assemble(found, 0, numel, dtype_of(found[0].dtype) if found else torch.float32,
+                                      f"frozen parameter {name}").view(shape)
     for e in index.entries:
         if e.kind == "module":
             model[e.name] = reader.read(e.file, e.key, dtype_of(e.dtype)).view(e.shape)

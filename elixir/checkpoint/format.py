@@ -93,6 +93,13 @@ class Reader:
             )
         return sl[lo:hi] if lo is not None else sl[:]
 
+    def dtype(self, fname: str, key: str) -> torch.dtype:
+        """The dtype tensor ``key`` of ``fname`` is saved in."""
+        code = self.handle(fname).get_slice(key).get_dtype()
+        if code not in _DTYPES:
+            raise CheckpointError(f"tensor {key!r} in {fname} has dtype {code}, which elixir cannot read")
+        return _DTYPES[code]
+
     def read_flat(self, fname: str, key: str, expect: torch.dtype, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` of the flattened tensor ``key``, reading whole rows only."""
         sl = self.handle(fname).get_slice(key)

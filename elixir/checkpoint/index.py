@@ -28,8 +28,10 @@ INDEX = "index.json"
 class Entry:
     """One tensor in a sharded checkpoint's files.
 
-    ``kind`` is ``"param"`` (an fp32 master slice), ``"state"`` (a slice of the elementwise optimizer
-    state ``state_key``) or ``"module"`` (a buffer or frozen parameter, whole, of ``shape``).
+    ``kind`` is ``"param"`` (an fp32 master slice), ``"frozen"`` (a slice of a frozen chunk's
+    shard, in its own dtype), ``"state"`` (a slice of the elementwise optimizer state
+    ``state_key``) or ``"module"`` (a buffer or a frozen parameter kept out of chunks, whole, of
+    ``shape``).
     ``[start, end)`` is the slice's range in the *flattened* parameter ``name``.
     """
 
@@ -146,11 +148,11 @@ class Index:
             check_file(root, fname, expected)
 
     def pieces(self) -> dict[tuple[str, str], list[Entry]]:
-        """Sharded entries by ``("param", name)`` or ``(state_key, name)``."""
+        """Sharded entries by ``("param", name)``, ``("frozen", name)`` or ``(state_key, name)``."""
         out: dict[tuple[str, str], list[Entry]] = {}
         for e in self.entries:
-            if e.kind == "param":
-                out.setdefault(("param", e.name), []).append(e)
+            if e.kind in ("param", "frozen"):
+                out.setdefault((e.kind, e.name), []).append(e)
             elif e.kind == "state":
                 out.setdefault((e.state_key, e.name), []).append(e)
         return out

@@ -4,6 +4,7 @@ param groups by parameter name."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -14,17 +15,22 @@ from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer, Fragment
 
 
-def fingerprint(em: ElixirModule) -> dict:
-    """Names and shapes of the model's parameters (chunked) and other state-dict tensors."""
-    return {
+def fingerprint(em: ElixirModule, frozen: bool = True) -> dict:
+    """Names and shapes of the model's trainable parameters (chunked), of its other state-dict
+    tensors, and (``frozen``) of the parameters in frozen chunks."""
+    out = {
         "params": {s.name: list(s.shape) for s in em.slots},
         "tensors": {k: list(v.shape) for k, v in module_tensors(em).items()},
     }
+    if frozen and em.frozen_map.slots:
+        out["frozen"] = {s.name: list(s.shape) for s in em.frozen_map.slots}
+    return out
 
 
 def module_tensors(em: ElixirModule) -> dict[str, torch.Tensor]:
-    """State-dict entries not held in chunks (frozen params, buffers), once each, by first key."""
-    managed = {id(p) for p in em.params}
+    """State-dict entries not held in chunks (frozen params left out of chunks, buffers), once
+    each, by first key."""
+    managed = {id(p) for p in em.params} | {id(p) for p in em.frozen_map.params}
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for k, t in em.module.state_dict(keep_vars=True).items():
@@ -32,6 +38,35 @@ def module_tensors(em: ElixirModule) -> dict[str, torch.Tensor]:
             continue
         seen.add(id(t))
         out[k] = t
+    return out
+
+
+@dataclass(frozen=True)
+class FrozenPiece:
+    """The part of frozen parameter ``name`` in this rank's shard of frozen chunk ``chunk``:
+    ``shard[lo:hi]``, elements ``[start, end)`` of the flattened parameter."""
+
+    name: str
+    start: int
+    end: int
+    chunk: int
+    lo: int
+    hi: int
+
+    def view(self, em: ElixirModule) -> torch.Tensor:
+        return em.all_chunks[self.chunk].shard[self.lo : self.hi]
+
+
+def frozen_pieces(em: ElixirModule, writers_only: bool = False) -> list[FrozenPiece]:
+    """This rank's pieces of the frozen chunks (``writers_only``: replicated ones on rank 0 only,
+    as they are identical everywhere)."""
+    out = []
+    for c in em.frozen_chunks:
+        if writers_only and not c.spec.sharded and em.rank != 0:
+            continue
+        for p in em.frozen_map.shard_pieces(c.spec):
+            s = em.frozen_map.slots[p.param_index]
+            out.append(FrozenPiece(s.name, p.start, p.start + p.hi - p.lo, c.index, p.lo, p.hi))
     return out
 
 

@@ -13,7 +13,14 @@ from elixir.checkpoint import atomic
 from elixir.checkpoint.errors import CheckpointError, agree
 from elixir.checkpoint.format import Reader, dtype_of
 from elixir.checkpoint.index import Index, decode
-from elixir.checkpoint.layout import fingerprint, frag_range, fragments, module_tensors, optimizer_meta
+from elixir.checkpoint.layout import (
+    fingerprint,
+    frag_range,
+    fragments,
+    frozen_pieces,
+    module_tensors,
+    optimizer_meta,
+)
 from elixir.offload.pipeline import disk_mapped
 from elixir.wrapper import optim_state
 from elixir.wrapper.module import ElixirModule
@@ -58,6 +65,11 @@ def _check_model(index: Index, em: ElixirModule, strict: bool) -> None:
     mine = fingerprint(em)
     theirs = index.model
     problems = []
+    if "frozen" in theirs:  # frozen weights saved (an adapter-only checkpoint has none)
+        a, b = theirs["frozen"], mine.get("frozen", {})
+        shapes = [f"{n}: {a[n]} saved, {b[n]} here" for n in b if n in a and list(a[n]) != list(b[n])]
+        if shapes:
+            problems.append("frozen shapes differ: " + "; ".join(shapes[:5]))
     for kind in ("params", "tensors"):
         a, b = theirs.get(kind, {}), mine[kind]
         missing = [n for n in b if n not in a]
@@ -128,6 +140,12 @@ def _prepare_sharded(root: str, index: Index, em: ElixirModule, eo: Optional[Eli
         if pname not in saved_params:
             continue  # strict=False
         values.append((f, reader.assemble(pieces.get(("param", pname), []), start, end, torch.float32, f"parameter {pname}")))
+    frozen = []  # (frozen piece, values in the saved dtype)
+    for fp in frozen_pieces(em) if "frozen" in index.model else ():
+        found = pieces.get(("frozen", fp.name), [])
+        if not found:
+            continue  # strict=False, or a name the checkpoint does not hold
+        frozen.append((fp, reader.assemble(found, fp.start, fp.end, dtype_of(found[0].dtype), f"frozen parameter {fp.name}")))
     module_vals = {}
     for k, t in module_tensors(em).items():
         e = module_entries.get(k)
@@ -145,7 +163,8 @@ def _prepare_sharded(root: str, index: Index, em: ElixirModule, eo: Optional[Eli
             if sc:
                 new_state.append((f, scalar_state(reader, pieces, sc, pname, start, end)))
         opt = {"state": new_state, "groups": groups}
-    return {"values": values, "module": module_vals, "opt": opt, "scaler": index.loss_scaler, "extra": load_extra(root, index)}
+    return {"values": values, "frozen": frozen, "module": module_vals, "opt": opt, "scaler": index.loss_scaler,
+            "extra": load_extra(root, index)}
 
 
 def _prepare_full(root: str, index: Index, em: ElixirModule, eo: Optional[ElixirOptimizer],
@@ -166,6 +185,10 @@ def _prepare_full(root: str, index: Index, em: ElixirModule, eo: Optional[Elixir
         if pname not in index.model["params"]:
             continue  # strict=False
         values.append((f, reader.read_flat("model.safetensors", key_of(pname), torch.float32, start, end)))
+    frozen = []
+    for fp in frozen_pieces(em) if "frozen" in index.model else ():
+        k = key_of(fp.name)
+        frozen.append((fp, reader.read_flat("model.safetensors", k, reader.dtype("model.safetensors", k), fp.start, fp.end)))
     module_vals = {k: reader.read("model.safetensors", key_of(k), t.dtype) for k, t in module_tensors(em).items()}
     opt = None
     if eo is not None:
@@ -180,7 +203,8 @@ def _prepare_full(root: str, index: Index, em: ElixirModule, eo: Optional[Elixir
         except optim_state.OptimStateMismatch as e:
             raise CheckpointError(str(e)) from None
         opt = {"full": osd}
-    return {"values": values, "module": module_vals, "opt": opt, "scaler": index.loss_scaler, "extra": load_extra(root, index)}
+    return {"values": values, "frozen": frozen, "module": module_vals, "opt": opt, "scaler": index.loss_scaler,
+            "extra": load_extra(root, index)}
 
 
 def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, mapped: dict[int, torch.Tensor]) -> None:
@@ -194,6 +218,8 @@ def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, ma
             master[f.lo : f.hi].copy_(v)
             if c.shard is not master:
                 c.shard[f.lo : f.hi].copy_(v)
+        for fp, v in plan["frozen"]:
+            fp.view(em).copy_(v)  # converts (a bf16 save into an fp32 chunk and back)
         tensors = module_tensors(em)
         for k, v in plan["module"].items():
             tensors[k].data.copy_(v)

@@ -134,12 +134,13 @@ def save_pretrained(
     keys = [_saved_name(em, ks) for ks in _model_keys(em).values()]
     ignore = _patterns(em.module, "_keys_to_ignore_on_save")
     keys = [k for k in keys if not _matches(k, ignore)]
-    slot_of = {s.name: s for s in em.slots}
+    slot_of = {s.name: s for s in em.slots + em.frozen_map.slots}
     pname = {id(em.params[s.index]): s.name for s in em.slots}
+    pname.update({id(em.frozen_map.params[s.index]): s.name for s in em.frozen_map.slots})
 
     def out_dtype(k: str) -> torch.dtype:
         t = tensors[k]
-        base = torch.float32 if id(t) in pname else t.dtype
+        base = torch.float32 if id(t) in pname and not em.frozen_map.slot_of(t) else t.dtype
         return dtype if dtype is not None and t.is_floating_point() else base
 
     # shards in state-dict order, a new file when the next tensor would pass the limit (as HF)
@@ -177,7 +178,7 @@ def save_pretrained(
                 elif mine:
                     out[k] = t.detach().to("cpu", out_dtype(k)).contiguous()
             for ci in sorted(by_chunk):  # one gathered chunk at a time (collective)
-                full = chunk_values(em, em.chunks[ci])
+                full = chunk_values(em, em.all_chunks[ci])
                 if mine:
                     for k in by_chunk[ci]:
                         s = slot_of[pname[id(tensors[k])]]
@@ -337,12 +338,21 @@ def _rows(reader: Reader, fname: str, key: str, start: int, end: int) -> torch.T
 def _apply(em: ElixirModule, reader: Reader, source: dict, tensors: dict) -> None:
     pname = {id(em.params[s.index]): s for s in em.slots}
     by_param = {pname[id(tensors[k])].index: v for k, v in source.items() if id(tensors[k]) in pname}
+    fmap = em.frozen_map
+    fname_of = {id(fmap.params[s.index]): s for s in fmap.slots}
+    by_frozen = {fname_of[id(tensors[k])].index: v for k, v in source.items() if id(tensors[k]) in fname_of}
     with torch.no_grad():
         em.cache.release_all()  # gathered payloads would be stale
-        for first, (fname, sk) in source.items():  # frozen parameters and buffers: whole, every rank
+        for first, (fname, sk) in source.items():  # unchunked frozen parameters and buffers: whole, every rank
             t = tensors[first]
-            if id(t) not in pname:
+            if id(t) not in pname and id(t) not in fname_of:
                 t.copy_(reader.handle(fname).get_tensor(sk).to(t.dtype))
+        for chunk in em.frozen_chunks:  # this rank's rows only, straight into the shard, in its dtype
+            for piece in fmap.shard_pieces(chunk.spec):
+                if piece.param_index in by_frozen:
+                    fname, sk = by_frozen[piece.param_index]
+                    src = _rows(reader, fname, sk, piece.start, piece.start + piece.hi - piece.lo)
+                    chunk.shard[piece.lo : piece.hi].copy_(src)
         for chunk in em.chunks:
             spec = chunk.spec
             lo, hi = spec.shard_offset, spec.shard_offset + spec.shard_numel

@@ -18,6 +18,7 @@ from elixir.checkpoint.layout import (
     fingerprint,
     frag_range,
     fragments,
+    frozen_pieces,
     module_tensors,
     optimizer_meta,
     writes_fragment,
@@ -36,9 +37,15 @@ def save(
     optimizer: Optional[ElixirOptimizer] = None,
     extra: Any = None,
     shard: bool = True,
+    frozen: bool = True,
 ) -> None:
     """Write a checkpoint of ``model`` (and ``optimizer``, ``extra``) to the directory ``path``,
-    atomically. Collective: call on every rank. See :mod:`elixir.checkpoint` for the layout."""
+    atomically. Collective: call on every rank. See :mod:`elixir.checkpoint` for the layout.
+
+    ``frozen=False`` leaves out the weights of the frozen chunks (an adapter-only checkpoint, as
+    PEFT's ``save_pretrained`` writes: load the base weights first, e.g. with
+    :func:`~elixir.checkpoint.load_pretrained`, then this); loading it leaves frozen weights as
+    they are."""
     if not isinstance(model, ElixirModule):
         raise TypeError("checkpoint.save needs the ElixirModule")
     if optimizer is not None and optimizer.module is not model:
@@ -60,9 +67,9 @@ def save(
             # keeps on its own disk (nvme_offload_fraction): read back for the save
             nvme = materialized(optimizer.optim) if optimizer is not None else contextlib.nullcontext()
             with disk_mapped(em.disk_store, states) as mapped, nvme:
-                error = _save_sharded(tmp, em, optimizer, extra, mapped)
+                error = _save_sharded(tmp, em, optimizer, extra, mapped, frozen)
         else:
-            error = _save_full(tmp, em, optimizer, extra)
+            error = _save_full(tmp, em, optimizer, extra, frozen)
         if em.rank == 0 and not error:
             try:
                 atomic.commit(tmp, path)
@@ -101,7 +108,7 @@ def _save_torch(obj: Any, path: str) -> int:
 
 
 def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any,
-                  mapped: dict[int, torch.Tensor]) -> Optional[str]:
+                  mapped: dict[int, torch.Tensor], frozen: bool = True) -> Optional[str]:
     """Write this rank's file; rank 0 also the index. Returns rank 0's error, if any. ``mapped``:
     the masters of disk chunks, mapped from the offload file."""
     error = None
@@ -131,6 +138,10 @@ def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], ext
             if st:
                 # key order of this parameter's state (so loading rebuilds it identically)
                 scalars.setdefault(pname, {})["__order__"] = list(st.keys())
+        for fp in frozen_pieces(em, writers_only=True) if frozen else ():
+            key = f"frozen/{fp.name}/{fp.start}"
+            tensors[key] = fp.view(em)
+            entries.append(Entry("frozen", fp.name, key, tensor_files.dtype_name(tensors[key].dtype), fname, fp.start, fp.end))
         if em.rank == 0:
             for k, t in module_tensors(em).items():
                 key = f"module/{k}"
@@ -145,13 +156,14 @@ def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], ext
     if em.rank != 0:
         return None
     try:
-        _write_sharded_index(tmp, em, eo, extra, metas)
+        _write_sharded_index(tmp, em, eo, extra, metas, frozen)
     except Exception as e:
         return f"writing the checkpoint index failed: {type(e).__name__}: {e}"
     return None
 
 
-def _write_sharded_index(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any, metas: list) -> None:
+def _write_sharded_index(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any, metas: list,
+                         frozen: bool = True) -> None:
     all_scalars: dict[str, dict] = {}
     for m in metas:
         for pname, d in m["scalars"].items():
@@ -159,7 +171,7 @@ def _write_sharded_index(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimize
     index = Index(
         kind="sharded",
         world_size=em.world_size,
-        model=fingerprint(em),
+        model=fingerprint(em, frozen),
         files={m["file"]: m["size"] for m in metas},
         checksums={m["file"]: m["checksum"] for m in metas},
         entries=[e for m in metas for e in m["entries"]],
@@ -173,7 +185,7 @@ def _write_sharded_index(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimize
     index.write(tmp)
 
 
-def _save_full(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any) -> Optional[str]:
+def _save_full(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any, frozen: bool = True) -> Optional[str]:
     """Gather (collective) and write on rank 0. Returns rank 0's error, if any."""
     sd = em.state_dict(rank0_only=True)
     osd = eo.state_dict(rank0_only=True) if eo is not None else None
@@ -183,8 +195,9 @@ def _save_full(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra:
             files = {}
             seen: dict[int, str] = {}
             tensors = {}
+            skip = set() if frozen else {id(p) for p in em.frozen_map.params}
             for k, t in em.module.state_dict(keep_vars=True).items():
-                if id(t) in seen:  # a tied alias: saved once, under the first name (as HF does)
+                if id(t) in seen or id(t) in skip:  # a tied alias: saved once, under the first name (as HF does)
                     continue
                 seen[id(t)] = k
                 tensors[k] = sd[k].contiguous()
@@ -202,9 +215,10 @@ def _save_full(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra:
             Index(
                 kind="full",
                 world_size=em.world_size,
-                model=fingerprint(em),
+                model=fingerprint(em, frozen),
                 files=files,
-                aliases={k: seen[id(t)] for k, t in em.module.state_dict(keep_vars=True).items() if seen[id(t)] != k},
+                aliases={k: seen[id(t)] for k, t in em.module.state_dict(keep_vars=True).items()
+                         if id(t) in seen and seen[id(t)] != k},
                 optimizer=None if eo is None else optimizer_meta(eo, em),
                 loss_scaler=scaler,
                 extra=extra is not None,

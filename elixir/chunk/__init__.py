@@ -7,9 +7,9 @@ from elixir.chunk.accounting import ElixirMemoryError, MemoryLedger
 from elixir.chunk.cache import BlockCache
 from elixir.chunk.chunk import Chunk, ChunkSpec
 from elixir.chunk.schedule import Schedule, collapse
-from elixir.chunk.state import ChunkState, GradState, IllegalTransition
+from elixir.chunk.state import ChunkKind, ChunkState, GradState, IllegalTransition
 
 __all__ = [
-    "BlockCache", "Chunk", "ChunkSpec", "ChunkState", "ElixirMemoryError", "GradState",
+    "BlockCache", "Chunk", "ChunkKind", "ChunkSpec", "ChunkState", "ElixirMemoryError", "GradState",
     "IllegalTransition", "MemoryLedger", "Schedule", "collapse",
 ]

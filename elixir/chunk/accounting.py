@@ -1,7 +1,8 @@
 """Byte accounting for the runtime's own tensors, with an optional device-memory budget.
 
 Every tensor the runtime allocates or frees for chunks goes through a :class:`MemoryLedger`, by
-category (``shard``, ``master``, ``gathered``, ``grad_buffer``, ``shard_grad``) and location
+category (``shard``, ``master``, ``gathered``, ``grad_buffer``, ``shard_grad``, and
+``frozen_shard`` for the shards of frozen chunks) and location
 (``device`` or ``host``). The ledger keeps the current and peak bytes of each, and of the device
 total, and can refuse an allocation that would exceed a budget (used to emulate small accelerators
 on a CPU box).
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Optional
 
-CATEGORIES = ("shard", "master", "gathered", "grad_buffer", "shard_grad")
+CATEGORIES = ("shard", "master", "gathered", "grad_buffer", "shard_grad", "frozen_shard")
 LOCATIONS = ("device", "host")
 
 

@@ -14,6 +14,10 @@ A chunk knows nothing about models. It owns:
   halve it, and the fused CPU Adam kernel reads them as they are); ``grad_valid`` says if it holds
   data. It lives until :meth:`drop_grad` (the fused backward-and-step frees it once the chunk is
   stepped, so that the shard gradients of all chunks never exist at once).
+
+A ``FROZEN`` chunk (:class:`~elixir.chunk.state.ChunkKind`) owns only ``payload`` and ``shard``
+(booked as ``frozen_shard``): no master, no gradient buffer, no shard gradient. Asking it for a
+gradient is a runtime bug and raises.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk.accounting import MemoryLedger
-from elixir.chunk.state import ChunkState, GradState, check_chunk_move, check_grad_move
+from elixir.chunk.state import ChunkKind, ChunkState, GradState, check_chunk_move, check_grad_move
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class ChunkSpec:
             staged in host memory only while used (:mod:`elixir.offload`); implies a master
             separate from the shard, in a resizable host tensor of its own.
         pin_memory: page-lock host tensors (only matters with an accelerator).
+        kind: trainable, or frozen (weights only; the master and gradient fields are unused).
     """
 
     index: int
@@ -65,6 +70,16 @@ class ChunkSpec:
     master_on_host: bool = False
     master_on_disk: bool = False
     pin_memory: bool = True
+    kind: ChunkKind = ChunkKind.TRAINABLE
+
+    @property
+    def frozen(self) -> bool:
+        return self.kind is ChunkKind.FROZEN
+
+    @property
+    def shard_category(self) -> str:
+        """The ledger category of this chunk's shard."""
+        return "frozen_shard" if self.frozen else "shard"
 
     @property
     def shard_numel(self) -> int:
@@ -128,15 +143,17 @@ class Chunk:
         if flat.numel() != spec.capacity:
             raise ValueError(f"chunk {self.index}: expected {spec.capacity} elements, got {flat.numel()}")
         lo, n = spec.shard_offset, spec.shard_numel
-        self.ledger.alloc("gathered" if spec.sharded else "shard", "device", self.payload_bytes, f"chunk {self.index}")
+        self.ledger.alloc("gathered" if spec.sharded else spec.shard_category, "device", self.payload_bytes, f"chunk {self.index}")
         self.payload = flat.to(device=spec.device, dtype=spec.dtype, copy=True)
         self.state = ChunkState.HOLD
         src = flat[lo : lo + n]
         if spec.sharded:
             self.shard = _copy_of(src, spec.dtype, spec.shard_on_host, spec)
-            self.ledger.alloc("shard", _loc(spec.shard_on_host), _nbytes(n, spec.dtype))
+            self.ledger.alloc(spec.shard_category, _loc(spec.shard_on_host), _nbytes(n, spec.dtype))
         else:
             self.shard = self.payload  # replicated: the payload is the shard, always resident
+        if spec.frozen:
+            return self.payload  # weights only: no master
         same_place = spec.master_on_host == (spec.shard_on_host and spec.sharded)
         if spec.dtype == torch.float32 and same_place and not spec.master_on_disk:
             self.master = self.shard
@@ -221,7 +238,7 @@ class Chunk:
     def refresh_from_master(self) -> None:
         """After an optimizer step: copy the fp32 master into the compute shard when they differ.
         A disk master is not resident here: the disk path refreshed the shard while it was staged."""
-        if self.master is not self.shard and not self.spec.master_on_disk:
+        if self.master is not None and self.master is not self.shard and not self.spec.master_on_disk:
             streams = self.streams
             with torch.no_grad(), streams.issue(streams.copy):
                 self.shard.copy_(self.master, non_blocking=dev.non_blocking_ok(self.master, self.shard.device))
@@ -239,6 +256,8 @@ class Chunk:
         are added, and :meth:`reduce` zeroes only the ranges nothing was written to (padding,
         parameters without a gradient). That saves a fill and an add over the whole chunk.
         """
+        if self.spec.frozen:
+            raise RuntimeError(f"chunk {self.index} is frozen: it takes no gradients (a runtime bug)")
         if self.grad_state is not GradState.ACCUMULATING:
             self.ledger.alloc("grad_buffer", "device", _nbytes(self.spec.capacity, self.spec.reduce_dtype))
             self.grad_buffer = torch.empty(self.spec.capacity, dtype=self.spec.reduce_dtype, device=self.spec.device)
@@ -356,5 +375,5 @@ class Chunk:
         self.grad_valid = False
 
     def __repr__(self) -> str:
-        kind = "sharded" if self.spec.sharded else "replicated"
+        kind = ("sharded" if self.spec.sharded else "replicated") + (" frozen" if self.spec.frozen else "")
         return f"Chunk({self.index}, {kind}, {self.spec.capacity} el, {self.state.name}, pins={self.pins})"

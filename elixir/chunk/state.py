@@ -1,4 +1,7 @@
-"""Explicit chunk states with checked transitions.
+"""Explicit chunk kinds and states, with checked transitions.
+
+A chunk is of one :class:`ChunkKind` for its whole life: ``TRAINABLE`` (gradients, fp32 master,
+optimizer state) or ``FROZEN`` (compute-dtype weights only; gathered and released, never reduced).
 
 A chunk has two independent state machines:
 
@@ -12,6 +15,13 @@ A chunk has two independent state machines:
 from __future__ import annotations
 
 import enum
+
+
+class ChunkKind(enum.Enum):
+    """What a chunk holds besides its compute-dtype weights."""
+
+    TRAINABLE = "trainable"  # gradient buffer, reduced shard gradient, fp32 master, optimizer state
+    FROZEN = "frozen"  # nothing else: requires_grad=False parameters, read-only during training
 
 
 class ChunkState(enum.Enum):

@@ -6,7 +6,9 @@ the current chunk starts the next one. The first and last chunks are trimmed to 
 a few outlier parameters (embeddings, LM heads at least twice the size of anything else) may get
 chunks of their own. The search tries every chunk size at which some run of consecutive parameters
 fills a chunk exactly, plus a grid, and keeps the one with the least padding. Parameters held by more than
-one module (tied weights) get their own replicated chunks. The rCache gets the fewest blocks that
+one module (tied weights) get their own replicated chunks. Frozen parameters (``requires_grad=False``,
+of a dtype chunks hold) are packed the same way, apart, into frozen chunks of their own least-padding
+size (``frozen_chunks=False`` leaves them out of chunks, whole on every rank). The rCache gets the fewest blocks that
 let any single step run (its chunks and those of the calls enclosing it), plus look-ahead blocks
 when ``prefetch``.
 
@@ -25,7 +27,7 @@ import torch.nn as nn
 from rich.console import Console
 from rich.table import Table
 
-from elixir.search.plan import ChunkPlan, Placement, SearchResult, dtype_name
+from elixir.search.plan import CHUNKABLE_DTYPES, ChunkPlan, Placement, SearchResult, dtype_name
 from elixir.tracer import generate_tf_order
 
 ALIGN = 16  # elements per rank a shard is aligned to
@@ -253,6 +255,7 @@ def minimum_waste_search(
     pin_memory: bool = True,
     inp=None,
     step_fn: Optional[Callable] = None,
+    frozen_chunks: bool = True,
 ) -> SearchResult:
     """Plan ``model`` for ``group_size`` ranks with the chunk size that minimises padding.
 
@@ -265,6 +268,8 @@ def minimum_waste_search(
         verbose: print a rich table of the result.
         pin_memory: page-lock host shards (only matters with an accelerator).
         inp, step_fn: trace one step (``step_fn(model, inp)``) to pack in order of first use.
+        frozen_chunks: pack frozen parameters into sharded frozen chunks (placed like the rest);
+            False leaves them out of chunks (``frozen_params``), whole on every rank.
     """
     t0 = time.perf_counter()
     if group_size < 1:
@@ -272,8 +277,11 @@ def minimum_waste_search(
     if (inp is None) != (step_fn is None):
         raise ValueError("give both inp and step_fn (to trace the order), or neither")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad)
-    names = {id(p): n for n, p in named}
+    frozen_named = [(n, p) for n, p in model.named_parameters()
+                    if not p.requires_grad and frozen_chunks and p.dtype in CHUNKABLE_DTYPES]
+    in_chunks = {n for n, _ in frozen_named}
+    frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad and n not in in_chunks)
+    names = {id(p): n for n, p in named + frozen_named}
     tied = shared_params(model)
     order: Optional[list[tuple[str, ...]]] = None
     kinds: list[str] = []
@@ -283,9 +291,10 @@ def minimum_waste_search(
         for i, s in enumerate(order):
             for n in s:
                 first_use.setdefault(n, i)
-        pos = {n: i for i, (n, _) in enumerate(named)}
+        pos = {n: i for i, (n, _) in enumerate(named + frozen_named)}
         named.sort(key=lambda np_: (first_use.get(np_[0], len(order)), pos[np_[0]]))
-    shapes = {n: tuple(p.shape) for n, p in named}
+        frozen_named.sort(key=lambda np_: (first_use.get(np_[0], len(order)), pos[np_[0]]))
+    shapes = {n: tuple(p.shape) for n, p in named + frozen_named}
     sharded_names = [n for n, _ in named if n not in tied]
     numels = [_numel(shapes[n]) for n in sharded_names]
     align = ALIGN * group_size
@@ -299,8 +308,9 @@ def minimum_waste_search(
     for n, _ in named:
         if n in tied:
             chunks.append(ChunkPlan((n,), (shapes[n],), _numel(shapes[n]), dt, False, Placement.DEVICE, place))
+    fchunks = _frozen_chunks(frozen_named, shapes, align, dt, place)
 
-    chunk_of = {n: ci for ci, c in enumerate(chunks) if c.sharded for n in c.params}
+    chunk_of = {n: ci for ci, c in enumerate(chunks + fchunks) if c.sharded for n in c.params}
     mods = _module_steps(model, names)
     blocks = cache_blocks_needed(chunk_of, [d for d, _ in mods], [a for _, a in mods])
     if order is not None:
@@ -313,7 +323,7 @@ def minimum_waste_search(
     if prefetch and chunk_of:
         depth = 1
         blocks += 1
-    sharded_count = sum(c.sharded for c in chunks)
+    sharded_count = sum(c.sharded for c in chunks + fchunks)
     blocks = min(blocks, sharded_count)
     elapsed = time.perf_counter() - t0
     result = SearchResult(
@@ -322,6 +332,7 @@ def minimum_waste_search(
         cache_blocks=blocks,
         prefetch_depth=depth,
         frozen_params=frozen,
+        frozen_chunks=tuple(fchunks),
         param_order=None if order is None or not prefetch else tuple(order),
         search="minimum_waste",
         info={
@@ -334,6 +345,20 @@ def minimum_waste_search(
     if verbose:
         print_plan(result, unified_dtype)
     return result
+
+
+def _frozen_chunks(named: list, shapes: dict, align: int, dt: str, place: Placement) -> list[ChunkPlan]:
+    """Frozen parameters, in order, packed at their own least-padding chunk size."""
+    names = [n for n, _ in named]
+    numels = [_numel(shapes[n]) for n in names]
+    if not numels:
+        return []
+    size, oversize, _ = search_chunk_size(numels, align)
+    out = []
+    for idx, capacity in pack(numels, size, align, oversize):
+        ns = tuple(names[i] for i in idx)
+        out.append(ChunkPlan(ns, tuple(shapes[n] for n in ns), capacity, dt, True, place, Placement.DEVICE))
+    return out
 
 
 def print_plan(result: SearchResult, dtype: torch.dtype = torch.float) -> None:

@@ -11,7 +11,12 @@ Vocabulary:
 - the **rCache** is a pool of ``cache_blocks`` full-size blocks into which sharded chunks are gathered
   for compute, and released after;
 - a chunk's **shard placement** says where its compute-dtype shard lives between uses, and its
-  **optimizer placement** where its fp32 master shard and optimizer state live.
+  **optimizer placement** where its fp32 master shard and optimizer state live;
+- a **frozen chunk** packs parameters with ``requires_grad=False`` only (never mixed with trainable
+  ones): it holds the compute-dtype weights and nothing else (no gradient buffer, no fp32 master,
+  no optimizer state), is gathered before use and released after like any sharded chunk, and is
+  never reduced. Frozen chunks are listed apart (``SearchResult.frozen_chunks``); their
+  ``optim_placement`` is meaningless and kept at its default.
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
+
+
+# dtypes a chunk (trainable or frozen) can hold
+CHUNKABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -148,11 +157,15 @@ class SearchResult:
     """A complete plan for one model at one world size.
 
     Attributes:
-        chunks: the ordered chunks (trainable parameters only).
+        chunks: the ordered chunks of trainable parameters.
+        frozen_chunks: the chunks of frozen parameters (``requires_grad=False``), packed apart
+            (see the module docstring); they share the rCache with the sharded trainable chunks.
         world_size: the data-parallel world size the plan is for.
         cache_blocks: number of full-size blocks in the rCache (the redundancy).
         prefetch_depth: how many chunks ahead the runtime may gather (0: on demand).
-        frozen_params: parameters with ``requires_grad=False``; kept out of chunks, left as they are.
+        frozen_params: parameters with ``requires_grad=False`` kept out of chunks and left as they are
+            (whole on every rank): those of dtypes chunks cannot hold, or every frozen parameter
+            in a plan made without frozen chunks.
         param_order: traced per-step parameter-name sets (tracer's ``params_per_step``), or None.
         search: which search produced the plan.
         prediction: the search's predictions, if it made any.
@@ -170,6 +183,7 @@ class SearchResult:
     cache_blocks: int
     prefetch_depth: int = 0
     frozen_params: tuple[str, ...] = ()
+    frozen_chunks: tuple[ChunkPlan, ...] = ()
     param_order: Optional[tuple[tuple[str, ...], ...]] = None
     search: str = "manual"
     prediction: Optional[Prediction] = None
@@ -185,9 +199,19 @@ class SearchResult:
 
     @property
     def chunk_size(self) -> int:
-        """Capacity of the sharded chunks (0 when every chunk is replicated)."""
+        """Capacity of the sharded trainable chunks (0 when every chunk is replicated)."""
         sizes = {c.chunk_size for c in self.chunks if c.sharded}
         return max(sizes) if sizes else 0
+
+    @property
+    def all_chunks(self) -> tuple[ChunkPlan, ...]:
+        """Trainable then frozen chunks (the runtime's chunk indices)."""
+        return (*self.chunks, *self.frozen_chunks)
+
+    @property
+    def block_size(self) -> int:
+        """Elements of one rCache block: the largest sharded chunk, trainable or frozen."""
+        return max((c.chunk_size for c in self.all_chunks if c.sharded), default=0)
 
     @property
     def param_names(self) -> list[str]:
@@ -199,12 +223,17 @@ class SearchResult:
         return 0.0 if cap == 0 else 1.0 - sum(c.used for c in self.chunks) / cap
 
     def shard_bytes_per_rank(self, element_size: int) -> int:
-        """Bytes of this rank's compute-dtype shards (replicated chunks count whole)."""
-        return sum(c.shard_size(self.world_size) for c in self.chunks) * element_size
+        """Bytes of this rank's compute-dtype shards, trainable and frozen (replicated chunks
+        count whole)."""
+        return sum(c.shard_size(self.world_size) for c in self.all_chunks) * element_size
+
+    def frozen_shard_bytes_per_rank(self, element_size: int) -> int:
+        """Bytes of this rank's frozen-chunk shards (all a frozen chunk costs between uses)."""
+        return sum(c.shard_size(self.world_size) for c in self.frozen_chunks) * element_size
 
     def cache_bytes(self, element_size: int) -> int:
-        """Bytes of the rCache: ``cache_blocks`` full sharded-chunk blocks."""
-        return self.cache_blocks * self.chunk_size * element_size
+        """Bytes of the rCache: ``cache_blocks`` blocks of :attr:`block_size`."""
+        return self.cache_blocks * self.block_size * element_size
 
     # ---- JSON ----
 
@@ -217,6 +246,7 @@ class SearchResult:
             "search": self.search,
             "chunks": [c.to_json() for c in self.chunks],
             "frozen_params": list(self.frozen_params),
+            "frozen_chunks": [c.to_json() for c in self.frozen_chunks],
             "param_order": None if self.param_order is None else [sorted(s) for s in self.param_order],
             "prediction": None if self.prediction is None else dataclasses.asdict(self.prediction),
             "info": self.info,
@@ -235,6 +265,7 @@ class SearchResult:
             cache_blocks=int(d["cache_blocks"]),
             prefetch_depth=int(d.get("prefetch_depth", 0)),
             frozen_params=tuple(d.get("frozen_params", ())),
+            frozen_chunks=tuple(ChunkPlan.from_json(c) for c in d.get("frozen_chunks", ())),
             param_order=None if order is None else tuple(tuple(s) for s in order),
             search=d.get("search", "manual"),
             prediction=None if pred is None else Prediction(**pred),

@@ -6,6 +6,12 @@ sharded chunks (also during recomputation under checkpointing) and its post-hook
 backward a hook on the call's outputs gathers and pins them again before the module's own backward
 runs. Pinned chunks are never evicted; unpinned ones stay in the rCache until a block is needed.
 
+Frozen parameters the plan packs into frozen chunks (``plan.frozen_chunks``) become views into those
+chunks' payloads the same way: gathered (and pinned) by the same hooks, released by the same rCache,
+never reduced, with no master and no optimizer state. Their chunks are ``self.frozen_chunks`` (index
+``len(self.chunks) + j``, so the rCache and the schedule key every chunk apart) and their slots are in
+``self.frozen_map``. Frozen parameters outside frozen chunks are left as they are.
+
 Gradients: a post-accumulate-grad hook per parameter adds ``p.grad`` into the chunk's gradient
 buffer and frees ``p.grad``. When every parameter of a chunk expected to get a gradient has one, the
 chunk is reduced (reduce-scatter for sharded chunks, all-reduce for replicated ones, mean over
@@ -25,7 +31,7 @@ import torch.nn as nn
 
 from elixir import device as dev
 from elixir import distributed as edist
-from elixir.chunk import BlockCache, Chunk, ChunkSpec, GradState, MemoryLedger, Schedule
+from elixir.chunk import BlockCache, Chunk, ChunkKind, ChunkSpec, GradState, MemoryLedger, Schedule
 from elixir.offload.for_plan import store_for_plan
 from elixir.offload.store import DiskStore
 from elixir.search.plan import Placement, dtype_from_name
@@ -173,8 +179,11 @@ class ElixirModule(nn.Module):
             self.materializer = Materializer(module, agreed_seed(init_seed, process_group))
         if sync_module_states and self.world_size > 1:
             self._broadcast_non_chunked(named)
-        self.chunks: list[Chunk] = []
-        self.param_map = ParamMap(len(search_result.chunks))  # parameters onto chunks
+        self.chunks: list[Chunk] = []  # trainable chunks, plan order (index = position)
+        self.frozen_chunks: list[Chunk] = []  # frozen chunks (index = len(chunks) + position)
+        self.param_map = ParamMap(len(search_result.chunks))  # trainable parameters onto chunks
+        n_all = len(search_result.chunks) + len(search_result.frozen_chunks)
+        self.frozen_map = ParamMap(n_all)  # frozen parameters onto frozen chunks (global indices)
         self.slots: list[ParamSlot] = self.param_map.slots
         self.params: list[nn.Parameter] = self.param_map.params
         self._slot_of: dict[nn.Parameter, ParamSlot] = self.param_map.by_param
@@ -207,8 +216,17 @@ class ElixirModule(nn.Module):
     # ------------------------------------------------------------------------------------------
     # construction
 
+    @property
+    def all_chunks(self) -> list[Chunk]:
+        """Trainable then frozen chunks: ``all_chunks[i].index == i``."""
+        return self.chunks + self.frozen_chunks
+
+    def is_chunked(self, p: nn.Parameter) -> bool:
+        """Whether ``p`` lives in a chunk (trainable or frozen)."""
+        return p in self._slot_of or p in self.frozen_map
+
     def _broadcast_non_chunked(self, named: dict) -> None:
-        chunked = {n for c in self.plan.chunks for n in c.params}
+        chunked = {n for c in self.plan.all_chunks for n in c.params}
         with torch.no_grad():
             for n, p in named.items():
                 if n not in chunked and not p.is_meta:
@@ -227,11 +245,22 @@ class ElixirModule(nn.Module):
         # one staging buffer for every chunk's flat values: allocated once, so the shards kept
         # meanwhile are not interleaved with a freed temporary per chunk
         staging = torch.empty(max((cp.chunk_size for cp in plan.chunks), default=0), dtype=torch.float32, device=self.device)
-        for ci, cp in enumerate(plan.chunks):
+        # frozen chunks are staged in the compute dtype: no fp32 copy of frozen weights anywhere
+        frozen_staging = torch.empty(max((cp.chunk_size for cp in plan.frozen_chunks), default=0), dtype=self.dtype, device=self.device)
+        todo = [(ci, cp, ChunkKind.TRAINABLE) for ci, cp in enumerate(plan.chunks)]
+        todo += [(len(plan.chunks) + j, cp, ChunkKind.FROZEN) for j, cp in enumerate(plan.frozen_chunks)]
+        for ci, cp, kind in todo:
+            frozen = kind is ChunkKind.FROZEN
+            if frozen and cp.shard_placement is Placement.DISK:
+                raise ValueError(
+                    f"frozen chunk {ci - len(plan.chunks)} is placed on disk: frozen shards live on the device "
+                    "or the host for now; re-plan with host placement (shard_placement='host')"
+                )
             # At world size 1 a device shard is the whole chunk: keep it resident (gathering would
             # only copy it), exactly like a replicated chunk.
             sharded = cp.sharded and not (self.world_size == 1 and cp.shard_placement is Placement.DEVICE)
             spec = ChunkSpec(
+                kind=kind,
                 index=ci,
                 capacity=cp.chunk_size,
                 sharded=sharded,
@@ -242,21 +271,22 @@ class ElixirModule(nn.Module):
                 grad_dtype=self.grad_dtype,
                 device=self.device,
                 shard_on_host=sharded and cp.shard_placement is Placement.HOST,
-                master_on_host=cp.optim_placement is not Placement.DEVICE,
-                master_on_disk=cp.optim_placement is Placement.DISK,
+                master_on_host=not frozen and cp.optim_placement is not Placement.DEVICE,
+                master_on_disk=not frozen and cp.optim_placement is Placement.DISK,
                 pin_memory=bool(plan.info.get("pin_memory", True)),
             )
             chunk = Chunk(spec, self.ledger, self.group, streams=self.streams)
-            flat = staging[: cp.chunk_size].zero_()
+            flat = (frozen_staging if frozen else staging)[: cp.chunk_size].zero_()
             offset = 0
             members = []
+            pmap = self.frozen_map if frozen else self.param_map
             for name, shape in zip(cp.params, cp.shapes):
                 p = named[name]
                 n = p.numel()
                 src = mat.take(p) if p.is_meta else p.detach()
                 flat[offset : offset + n].copy_(src.reshape(-1))
                 del src
-                slot = self.param_map.add(p, name, ci, offset, shape)
+                slot = pmap.add(p, name, ci, offset, shape)
                 members.append((p, slot))
                 offset += n
             if sync and self.world_size > 1 and mat is None:  # meta values are computed alike on every rank
@@ -273,10 +303,10 @@ class ElixirModule(nn.Module):
                 chunk.release()
             if spec.master_on_disk:
                 self.disk_store.register(chunk)
-            self.chunks.append(chunk)
+            (self.frozen_chunks if frozen else self.chunks).append(chunk)
             if mat is not None:  # construction stays within the shards plus the staging area
                 dev.trim_host_memory()
-        del staging
+        del staging, frozen_staging
         if mat is not None:
             mat.finish(self.device, skip={id(p) for p, _ in on_meta})
             for p, view in on_meta:
@@ -285,7 +315,7 @@ class ElixirModule(nn.Module):
         if self.dtype != torch.float32:
             with torch.no_grad():
                 for p in self.module.parameters():
-                    if p not in self._slot_of and p.is_floating_point():
+                    if not self.is_chunked(p) and p.is_floating_point():
                         p.data = p.data.to(self.dtype)
 
     def _move_rest_to_device(self) -> None:
@@ -293,7 +323,7 @@ class ElixirModule(nn.Module):
         the accelerator); a no-op when they are already there."""
         with torch.no_grad():
             for p in self.module.parameters():
-                if p not in self._slot_of and p.device != self.device and p.device.type != "meta":
+                if not self.is_chunked(p) and p.device != self.device and p.device.type != "meta":
                     p.data = p.data.to(self.device)
             for m in self.module.modules():
                 for name, b in m._buffers.items():
@@ -304,15 +334,16 @@ class ElixirModule(nn.Module):
         order = self.plan.param_order
         if not order:
             return None
-        chunk_of = {s.name: s.chunk for s in self.slots}
+        chunk_of = {s.name: s.chunk for s in self.slots + self.frozen_map.slots}
+        every = self.all_chunks
         steps = []
         for names in order:
-            steps.append(frozenset(chunk_of[n] for n in names if n in chunk_of and self.chunks[chunk_of[n]].spec.sharded))
+            steps.append(frozenset(chunk_of[n] for n in names if n in chunk_of and every[chunk_of[n]].spec.sharded))
         return Schedule(steps, lookahead=max(1, self.plan.prefetch_depth))
 
     def _register_hooks(self) -> None:
         borrowed = borrowed_children(self.module)
-        uses = {id(m): [p for p in step_params(m, borrowed) if p in self._slot_of] for m in self.module.modules()}
+        uses = {id(m): [p for p in step_params(m, borrowed) if self.is_chunked(p)] for m in self.module.modules()}
         owners = {m for m in self.module.modules() if uses[id(m)]}
         ancestors: dict[int, set] = {}
 
@@ -325,9 +356,10 @@ class ElixirModule(nn.Module):
         for m in self.module.modules():
             if m in self._mod_info or m not in owners:
                 continue
-            idx = tuple(dict.fromkeys(self._slot_of[p].index for p in uses[id(m)]))
-            chunk_ids = list(dict.fromkeys(self.slots[i].chunk for i in idx))
-            sharded = tuple(self.chunks[c] for c in sorted(chunk_ids) if self.chunks[c].spec.sharded)
+            idx = tuple(dict.fromkeys(self._slot_of[p].index for p in uses[id(m)] if p in self._slot_of))
+            chunk_ids = list(dict.fromkeys((self._slot_of.get(p) or self.frozen_map.slot_of(p)).chunk for p in uses[id(m)]))
+            every = self.all_chunks
+            sharded = tuple(every[c] for c in sorted(chunk_ids) if every[c].spec.sharded)
             info = _ModInfo(sharded, frozenset(c.index for c in sharded), idx, frozenset(ancestors[id(m)]), id(m))
             self._mod_info[m] = info
         # the tracer's step hooks, so the runtime fires exactly the steps the plan was traced with
@@ -363,8 +395,9 @@ class ElixirModule(nn.Module):
         if next_use is not None:
             upcoming = sched.upcoming()
             protect = set(info.chunk_set) | set(upcoming)
+            every = self.all_chunks
             for ci in upcoming:
-                if not self.cache.prefetch(self.chunks[ci], next_use, protect):
+                if not self.cache.prefetch(every[ci], next_use, protect):
                     break
 
     def _next_use(self, chunk: Chunk) -> float:
@@ -574,8 +607,9 @@ class ElixirModule(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally until a backward outside the block.
 
-        On entry every sharded chunk is gathered and kept (one all-gather each, issued here), so
-        forward and backward inside the block issue no collective at all; gradients stay in
+        On entry every sharded trainable chunk is gathered and kept (one all-gather each, issued
+        here); frozen chunks are still gathered on demand through the rCache (they take no
+        gradient, so keeping the whole frozen model gathered would only cost memory); gradients stay in
         full-size per-chunk buffers (see ``memory_report()['peak_grad_buffer_bytes']``) and are
         reduced by the next backward outside the block.
         """
@@ -665,7 +699,8 @@ class ElixirModule(nn.Module):
         optimizer's state, the disk staging, and beside them the process as the OS sees it.
 
         Ledger and optimizer (current, and ``peak_*`` since :meth:`reset_peak_memory`):
-        ``shard_*`` compute shards; ``master_bytes`` fp32 masters resident (disk masters only
+        ``shard_*`` compute shards of trainable chunks; ``frozen_shard_*`` those of frozen chunks
+        (all a frozen chunk costs between uses); ``master_bytes`` fp32 masters resident (disk masters only
         while staged); ``cache_bytes`` / ``gathered_bytes`` the rCache; ``grad_buffer`` full-size
         gradient buffers during backward; ``shard_grad_bytes`` reduced shard gradients, in
         ``grad_element_bytes`` per element (0 between steps with the fused backward-and-step);
@@ -681,7 +716,7 @@ class ElixirModule(nn.Module):
         ``offload_page_cache_bytes`` the offload file's pages in the kernel's page cache (not in
         RSS, but charged to the same memory cgroup)."""
         L = self.ledger
-        block = max((c.payload_bytes for c in self.chunks if c.spec.sharded), default=0)
+        block = max((c.payload_bytes for c in self.all_chunks if c.spec.sharded), default=0)
         extra: dict[str, int] = {}
         for fn in self._memory_reporters:
             extra.update(fn())
@@ -707,6 +742,9 @@ class ElixirModule(nn.Module):
             "shard_bytes": L.bytes("shard"),
             "shard_device_bytes": L.bytes("shard", "device"),
             "shard_host_bytes": L.bytes("shard", "host"),
+            "frozen_shard_bytes": L.bytes("frozen_shard"),
+            "frozen_shard_device_bytes": L.bytes("frozen_shard", "device"),
+            "frozen_shard_host_bytes": L.bytes("frozen_shard", "host"),
             "master_bytes": L.bytes("master"),
             "cache_bytes": self.cache.capacity * block,
             "gathered_bytes": L.bytes("gathered"),
@@ -747,7 +785,7 @@ class ElixirModule(nn.Module):
     def extra_repr(self) -> str:
         sharded = sum(c.spec.sharded for c in self.chunks)
         return (
-            f"chunks={len(self.chunks)} ({sharded} sharded), cache_blocks={self.cache.capacity}, "
+            f"chunks={len(self.chunks)} ({sharded} sharded), frozen_chunks={len(self.frozen_chunks)}, cache_blocks={self.cache.capacity}, "
             f"world_size={self.world_size}, dtype={self.dtype}"
         )
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from elixir import distributed as edist
 from elixir.device import default_device
-from elixir.search.plan import SearchResult
+from elixir.search.plan import CHUNKABLE_DTYPES, SearchResult
 
 PlanLike = Union[SearchResult, str, os.PathLike]
 
@@ -26,9 +26,6 @@ def _fmt(names, limit: int = 8) -> str:
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
 
-
-# dtypes a trainable parameter may have: chunks keep fp32 masters and compute in fp32, fp16 or bf16
-CHUNKABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_trainable_dtypes(module: nn.Module) -> None:
@@ -70,7 +67,7 @@ def validate_plan(module: nn.Module, plan: SearchResult, world_size: int) -> Non
             raise PlanMismatch(f"plan chunk {ci} capacity {chunk.chunk_size} is not a multiple of world size {world_size}")
     missing = set(trainable) - set(planned)
     extra = set(planned) - set(trainable)
-    problems = []
+    problems = _frozen_chunk_problems(module, plan, world_size, set(planned))
     if missing:
         problems.append(f"trainable parameters not in the plan: {_fmt(missing)}")
     if extra:
@@ -91,8 +88,35 @@ def validate_plan(module: nn.Module, plan: SearchResult, world_size: int) -> Non
             "the plan does not match this model (was it made for another model or another "
             "requires_grad setting?): " + " | ".join(problems)
         )
-    if plan.cache_blocks < 1 and any(c.sharded for c in plan.chunks):
+    if plan.cache_blocks < 1 and any(c.sharded for c in plan.all_chunks):
         raise PlanMismatch("the plan has sharded chunks but no rCache blocks (cache_blocks must be >= 1)")
+
+
+def _frozen_chunk_problems(module: nn.Module, plan: SearchResult, world_size: int, trainable_planned: set) -> list[str]:
+    """What is wrong with the plan's frozen chunks for this model: each must pack frozen
+    parameters of a chunkable dtype, each at most once, none also in a trainable chunk."""
+    named = dict(module.named_parameters())
+    seen: set[str] = set()
+    problems = []
+    for ci, chunk in enumerate(plan.frozen_chunks):
+        if len(chunk.params) != len(chunk.shapes) or chunk.used > chunk.chunk_size:
+            problems.append(f"frozen chunk {ci} is malformed (params/shapes/capacity)")
+        if chunk.sharded and chunk.chunk_size % world_size:
+            problems.append(f"frozen chunk {ci} capacity {chunk.chunk_size} is not a multiple of world size {world_size}")
+        for n, shape in zip(chunk.params, chunk.shapes):
+            p = named.get(n)
+            if p is None:
+                problems.append(f"frozen chunk {ci} names a parameter the model does not have: {n}")
+            elif p.requires_grad:
+                problems.append(f"frozen chunk {ci} holds a trainable parameter (requires_grad=True): {n}")
+            elif p.dtype not in CHUNKABLE_DTYPES:
+                problems.append(f"frozen chunk {ci} holds {n} of dtype {p.dtype} (chunks hold float32/16, bfloat16)")
+            elif tuple(p.shape) != tuple(shape):
+                problems.append(f"shapes differ: {n}: plan {tuple(shape)} vs model {tuple(p.shape)}")
+            if n in seen or n in trainable_planned:
+                problems.append(f"parameter {n!r} appears in more than one plan chunk")
+            seen.add(n)
+    return problems
 
 
 def as_plan(plan: PlanLike) -> SearchResult:

@@ -24,7 +24,10 @@ class StateDictMismatch(RuntimeError):
 
 
 def chunk_values(em: ElixirModule, chunk) -> torch.Tensor:
-    """The full fp32 values of ``chunk`` (gathered from the masters), on CPU."""
+    """The full fp32 values of ``chunk`` (gathered from the masters), on CPU; a frozen chunk's
+    values in its own (compute) dtype, gathered from its shards."""
+    if chunk.spec.frozen:
+        return frozen_values(em, chunk)
     full = torch.empty(chunk.spec.capacity, dtype=torch.float32, device=em.device)
     with staged(em.disk_store, [chunk.index], write_back=False):  # a disk master: read, not written
         mine = chunk.master.to(em.device, torch.float32, copy=True)
@@ -35,15 +38,26 @@ def chunk_values(em: ElixirModule, chunk) -> torch.Tensor:
     return full.cpu()
 
 
+def frozen_values(em: ElixirModule, chunk) -> torch.Tensor:
+    """The full values of the frozen ``chunk``, in its dtype, on CPU (one all-gather)."""
+    full = torch.empty(chunk.spec.capacity, dtype=chunk.spec.dtype, device=em.device)
+    if chunk.spec.sharded:
+        edist.all_gather_into(full, chunk.shard.to(em.device, copy=True), em.group)
+    else:
+        full.copy_(chunk.shard)
+    return full.cpu()
+
+
 def full_state_dict(em: ElixirModule, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     keep = not rank0_only or em.rank == 0
     values: dict[int, torch.Tensor] = {}  # id(param) -> full value
-    for chunk in em.chunks:
+    for chunk in em.all_chunks:
         full = chunk_values(em, chunk)
+        pmap = em.frozen_map if chunk.spec.frozen else em.param_map
         if keep:
-            for i in em.param_map.chunk_params(chunk.index):
-                s = em.slots[i]
-                values[id(em.params[i])] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
+            for i in pmap.chunk_params(chunk.index):
+                s = pmap.slots[i]
+                values[id(pmap.params[i])] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
@@ -70,7 +84,7 @@ def load_full_state_dict(em: ElixirModule, state_dict: dict, strict: bool = True
             v = state_dict[key]
             if tuple(v.shape) != tuple(t.shape):
                 raise StateDictMismatch(f"{key}: shape {tuple(v.shape)} in the state dict, {tuple(t.shape)} in the model")
-            if isinstance(t, torch.nn.Parameter) and t in em.param_map:
+            if isinstance(t, torch.nn.Parameter) and em.is_chunked(t):
                 by_param.setdefault(id(t), v)
             else:
                 t.data.copy_(v)
@@ -86,4 +100,9 @@ def load_full_state_dict(em: ElixirModule, state_dict: dict, strict: bool = True
                     chunk.master[piece.lo : piece.hi].copy_(src)
                     if chunk.shard is not chunk.master:
                         chunk.shard[piece.lo : piece.hi].copy_(src)
+        for chunk in em.frozen_chunks:
+            for piece in em.frozen_map.shard_pieces(chunk.spec):
+                v = by_param.get(id(em.frozen_map.params[piece.param_index]))
+                if v is not None:
+                    chunk.shard[piece.lo : piece.hi].copy_(v.reshape(-1)[piece.start : piece.start + piece.hi - piece.lo])
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

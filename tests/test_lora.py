@@ -1,0 +1,205 @@
+"""Adapter fine-tuning: PEFT LoRA models and a frozen-backbone classifier, with every frozen
+parameter in frozen chunks (sharded, gathered for use, never reduced, no master, no optimizer
+state), against plain PEFT on the full batch in one process and torch DDP in the same run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("peft")
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+from elixir import checkpoint  # noqa: E402
+from elixir import distributed as edist  # noqa: E402
+from elixir.search import minimum_waste_search  # noqa: E402
+from elixir.testing import run_distributed  # noqa: E402
+from elixir.testing.reference import default_optimizer, shard_batch, train_reference, train_wrapped  # noqa: E402
+from elixir.testing.zoo import ZooCase, _gen, _lm_loss, _token_batch, build_model  # noqa: E402
+from elixir.wrapper import ElixirModule, ElixirOptimizer  # noqa: E402
+
+STEPS = 3
+BATCH = 4
+TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"]}
+
+
+def build_lora(base: str) -> nn.Module:
+    model = build_model(base)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[base], lora_dropout=0.0, init_lora_weights="gaussian",
+                     fan_in_fan_out=base == "gpt2")
+    torch.manual_seed(1)
+    return get_peft_model(model, cfg)
+
+
+def build_classifier() -> nn.Module:
+    """A LLaMA backbone, frozen, under a trainable classification head."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, num_labels=3, pad_token_id=0)
+    model = LlamaForSequenceClassification(cfg)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith("score"))
+    return model
+
+
+def _class_batch(batch_size: int, step: int) -> dict:
+    b = _token_batch(batch_size, step)
+    b["labels"] = torch.randint(0, 3, (batch_size,), generator=_gen(step, 7))
+    return b
+
+
+def _class_loss(model, batch):
+    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+CASES = {
+    "llama-lora": ZooCase("llama-lora", lambda: build_lora("llama"), _token_batch, _lm_loss),
+    "gpt2-lora": ZooCase("gpt2-lora", lambda: build_lora("gpt2"), _token_batch, _lm_loss),
+    "classifier": ZooCase("classifier", build_classifier, _class_batch, _class_loss),
+}
+
+
+def _frozen(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def _trainable_names(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _ddp_run(case: ZooCase, model: nn.Module) -> dict[str, torch.Tensor]:
+    """torch DDP on the same batches, in the same processes: its trained adapter weights."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = edist.get_rank(), edist.get_world_size()
+    ddp = DDP(model)
+    opt = default_optimizer([p for p in model.parameters() if p.requires_grad])
+    for step in range(STEPS):
+        batch = shard_batch(case.make_batch(BATCH, step), rank, world)
+        opt.zero_grad()
+        case.loss(ddp, batch).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _train(name: str, tmp: str) -> dict:
+    case = CASES[name]
+    world = edist.get_world_size()
+    model = case.build()
+    twin = copy.deepcopy(model)
+    before = _frozen(model)
+    names = _trainable_names(model)
+    plan = minimum_waste_search(model, world)
+    em = ElixirModule(model, plan)
+    opt = ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]))
+    run = train_wrapped(case, em, opt, steps=STEPS, batch_size=BATCH)
+    mem = em.memory_report()
+    ledger = {c: em.ledger.bytes(c, peak=True) for c in ("shard", "master", "frozen_shard", "grad_buffer", "shard_grad")}
+    frozen_chunks = [(c.spec.capacity, c.spec.shard_numel, c.spec.sharded, c.master is None, c.grad_buffer is None,
+                      c.shard_grad is None) for c in em.frozen_chunks]
+    trainable_caps = [(c.spec.capacity, c.spec.shard_numel) for c in em.chunks]
+    sd = em.state_dict()
+    out = {
+        "losses": run.losses, "adapters": {n: sd[n] for n in names}, "frozen_same": all(
+            torch.equal(sd[n], v) for n, v in before.items() if n in sd),
+        "frozen_keys": sorted(set(before) & set(sd)), "mem": mem, "ledger": ledger, "frozen_chunks": frozen_chunks,
+        "trainable_caps": trainable_caps, "ddp": _ddp_run(case, twin),
+    }
+    out["resume"] = _resume(case, plan, tmp)
+    return out
+
+
+def _resume(case: ZooCase, plan, tmp: str) -> dict:
+    """Checkpoint after 2 steps, train a third; a fresh wrap loads it and trains the same third step."""
+    rank, world = edist.get_rank(), edist.get_world_size()
+
+    def wrap():
+        em = ElixirModule(case.build(), plan)
+        return em, ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]))
+
+    def one(em, opt, step):
+        batch = shard_batch(case.make_batch(BATCH, step), rank, world)
+        opt.zero_grad()
+        loss = case.loss(em, batch)
+        loss.backward()
+        opt.step()
+        t = loss.detach().clone()
+        edist.all_reduce(t)
+        return t.item() / world
+
+    em, opt = wrap()
+    for s in range(2):
+        one(em, opt, s)
+    checkpoint.save(f"{tmp}/full", em, opt)
+    checkpoint.save(f"{tmp}/adapters", em, opt, frozen=False)
+    checkpoint.save(f"{tmp}/hf", em, opt, shard=False, frozen=False)
+    want = one(em, opt, 2)
+    want_sd = em.state_dict()
+    got = {}
+    for kind in ("full", "adapters", "hf"):
+        em2, opt2 = wrap()
+        if kind == "full":  # scramble the frozen weights first: the full checkpoint restores them
+            for c in em2.frozen_chunks:
+                c.shard.add_(1.0)
+        checkpoint.load(f"{tmp}/{kind}", em2, opt2)
+        loss = one(em2, opt2, 2)
+        sd = em2.state_dict()
+        got[kind] = (loss == want, all(torch.equal(sd[k], want_sd[k]) for k in want_sd))
+    return got
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [1, 2])
+def test_lora_matches_plain_peft_and_ddp(world, tmp_path):
+    names = list(CASES)
+    for n in names:
+        (tmp_path / n).mkdir()
+    results = run_distributed(_worker, world, names, str(tmp_path), timeout=600)
+    errors = []
+    for name, got in zip(names, results[0]):
+        case = CASES[name]
+        ref = train_reference(case, steps=STEPS, batch_size=BATCH, model=case.build())
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+        ddp_err = max((got["ddp"][n] - ref.state_dict[n]).abs().max().item() for n in got["adapters"])
+        our_err = max((got["adapters"][n] - ref.state_dict[n]).abs().max().item() for n in got["adapters"])
+        if our_err > 2 * ddp_err + 1e-6:
+            errors.append(f"{name}: adapters off by {our_err:.3g}, DDP by {ddp_err:.3g}")
+        if not got["frozen_same"] or not got["frozen_keys"]:
+            errors.append(f"{name}: frozen weights changed")
+        for kind, (loss_ok, state_ok) in got["resume"].items():
+            if not (loss_ok and state_ok):
+                errors.append(f"{name}: resume from the {kind} checkpoint is not exact ({loss_ok}, {state_ok})")
+        _check_memory(name, got, world, errors)
+    assert not errors, "\n".join(errors)
+
+
+def _check_memory(name: str, got: dict, world: int, errors: list) -> None:
+    """A frozen chunk costs each rank its shard (booked as frozen_shard) and nothing else."""
+    fc = got["frozen_chunks"]
+    if not fc:
+        errors.append(f"{name}: no frozen chunks")
+        return
+    for cap, shard, sharded, no_master, no_grad, no_shard_grad in fc:
+        if not (no_master and no_grad and no_shard_grad):
+            errors.append(f"{name}: a frozen chunk holds a master or gradient")
+        if world == 2 and (not sharded or shard * 2 != cap):
+            errors.append(f"{name}: a frozen chunk is not split in two at world size 2")
+    frozen_bytes = sum(shard for _, shard, *_ in fc) * 4
+    led = got["ledger"]
+    if led["frozen_shard"] != frozen_bytes or got["mem"]["frozen_shard_bytes"] != frozen_bytes:
+        errors.append(f"{name}: frozen shards booked {led['frozen_shard']} B, expected {frozen_bytes} B")
+    trainable = got["trainable_caps"]
+    # masters and gradients exist for trainable chunks only (fp32, device: the master is the shard)
+    if led["master"] != 0 or led["shard"] != sum(s for _, s in trainable) * 4:
+        errors.append(f"{name}: trainable state {led} does not match the trainable chunks {trainable}")
+    if led["grad_buffer"] > sum(c for c, _ in trainable) * 4 or led["shard_grad"] > sum(s for _, s in trainable) * 4:
+        errors.append(f"{name}: gradient bytes {led} exceed the trainable chunks' {trainable}")
+
+
+def _worker(names: list, tmp: str) -> list:
+    return [_train(n, f"{tmp}/{n}") for n in names]
