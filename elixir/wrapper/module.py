@@ -49,6 +49,7 @@ from elixir.wrapper.hf_guard import guard_save_pretrained
 from elixir.wrapper.materialize import Materializer, agreed_seed, assign, has_meta_tensors
 from elixir.wrapper.param_map import ParamMap, ParamSlot
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
+from elixir.wrapper.policies import MixedPrecisionPolicy, OffloadPolicy, module_policies
 from elixir.wrapper.state_dict import full_state_dict, load_full_state_dict
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -90,7 +91,9 @@ class ElixirModule(nn.Module):
         process_group: the data-parallel group (default: the world).
         prefetch: follow the plan's traced order (``param_order``) to gather ahead and evict with
             Belady's rule; without an order this only enables LRU caching.
-        dtype: compute dtype of the chunks (fp32 masters are kept for bf16/fp16).
+        dtype: compute dtype of the chunks (fp32 masters are kept for bf16/fp16); an alias of
+            ``mp_policy``'s ``param_dtype``, as are ``reduce_always_fp32`` (``reduce_dtype=torch.float32``),
+            ``output_fp32`` (``output_dtype=torch.float32``) and ``grad_dtype``.
         reduce_always_fp32: reduce gradients in fp32 even when computing in low precision.
         output_fp32: cast floating outputs to fp32.
         use_fused_kernels: switch Hugging Face models running eager attention to torch's fused
@@ -120,6 +123,11 @@ class ElixirModule(nn.Module):
             global torch RNG on rank 0). The values depend only on the model and this seed, not on
             the plan or the world size; :func:`elixir.wrapper.materialize.materialize` gives the
             same values to a plain-torch copy.
+        mp_policy: the dtypes as one :class:`~elixir.wrapper.policies.MixedPrecisionPolicy`
+            (instead of ``dtype``, ``reduce_always_fp32``, ``output_fp32``, ``grad_dtype``; giving
+            both raises).
+        offload_policy: ``offload_dir`` and ``offload_direct`` as one
+            :class:`~elixir.wrapper.policies.OffloadPolicy` (giving both raises).
     """
 
     def __init__(
@@ -139,16 +147,18 @@ class ElixirModule(nn.Module):
         offload_direct: bool = False,
         grad_dtype: Optional[torch.dtype] = None,
         init_seed: Optional[int] = None,
+        *,
+        mp_policy: Optional[MixedPrecisionPolicy] = None,
+        offload_policy: Optional[OffloadPolicy] = None,
     ) -> None:
         super().__init__()
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        mp_policy, offload_policy = module_policies(
+            mp_policy, offload_policy, dtype=dtype, reduce_always_fp32=reduce_always_fp32, output_fp32=output_fp32,
+            grad_dtype=grad_dtype, offload_dir=offload_dir, offload_direct=offload_direct,
+        )
+        self.mp_policy, self.offload_policy = mp_policy, offload_policy
         search_result = as_plan(search_result)
-        if grad_dtype is None:
-            grad_dtype = dtype_from_name(search_result.grad_dtype)
-        if grad_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"grad_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {grad_dtype}")
-        self.grad_dtype = grad_dtype
+        self.grad_dtype = mp_policy.grad_dtype or dtype_from_name(search_result.grad_dtype)
         self.module = module
         self.plan = search_result
         self.group = process_group
@@ -156,9 +166,9 @@ class ElixirModule(nn.Module):
         self.world_size = edist.get_world_size(process_group)
         agree_on_plan(search_result, process_group)  # first: a rank whose plan differs must not hang the others
         validate_plan(module, search_result, self.world_size)
-        self.dtype = dtype
-        self.reduce_dtype = torch.float32 if reduce_always_fp32 else dtype
-        self.output_fp32 = output_fp32
+        self.dtype = mp_policy.param_dtype
+        self.reduce_dtype = mp_policy.reduce
+        self.output_fp32 = mp_policy.output_dtype == torch.float32
         self.use_fused_kernels = use_fused_kernels
         self.fused_kernels = apply_fused_kernels(module) if use_fused_kernels else []
         self.prefetch = prefetch
@@ -187,8 +197,8 @@ class ElixirModule(nn.Module):
         self.slots: list[ParamSlot] = self.param_map.slots
         self.params: list[nn.Parameter] = self.param_map.params
         self._slot_of: dict[nn.Parameter, ParamSlot] = self.param_map.by_param
-        self.offload_dir = offload_dir
-        self.offload_direct = offload_direct
+        self.offload_dir = offload_policy.offload_dir
+        self.offload_direct = offload_policy.direct
         self.disk_store: Optional[DiskStore] = None
         self._build_chunks(named, sync_module_states)
         guard_save_pretrained(self)  # the HF model's own save_pretrained would read released payloads
@@ -596,8 +606,8 @@ class ElixirModule(nn.Module):
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
         elif not self.tracker.in_backward:
             self.cache.release_all()
-        if self.output_fp32:
-            out = _map_floats(out, torch.float32)
+        if self.mp_policy.output_dtype is not None:
+            out = _map_floats(out, self.mp_policy.output_dtype)
         return out
 
     # ------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from elixir.wrapper.clipping import clip_coefficient, global_grad_norm
 from elixir.wrapper.fused_step import fused_step, lowp_target, uses_fused_path
 from elixir.wrapper.loss_scaling import scale_outputs
 from elixir.wrapper.module import ElixirModule
+from elixir.wrapper.policies import loss_scale_policy as loss_scale_policy_of
 
 
 class UpdateKernel(enum.Enum):
@@ -72,7 +73,8 @@ class ElixirOptimizer:
             used only when the module computes in fp16. Outputs of the module are then wrapped so
             a plain ``loss.backward()`` produces scaled gradients (see
             :mod:`elixir.wrapper.loss_scaling`); do not scale the loss yourself. An inf/NaN gradient
-            on any rank makes every rank skip the step (one agreed decision).
+            on any rank makes every rank skip the step (one agreed decision). Aliases of
+            ``loss_scale_policy``.
         max_norm, norm_type: clip the global gradient norm at every step when ``max_norm > 0``.
         init_step: create the optimizer state now, changing no parameter, hyper-parameter or step
             count.
@@ -84,6 +86,9 @@ class ElixirOptimizer:
             the iteration. Default: the plan's ``fused_step``. Where ``max_norm`` clipping or fp16
             loss scaling needs every gradient first, it falls back to the separate step with a
             warning (``fused_step_fallback`` holds the reason). Accumulate with ``no_sync()``.
+        loss_scale_policy: the dynamic loss scale as one
+            :class:`~elixir.optim.loss_scaler.LossScalePolicy` (instead of ``initial_scale`` ...
+            ``hysteresis``; giving both raises).
 
     Chunks the plan puts on disk are stepped one at a time while staged (the next one is read
     while one steps, so at most two are in host memory; :mod:`elixir.offload.pipeline`), and
@@ -110,6 +115,8 @@ class ElixirOptimizer:
         init_step: bool = False,
         offload_dir: Optional[str] = None,
         fused_step: Optional[bool] = None,
+        *,
+        loss_scale_policy: Optional[LossScalePolicy] = None,
     ) -> None:
         if not isinstance(module, ElixirModule):
             raise TypeError("ElixirOptimizer needs the ElixirModule (wrap the model first)")
@@ -121,6 +128,11 @@ class ElixirOptimizer:
             )
         if max_norm < 0:
             raise ValueError(f"max_norm must be >= 0 (0 disables clipping), got {max_norm}")
+        scale_policy = loss_scale_policy_of(
+            loss_scale_policy, initial_scale=initial_scale, min_scale=min_scale, max_scale=max_scale,
+            growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
+            hysteresis=hysteresis,
+        )
         pre_state = optimizer.state_dict() if any(len(s) for s in optimizer.state.values()) else None
         self.module = module
         self.optim = optimizer
@@ -134,11 +146,7 @@ class ElixirOptimizer:
         self._rebuild_groups()
         self._sync_grads: list[Callable] = []
         self._lowp_grads: dict[int, torch.Tensor] = {}  # id(fragment tensor) -> its bf16/fp16 gradient
-        self._init_precision(
-            LossScalePolicy(initial_scale, min_scale, max_scale, growth_factor, backoff_factor, growth_interval, hysteresis),
-            max_norm,
-            norm_type,
-        )
+        self._init_precision(scale_policy, max_norm, norm_type)
         module.register_memory_reporter(self._memory_report)
         self.backward_step: Optional[BackwardStep] = None
         self.fused_step_fallback: Optional[str] = None

@@ -1,0 +1,154 @@
+"""The runtime's policies: frozen dataclasses that say how an ElixirModule computes and offloads
+and how an ElixirOptimizer scales the loss, in the style of FSDP2's ``MixedPrecisionPolicy`` and
+``OffloadPolicy``.
+
+The plan says *where* each chunk lives; a policy says *how* the runtime treats it. Each policy
+checks its own fields when it is built, so a bad value fails where it is written, with the fix
+named. The original keyword arguments of ``ElixirModule`` (``dtype``, ``reduce_always_fp32``,
+``output_fp32``, ``grad_dtype``, ``offload_dir``, ``offload_direct``) and ``ElixirOptimizer``
+(``initial_scale`` ... ``hysteresis``) stay as thin aliases: :func:`module_policies` and
+:func:`loss_scale_policy` are the one place that turns either spelling into policies, and they
+refuse both spellings at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from elixir.optim.loss_scaler import LossScalePolicy
+
+CHUNK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_dtype(field: str, value: Optional[torch.dtype], optional: bool) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, torch.dtype) or value not in CHUNK_DTYPES:
+        allowed = "torch.float32, torch.bfloat16 or torch.float16" + (" (or None)" if optional else "")
+        raise ValueError(f"MixedPrecisionPolicy.{field} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """The dtypes an ElixirModule computes in, reduces gradients in and keeps them in.
+
+    The optimizer always steps fp32 masters; with a low-precision ``param_dtype`` the module keeps
+    them beside the compute copies and refreshes the copies after each step.
+
+    Attributes:
+        param_dtype: dtype of the chunks' compute copies of the parameters: forward and backward
+            run in it, and floating inputs are cast to it. ``torch.float32`` (default),
+            ``torch.bfloat16`` or ``torch.float16`` (fp16 adds dynamic loss scaling, see
+            :class:`LossScalePolicy`).
+        reduce_dtype: dtype gradients are reduced in (the reduce-scatter of sharded chunks, the
+            all-reduce of replicated ones): ``param_dtype`` or ``torch.float32``. ``None``
+            (default): ``param_dtype``.
+        grad_dtype: dtype of the reduced shard gradients kept until the optimizer steps:
+            ``torch.float32``, or ``torch.bfloat16``/``torch.float16`` to halve their bytes.
+            ``None`` (default): the plan's ``grad_dtype``.
+        output_dtype: cast the module's floating outputs to this dtype (``torch.float32`` for an
+            fp32 loss from a low-precision model). ``None`` (default): leave them as computed.
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: Optional[torch.dtype] = None
+    grad_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        _check_dtype("param_dtype", self.param_dtype, optional=False)
+        for name in ("reduce_dtype", "grad_dtype", "output_dtype"):
+            _check_dtype(name, getattr(self, name), optional=True)
+        if self.reduce_dtype not in (None, self.param_dtype, torch.float32):
+            raise ValueError(
+                f"MixedPrecisionPolicy.reduce_dtype must be the param_dtype ({self.param_dtype}) or "
+                f"torch.float32, got {self.reduce_dtype}"
+            )
+
+    @property
+    def reduce(self) -> torch.dtype:
+        """The dtype gradients are reduced in (``reduce_dtype``, else ``param_dtype``)."""
+        return self.reduce_dtype or self.param_dtype
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """How an ElixirModule keeps what its plan puts on disk (the fp32 masters and optimizer state
+    of chunks whose ``optim_placement`` is ``DISK``). Which chunks go to the host or the disk is
+    the plan's choice; this says where the file is and how it is read and written.
+
+    Attributes:
+        offload_dir: directory of the per-rank offload file. ``None`` (default): a per-run
+            directory under ``tempfile.gettempdir()``. The file is unlinked as soon as it is open,
+            so nothing is left behind, even by a killed process; a directory that does not exist
+            is created, and removed again (if empty) when the file is closed. Never created when
+            no chunk is on disk.
+        direct: also open the file with ``O_DIRECT`` (bypassing the page cache) for transfers whose
+            buffers are page-aligned; everything else stays buffered. Default False.
+    """
+
+    offload_dir: Optional[str] = None
+    direct: bool = False
+
+    def __post_init__(self) -> None:
+        if self.offload_dir is not None and not isinstance(self.offload_dir, str):
+            raise ValueError(f"OffloadPolicy.offload_dir must be a directory path (str) or None, got {self.offload_dir!r}")
+        if not isinstance(self.direct, bool):
+            raise ValueError(f"OffloadPolicy.direct must be True or False, got {self.direct!r}")
+
+
+def module_policies(
+    mp_policy: Optional[MixedPrecisionPolicy],
+    offload_policy: Optional[OffloadPolicy],
+    *,
+    dtype: torch.dtype = torch.float32,
+    reduce_always_fp32: bool = False,
+    output_fp32: bool = False,
+    grad_dtype: Optional[torch.dtype] = None,
+    offload_dir: Optional[str] = None,
+    offload_direct: bool = False,
+) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """ElixirModule's policies, from the policy objects or from the keyword arguments of the
+    original API (one spelling per concern: both raise ``ValueError`` naming the keywords)."""
+    loose = [k for k, v, d in (("dtype", dtype, torch.float32), ("reduce_always_fp32", reduce_always_fp32, False),
+                               ("output_fp32", output_fp32, False), ("grad_dtype", grad_dtype, None)) if v != d]
+    if mp_policy is not None and loose:
+        raise ValueError(f"pass mp_policy or {', '.join(loose)}, not both: put the dtypes in MixedPrecisionPolicy(...)")
+    if mp_policy is None:
+        _check_dtype("param_dtype", dtype, optional=False)  # the alias's error names the policy's field
+        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if reduce_always_fp32 else None,
+                                         grad_dtype=grad_dtype, output_dtype=torch.float32 if output_fp32 else None)
+    loose = [k for k, v, d in (("offload_dir", offload_dir, None), ("offload_direct", offload_direct, False)) if v != d]
+    if offload_policy is not None and loose:
+        raise ValueError(f"pass offload_policy or {', '.join(loose)}, not both: put them in OffloadPolicy(...)")
+    if offload_policy is None:
+        offload_policy = OffloadPolicy(offload_dir=offload_dir, direct=bool(offload_direct))
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
+    return mp_policy, offload_policy
+
+
+_SCALE_DEFAULTS = LossScalePolicy()
+SCALE_KEYWORDS = ("initial_scale", "min_scale", "max_scale", "growth_factor", "backoff_factor", "growth_interval",
+                  "hysteresis")
+
+
+def loss_scale_policy(policy: Optional[LossScalePolicy], **keywords: float) -> LossScalePolicy:
+    """ElixirOptimizer's loss-scale policy, from ``policy`` or from the keyword arguments of the
+    original API (``initial_scale`` ... ``hysteresis``; both raise ``ValueError``)."""
+    loose = [k for k in SCALE_KEYWORDS if keywords[k] != getattr(_SCALE_DEFAULTS, k)]
+    if policy is not None:
+        if loose:
+            raise ValueError(f"pass loss_scale_policy or {', '.join(loose)}, not both: put them in LossScalePolicy(...)")
+        if not isinstance(policy, LossScalePolicy):
+            raise TypeError(f"loss_scale_policy must be a LossScalePolicy, got {type(policy).__name__}")
+        return policy
+    return LossScalePolicy(**{k: keywords[k] for k in SCALE_KEYWORDS})
+
+
+__all__ = ["LossScalePolicy", "MixedPrecisionPolicy", "OffloadPolicy", "module_policies", "loss_scale_policy"]
