@@ -8,13 +8,16 @@ falls between the two renames, :func:`resolve` finds the renamed-aside copy.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
 import uuid
 import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
-from elixir.checkpoint.errors import CheckpointError
+from elixir.checkpoint.errors import CheckpointError, agree
 from elixir.checkpoint.index import INDEX
 from elixir.fileio import fsync_dir
 
@@ -56,6 +59,50 @@ def commit(tmp: str, path: str) -> None:
     else:
         os.rename(tmp, target)
         fsync_dir(parent)
+
+
+@dataclass
+class Staged:
+    """A collective save in progress: ``tmp`` is the staging directory every rank writes into;
+    the body sets ``error`` to rank 0's failure (other ranks agree on theirs within the body)."""
+
+    tmp: str
+    error: Optional[str] = None
+
+
+@contextlib.contextmanager
+def collective_save(path: str, group: Any, world_size: int, rank: int, markers: tuple[str, ...] = (INDEX,),
+                    finish: Optional[Callable[[str], None]] = None) -> Iterator[Staged]:
+    """Stage a checkpoint directory that every rank writes into, and commit it atomically.
+
+    Rank 0 creates the staging directory (:func:`staging_dir`; its failure is raised on every
+    rank). The body writes and reports rank 0's failure in ``error``. On leaving, rank 0 runs
+    ``finish(tmp)`` (an index or metadata written last) and commits; every rank then agrees on
+    the outcome, so a failure is raised on every rank and no rank waits. On an exception rank 0
+    removes the staging directory and a previous checkpoint at ``path`` stays as it was."""
+    tmp, error = None, None
+    if rank == 0:
+        try:
+            tmp = staging_dir(path, markers)
+        except (OSError, CheckpointError) as e:
+            error = str(e)
+    tmp = agree(group, world_size, error, tmp)[0]
+    try:
+        stage = Staged(tmp)
+        yield stage
+        error = stage.error
+        if rank == 0 and error is None:
+            try:
+                if finish is not None:
+                    finish(tmp)
+                commit(tmp, path)
+            except OSError as e:
+                error = f"could not finish the checkpoint or move it into place at {path}: {e}"
+        agree(group, world_size, error)
+    except BaseException:
+        if rank == 0 and tmp and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def resolve(path: str) -> str:

@@ -30,7 +30,6 @@ import copy
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -156,15 +155,12 @@ def save_pretrained(
     nfiles = len(files)
     names = [SAFE_WEIGHTS] if nfiles == 1 else [f"model-{i + 1:05d}-of-{nfiles:05d}.safetensors" for i in range(nfiles)]
 
-    tmp, error = None, None
-    if em.rank == 0:
-        try:
-            tmp = atomic.staging_dir(path, markers=(CONFIG, SAFE_WEIGHTS, SAFE_INDEX))
-        except (OSError, CheckpointError) as e:
-            error = str(e)
-    tmp = agree(em.group, em.world_size, error, tmp)[0]
-    try:
-        error = None
+    def finish(tmp: str) -> None:  # rank 0, once every file is written: the index and config, last
+        _write_meta(tmp, em, files, names, tensors, out_dtype, dtype)
+
+    with atomic.collective_save(path, em.group, em.world_size, em.rank, (CONFIG, SAFE_WEIGHTS, SAFE_INDEX),
+                                finish) as stage:
+        tmp, error = stage.tmp, None
         em.cache.release_all()
         for fi, fkeys in enumerate(files):
             writer = fi % em.world_size
@@ -190,18 +186,7 @@ def save_pretrained(
                 except (OSError, CheckpointError) as e:
                     error = f"writing {names[fi]} failed: {e}"
             del out
-        agree(em.group, em.world_size, error)
-        if em.rank == 0:
-            try:
-                _write_meta(tmp, em, files, names, tensors, out_dtype, dtype)
-                atomic.commit(tmp, path)
-            except OSError as e:
-                error = f"could not write the checkpoint's index or move it into place at {path}: {e}"
-        agree(em.group, em.world_size, error)
-    except BaseException:
-        if em.rank == 0 and tmp and os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        agree(em.group, em.world_size, error)  # every rank's files were written
 
 
 def _write_meta(tmp, em, files, names, tensors, out_dtype, dtype) -> None:

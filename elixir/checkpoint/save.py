@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from typing import Any, Optional
 
 import torch
@@ -52,34 +51,16 @@ def save(
         raise ValueError("the optimizer wraps another ElixirModule than the model given")
     _check_extra(extra)
     em = model
-    tmp = None
-    error = None
-    if em.rank == 0:
-        try:
-            tmp = atomic.staging_dir(path)
-        except (OSError, CheckpointError) as e:
-            error = str(e)
-    tmp = agree(em.group, em.world_size, error, tmp)[0]
-    try:
+    with atomic.collective_save(path, em.group, em.world_size, em.rank) as stage:
         if shard:
             states = optimizer.fragment_states if optimizer is not None else None
             # disk-placed masters and state: mapped from the file; moments the inner optimizer
             # keeps on its own disk (nvme_offload_fraction): read back for the save
             nvme = materialized(optimizer.optim) if optimizer is not None else contextlib.nullcontext()
             with disk_mapped(em.disk_store, states) as mapped, nvme:
-                error = _save_sharded(tmp, em, optimizer, extra, mapped, frozen)
+                stage.error = _save_sharded(stage.tmp, em, optimizer, extra, mapped, frozen)
         else:
-            error = _save_full(tmp, em, optimizer, extra, frozen)
-        if em.rank == 0 and not error:
-            try:
-                atomic.commit(tmp, path)
-            except OSError as e:
-                error = f"could not move the checkpoint into place at {path}: {e}"
-        agree(em.group, em.world_size, error)
-    except BaseException:
-        if em.rank == 0 and tmp and os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            stage.error = _save_full(stage.tmp, em, optimizer, extra, frozen)
 
 
 def _check_extra(obj: Any, where: str = "extra") -> None:
