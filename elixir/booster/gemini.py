@@ -13,7 +13,7 @@ from elixir import distributed as edist
 from elixir.booster.plugin import Plugin
 from elixir.search import SearchResult
 from elixir.search.placement_policy import PLACEMENT_POLICIES, StaticFractions, make_plan
-from elixir.wrapper import ElixirModule, ElixirOptimizer
+from elixir.wrapper import ElixirModule, ElixirOptimizer, LossScalePolicy
 
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -115,7 +115,8 @@ class GeminiPlugin(Plugin):
         self.fractions = fractions
         self.dtype = PRECISIONS[precision]
         self.precision = precision
-        self.scaler_args = dict(
+        # checked here, at the plugin's construction, not at the first boost
+        self.loss_scale = LossScalePolicy(
             initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
             growth_interval=growth_interval, hysteresis=hysteresis, max_scale=max_scale,
         )
@@ -148,7 +149,8 @@ class GeminiPlugin(Plugin):
                 prefetch=self.max_prefetch > 0, offload_dir=self.offload_dir,
             )
         if optimizer is not None and not isinstance(optimizer, ElixirOptimizer):
-            optimizer = ElixirOptimizer(model, optimizer, max_norm=self.max_norm, norm_type=self.norm_type, **self.scaler_args)
+            optimizer = ElixirOptimizer(model, optimizer, max_norm=self.max_norm, norm_type=self.norm_type,
+                                       loss_scale_policy=self.loss_scale)
         return model, optimizer, criterion, dataloader, lr_scheduler
 
     def backward(self, loss, optimizer) -> None:
