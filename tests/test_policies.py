@@ -85,3 +85,13 @@ def test_both_spellings_at_once_are_refused():
     em = ElixirModule(net, plan)
     with pytest.raises(ValueError, match="pass loss_scale_policy or hysteresis, not both"):
         ElixirOptimizer(em, CPUAdam(em.parameters()), hysteresis=3, loss_scale_policy=LossScalePolicy())
+
+
+def test_integration_options_check_their_loss_scale_at_construction():
+    from elixir.integrations.options import ElixirOptions
+
+    with pytest.raises(ValueError, match="loss_scale got \\['initial_scal'\\]; its keys are"):
+        ElixirOptions(loss_scale={"initial_scal": 2.0})
+    with pytest.raises(ValueError, match="initial_scale"):
+        ElixirOptions(loss_scale={"initial_scale": 0.5})
+    assert ElixirOptions(loss_scale={"hysteresis": 3}).scale_policy() == LossScalePolicy(hysteresis=3)

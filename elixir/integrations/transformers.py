@@ -52,7 +52,8 @@ from transformers import Trainer
 
 from elixir import checkpoint as echeckpoint
 from elixir.checkpoint.errors import agree
-from elixir.search.placement_policy import PlanArg, SearchArg, check_plan_args, make_plan
+from elixir.integrations.options import ElixirOptions
+from elixir.search.placement_policy import PlanArg, SearchArg
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
 ELIXIR_DIR = "elixir"  # inside checkpoint-N/
@@ -104,14 +105,7 @@ class ElixirTrainer(Trainer):
         verbose: bool = False,
         **kwargs: Any,
     ) -> None:
-        check_plan_args(plan, search, placement_policy)
-        self.placement_policy = placement_policy
-        self.plan_arg = plan
-        self.search_arg = search
-        self.prefetch = prefetch
-        self.offload_dir = offload_dir
-        self.loss_scale = dict(loss_scale or {})
-        self.verbose = verbose
+        self.options = ElixirOptions(placement_policy, plan, search, prefetch, offload_dir, loss_scale or {}, verbose)
         self.elixir_module: Optional[ElixirModule] = None
         self.elixir_optimizer: Optional[ElixirOptimizer] = None
         super().__init__(*args, **kwargs)
@@ -143,16 +137,10 @@ class ElixirTrainer(Trainer):
         if self.optimizer is None:
             self.create_optimizer()
         world = max(1, self.args.world_size)
-        plan = make_plan(
-            self.model, world, self.elixir_dtype, self.plan_arg, self.search_arg, self.placement_policy,
-            verbose=self.verbose and self.args.process_index == 0,
-        )
-        self.elixir_module = ElixirModule(
-            self.model, plan, prefetch=self.prefetch, dtype=self.elixir_dtype,
-            output_fp32=self.elixir_dtype != torch.float32, offload_dir=self.offload_dir,
-        )
+        plan = self.options.make_plan(self.model, world, self.elixir_dtype, self.args.process_index == 0)
+        self.elixir_module = self.options.wrap(self.model, plan, self.elixir_dtype, self.elixir_dtype != torch.float32)
         inner = self.optimizer.optimizer if isinstance(self.optimizer, AcceleratedOptimizer) else self.optimizer
-        self.elixir_optimizer = ElixirOptimizer(self.elixir_module, inner, **self.loss_scale)
+        self.elixir_optimizer = self.options.wrap_optimizer(self.elixir_module, inner)
         self.optimizer = _TrainerOptimizer(self.elixir_optimizer)
         return self.elixir_module
 

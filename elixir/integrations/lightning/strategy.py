@@ -53,7 +53,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from elixir import checkpoint as echeckpoint
 from elixir import distributed as edist
 from elixir.integrations.lightning.precision import ElixirPrecision
-from elixir.search.placement_policy import PlanArg, SearchArg, check_plan_args, make_plan
+from elixir.integrations.options import ElixirOptions
+from elixir.search.placement_policy import PlanArg, SearchArg
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 from elixir.wrapper.materialize import has_meta_tensors
 
@@ -102,7 +103,7 @@ class ElixirStrategy(ParallelStrategy):
         init_seed: Optional[int] = None,
         verbose: bool = False,
     ) -> None:
-        check_plan_args(plan, search, placement_policy)
+        self.options = ElixirOptions(placement_policy, plan, search, prefetch, offload_dir, loss_scale or {}, verbose)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -110,14 +111,7 @@ class ElixirStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.placement_policy = placement_policy
-        self.plan_arg = plan
-        self.search_arg = search
-        self.prefetch = prefetch
-        self.offload_dir = offload_dir
-        self.loss_scale = dict(loss_scale or {})
         self.init_seed = init_seed
-        self.verbose = verbose
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -243,14 +237,8 @@ class ElixirStrategy(ParallelStrategy):
         else:
             self.model_to_device()
             prec = self.precision_plugin
-            plan = make_plan(
-                pl_module, self.world_size, prec.dtype, self.plan_arg, self.search_arg, self.placement_policy,
-                verbose=self.verbose and self.is_global_zero,
-            )
-            self.elixir_module = ElixirModule(
-                pl_module, plan, prefetch=self.prefetch, dtype=prec.dtype, output_fp32=prec.output_fp32,
-                offload_dir=self.offload_dir, init_seed=self.init_seed,
-            )
+            plan = self.options.make_plan(pl_module, self.world_size, prec.dtype, self.is_global_zero)
+            self.elixir_module = self.options.wrap(pl_module, plan, prec.dtype, prec.output_fp32, self.init_seed)
             self.elixir_optimizer = None
             self.model = self.elixir_module
         if fitting:
@@ -261,7 +249,7 @@ class ElixirStrategy(ParallelStrategy):
                         f"strategy='elixir' trains with exactly one optimizer, configure_optimizers returned "
                         f"{len(self.optimizers)}; put the parameters in param groups of one optimizer instead"
                     )
-                self.elixir_optimizer = ElixirOptimizer(self.elixir_module, self.optimizers[0], **self.loss_scale)
+                self.elixir_optimizer = self.options.wrap_optimizer(self.elixir_module, self.optimizers[0])
             self.optimizers = [self.elixir_optimizer]
         self.setup_precision_plugin()
 

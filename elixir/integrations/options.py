@@ -1,0 +1,66 @@
+"""What a trainer integration (the Lightning strategy, the HF Trainer) asks of elixir, held and
+checked in one place, and the three steps both take with it: plan the model, wrap it, wrap its
+optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from elixir.search.placement_policy import PlanArg, SearchArg, check_plan_args, make_plan
+from elixir.search.plan import SearchResult
+from elixir.wrapper import ElixirModule, ElixirOptimizer
+from elixir.wrapper.policies import SCALE_KEYWORDS, LossScalePolicy, loss_scale_policy
+
+
+@dataclass(frozen=True)
+class ElixirOptions:
+    """An integration's elixir arguments (see :mod:`elixir.search.placement_policy` for the first
+    three).
+
+    Attributes:
+        placement_policy: ``"cuda"``, ``"cpu"`` or ``"auto"``.
+        plan: a ready plan (a SearchResult or a plan JSON path), or None.
+        search: ``"minimum_waste"``, ``"optimal"`` or a callable, or None.
+        prefetch: gather ahead along the traced order.
+        offload_dir: where disk-placed masters and optimizer state go.
+        loss_scale: the fp16 loss scale's arguments (``initial_scale`` ... ``hysteresis``).
+        verbose: print the search's report on the main process.
+    """
+
+    placement_policy: str = "cuda"
+    plan: PlanArg = None
+    search: SearchArg = None
+    prefetch: bool = False
+    offload_dir: Optional[str] = None
+    loss_scale: Mapping[str, float] = field(default_factory=dict)
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        check_plan_args(self.plan, self.search, self.placement_policy)
+        unknown = sorted(set(self.loss_scale) - set(SCALE_KEYWORDS))
+        if unknown:
+            raise ValueError(f"loss_scale got {unknown}; its keys are {list(SCALE_KEYWORDS)}")
+        object.__setattr__(self, "loss_scale", dict(self.loss_scale))
+        self.scale_policy()  # checks the values now, not at the first step
+
+    def scale_policy(self) -> LossScalePolicy:
+        """The loss-scale policy ``loss_scale`` spells."""
+        keywords = {k: getattr(LossScalePolicy(), k) for k in SCALE_KEYWORDS}
+        return loss_scale_policy(None, **{**keywords, **self.loss_scale})
+
+    def make_plan(self, model: nn.Module, world_size: int, dtype: torch.dtype, main: bool) -> SearchResult:
+        """The plan for ``model`` (``main``: this process prints the report when verbose)."""
+        return make_plan(model, world_size, dtype, self.plan, self.search, self.placement_policy,
+                         verbose=self.verbose and main)
+
+    def wrap(self, model: nn.Module, plan: SearchResult, dtype: torch.dtype, output_fp32: bool,
+             init_seed: Optional[int] = None) -> ElixirModule:
+        return ElixirModule(model, plan, prefetch=self.prefetch, dtype=dtype, output_fp32=output_fp32,
+                            offload_dir=self.offload_dir, init_seed=init_seed)
+
+    def wrap_optimizer(self, module: ElixirModule, optimizer: torch.optim.Optimizer) -> ElixirOptimizer:
+        return ElixirOptimizer(module, optimizer, loss_scale_policy=self.scale_policy())
