@@ -203,3 +203,85 @@ def _check_memory(name: str, got: dict, world: int, errors: list) -> None:
 
 def _worker(names: list, tmp: str) -> list:
     return [_train(n, f"{tmp}/{n}") for n in names]
+
+
+def _searched(name: str, tight: bool) -> dict:
+    """optimal_search prices frozen chunks (weights only, gathered, never reduced); the runtime
+    books exactly the frozen bytes the search predicted."""
+    from elixir.hardware import load_profile
+    from elixir.search import DoesNotFitError, optimal_search
+
+    case = CASES[name]
+    world = edist.get_world_size()
+    model = case.build()
+    kw = dict(hardware=load_profile("cpu-box"), host_memory=1 << 30, inp=case.make_batch(BATCH // world, 0),
+              step_fn=case.step_fn, process_bytes=0)
+    device = 1 << 30
+    if tight:  # the least device memory that fits: the frozen shards move to the host
+        try:
+            optimal_search(model, world, device_memory=1, **kw)
+            raise AssertionError("a 1-byte budget fitted")
+        except DoesNotFitError as e:
+            device = e.needs["device_memory"]
+    plan = optimal_search(model, world, device_memory=device, **kw)
+    em = ElixirModule(model, plan)
+    opt = ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]))
+    run = train_wrapped(case, em, opt, steps=STEPS, batch_size=BATCH)
+    mem = em.memory_report()
+    return {"losses": run.losses, "predicted": plan.info["predicted_memory"], "frozen_where": [
+        c.shard_placement.value for c in plan.frozen_chunks], "frozen_ledger": em.ledger.bytes("frozen_shard", peak=True),
+        "frozen_host": mem["frozen_shard_host_bytes"], "gathered_peak": mem["peak_gathered_bytes"],
+        "frozen_params": plan.frozen_params}
+
+
+def _search_worker(cases: list) -> list:
+    return [_searched(n, t) for n, t in cases]
+
+
+@pytest.mark.dist
+def test_search_prices_frozen_chunks_as_the_runtime_books_them():
+    cases = [("llama-lora", False), ("llama-lora", True), ("classifier", False)]
+    results = run_distributed(_search_worker, 2, cases, timeout=600)
+    for (name, tight), got in zip(cases, results[0]):
+        case = CASES[name]
+        ref = train_reference(case, steps=STEPS, batch_size=BATCH, model=case.build())
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+        assert got["frozen_where"] and not got["frozen_params"], got
+        # each rank holds exactly its shard of every frozen chunk, as predicted
+        assert got["predicted"]["frozen_shards"] == got["frozen_ledger"] > 0, got
+        assert got["gathered_peak"] <= got["predicted"]["rcache"], got
+        if tight:
+            assert set(got["frozen_where"]) == {"host"} and got["frozen_host"] == got["frozen_ledger"], got
+
+
+def _load_base(path: str) -> dict:
+    from elixir.checkpoint import load_pretrained
+
+    model = CASES["gpt2-lora"].build()
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    em = ElixirModule(model, minimum_waste_search(model, edist.get_world_size()))
+    report = load_pretrained(path, em)
+    sd = em.state_dict()
+    return {"sd": sd, "adapters": adapters, "missing": report.missing_keys, "unexpected": report.unexpected_keys,
+            "frozen_shard": em.ledger.bytes("frozen_shard"), "frozen_chunks": len(em.frozen_chunks)}
+
+
+@pytest.mark.dist
+def test_load_pretrained_streams_the_base_into_frozen_chunks(tmp_path):
+    """The base model's HF checkpoint fills a LoRA model's frozen chunks (PEFT names mapped to
+    the base names); the adapters keep their initial values and are not reported missing."""
+    base = build_model("gpt2", seed=5)  # other weights than the LoRA model's own base
+    base.save_pretrained(tmp_path / "base")
+    got = run_distributed(_load_base, 2, str(tmp_path / "base"), timeout=300)[0]
+    assert got["frozen_chunks"] and not got["missing"] and not got["unexpected"], got["missing"]
+    saved = base.state_dict()
+    n_frozen = 0
+    for k, v in got["sd"].items():
+        if k in got["adapters"]:
+            assert torch.equal(v, got["adapters"][k]), k
+            continue
+        bk = k.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if bk in saved:
+            assert torch.equal(v, saved[bk]), k
+            n_frozen += 1
+    assert n_frozen >= len(saved) - 2  # every base tensor (the tied head counted once)

@@ -8,7 +8,10 @@ It works at any world size and with chunks whose master is on disk (staged one c
 Keys follow transformers: a tied weight saved once under either name fills every name; keys the
 model's ``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected`` patterns name,
 and the legacy ``rotary_emb.inv_freq`` / ``position_ids`` entries, are not reported; a checkpoint of
-the base model loads into a model with a head and vice versa (the ``base_model_prefix``). Every rank
+the base model loads into a model with a head and vice versa (the ``base_model_prefix``), and into a
+PEFT model (``peft.get_peft_model``): the base weights fill the frozen chunks under their base names
+(``base_model.model.`` and LoRA's ``.base_layer`` dropped), each rank reading only its shard's rows in
+the chunk's dtype, and the adapters, which no base checkpoint holds, are not reported missing. Every rank
 validates names, shapes and dtypes from the file headers first and agrees; with ``strict`` any
 missing or unexpected key raises :class:`~elixir.checkpoint.CheckpointError` on every rank, before
 anything is modified. Otherwise the report is returned, as ``load_state_dict`` returns it.
@@ -229,11 +232,36 @@ def _checkpoint_files(root: str) -> dict[str, str]:
     )
 
 
+def _peft_base(module) -> Optional[torch.nn.Module]:
+    """The base model of a PEFT model (``peft.PeftModel``), or None for any other module."""
+    if hasattr(module, "peft_config") and callable(getattr(module, "get_base_model", None)):
+        return module.get_base_model()
+    return None
+
+
+def _base_key(key: str) -> str:
+    """A PEFT model's key as the base model names it: without the ``base_model.model.`` prefix and
+    the ``base_layer`` that LoRA wraps each adapted layer in."""
+    key = key[len("base_model.model."):] if key.startswith("base_model.model.") else key
+    return key.replace(".base_layer.", ".")
+
+
 def _prefix_map(em: ElixirModule, saved: dict[str, str], model_keys: set[str]) -> dict[str, str]:
     """Model key -> saved key, adding or removing the ``base_model_prefix`` when that is what
-    makes the names meet (a base model's checkpoint into a model with a head, and back)."""
+    makes the names meet (a base model's checkpoint into a model with a head, and back). For a
+    PEFT model the base model's checkpoint fills the frozen weights under their base names."""
+    base = _peft_base(em.module)
+    if base is not None:
+        as_base: dict[str, str] = {}
+        for k in model_keys:
+            as_base.setdefault(_base_key(k), k)
+        inner = _match_prefix(getattr(base, "base_model_prefix", "") or "", saved, set(as_base))
+        return {as_base[k]: v for k, v in inner.items()}
+    return _match_prefix(getattr(em.module, "base_model_prefix", "") or "", saved, model_keys)
+
+
+def _match_prefix(prefix: str, saved: dict[str, str], model_keys: set[str]) -> dict[str, str]:
     direct = {k: k for k in saved if k in model_keys}
-    prefix = getattr(em.module, "base_model_prefix", "") or ""
     if not prefix or len(direct) == len(saved):
         return direct
     add = {f"{prefix}.{k}": k for k in saved if f"{prefix}.{k}" in model_keys}
@@ -284,6 +312,9 @@ def _plan_load(root: str, em: ElixirModule, strict: bool):
     missing = [k for k in missing if not _matches(k, _patterns(em.module, "_keys_to_ignore_on_load_missing"))]
     tied = getattr(em.module, "all_tied_weights_keys", None) or {}
     missing = [k for k in missing if k not in tied]  # a tie's target is filled by its source
+    if _peft_base(em.module) is not None:  # the adapters: initialised by PEFT, not in a base checkpoint
+        trainable = {n for n, p in em.module.named_parameters() if p.requires_grad}
+        missing = [k for k in missing if k not in trainable]
     skip_unexpected = _patterns(em.module, "_keys_to_ignore_on_load_unexpected") + list(_LEGACY_UNEXPECTED)
     unexpected = [k for k in unexpected if not _matches(k, skip_unexpected)]
     if strict and (missing or unexpected):

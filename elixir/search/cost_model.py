@@ -116,10 +116,22 @@ class Layout:
     grad_buffers: int  # most sharded chunks with backward in progress at once
     used: int  # parameter elements in sharded chunks of size chunk_size
     own: int = 0  # the last `own` sharded chunks hold one tied parameter each, sized to it (shard_shared)
+    # frozen chunks (capacity frozen_chunk_size each, always sharded): trace ids n_sharded .. n_sharded + n_frozen - 1
+    frozen: tuple[tuple[str, ...], ...] = ()
+    frozen_chunk_size: int = 0
+
+    @property
+    def block_size(self) -> int:
+        """Elements of one rCache block: the larger of the trainable and the frozen chunk size."""
+        return max(self.chunk_size, self.frozen_chunk_size if self.frozen else 0)
 
     @property
     def n_sharded(self) -> int:
         return len(self.sharded_ids)
+
+    @property
+    def n_frozen(self) -> int:
+        return len(self.frozen)
 
     @property
     def own_capacities(self) -> tuple[int, ...]:
@@ -139,8 +151,9 @@ class _PackContext:
     sh_names: tuple[str, ...]  # untied params in use order
     sh_numel: tuple[int, ...]
     shared: tuple[tuple[str, int], ...]  # tied params in use order, with numel
+    frozen: tuple[tuple[str, int], ...]  # chunkable frozen params in use order, with numel
     acc_step: np.ndarray  # int64, step of each (step, param) access
-    acc_param: np.ndarray  # int64, index into sh_names + the names of shared
+    acc_param: np.ndarray  # int64, index into sh_names + the names of shared + the frozen names
     backward: np.ndarray  # bool per step
     n_steps: int
 
@@ -155,7 +168,8 @@ def _context(profile: StepProfile) -> _PackContext:
     numel = profile.numel
     order = profile.use_order()
     sh_names = [n for n in order if n not in profile.shared]
-    index = {n: i for i, n in enumerate(sh_names + [n for n in order if n in profile.shared])}
+    frozen = profile.frozen_use_order()
+    index = {n: i for i, n in enumerate(sh_names + [n for n in order if n in profile.shared] + [n for n, _ in frozen])}
     steps, params = [], []
     for t, st in enumerate(profile.steps):
         for n in st:
@@ -165,7 +179,7 @@ def _context(profile: StepProfile) -> _PackContext:
                 params.append(i)
     ctx = _PackContext(
         sh_names=tuple(sh_names), sh_numel=tuple(numel[n] for n in sh_names),
-        shared=tuple((n, numel[n]) for n in order if n in profile.shared),
+        shared=tuple((n, numel[n]) for n in order if n in profile.shared), frozen=tuple(frozen),
         acc_step=np.asarray(steps, dtype=np.int64), acc_param=np.asarray(params, dtype=np.int64),
         backward=np.asarray([k == BACKWARD for k in profile.step_kinds], dtype=bool), n_steps=len(profile.steps),
     )
@@ -177,7 +191,11 @@ def _context(profile: StepProfile) -> _PackContext:
 
 def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool = False) -> Layout:
     """Greedy in-order packing of ``profile``'s parameters into chunks of ``chunk_size``; each tied
-    parameter gets a chunk of its own, replicated, or sharded with ``shard_shared``.
+    parameter gets a chunk of its own, replicated, or sharded with ``shard_shared``. Frozen
+    parameters are packed the same way, apart, into frozen chunks of ``chunk_size`` (sharded; they
+    share the rCache, take no gradient buffer and no optimizer state). The frozen chunk size is
+    :func:`frozen_chunk_size`: adapters are small, so trainable chunks may be far smaller than the
+    frozen weights they adapt.
 
     The cache trace lists, per step, the sharded chunks it needs (the runtime pins a chunk only
     while a module using it runs, and the last backward step's chunks until the next backward step,
@@ -188,7 +206,7 @@ def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool =
     ctx = _context(profile)
     if ctx.sh_numel and chunk_size < max(ctx.sh_numel):
         raise ValueError(f"chunk size {chunk_size} is smaller than the largest parameter")
-    param_chunk = np.full(len(ctx.sh_names) + len(ctx.shared), -1, dtype=np.int64)
+    param_chunk = np.full(len(ctx.sh_names) + len(ctx.shared) + len(ctx.frozen), -1, dtype=np.int64)
     chunks: list[list[str]] = []
     used, c = chunk_size + 1, -1
     for i, (n, k) in enumerate(zip(ctx.sh_names, ctx.sh_numel)):
@@ -209,15 +227,43 @@ def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool =
             param_chunk[len(ctx.sh_names) + j] = len(chunks) - 1
         caps.append(round_up(k, ALIGN * world) if own else k)
         sharded.append(bool(own))
-    return _layout(ctx, chunk_size, chunks, caps, sharded, param_chunk, own)
+    fsize = frozen_chunk_size(ctx, chunk_size, world)
+    frozen = _pack_frozen(ctx, fsize, param_chunk, sum(sharded))
+    return _layout(ctx, chunk_size, chunks, caps, sharded, param_chunk, own, frozen, fsize)
+
+
+def frozen_chunk_size(ctx: _PackContext, chunk_size: int, world: int) -> int:
+    """The frozen chunks' capacity for trainable chunks of ``chunk_size``: that size, or the
+    largest frozen parameter (aligned) when it is larger."""
+    big = max((k for _, k in ctx.frozen), default=0)
+    return max(chunk_size, round_up(big, ALIGN * world)) if big else 0
+
+
+def _pack_frozen(ctx: _PackContext, chunk_size: int, param_chunk: np.ndarray, first_id: int) -> list[list[str]]:
+    """Greedy in-order packing of the frozen parameters into chunks of ``chunk_size``, numbered
+    from ``first_id`` in ``param_chunk``."""
+    base = len(ctx.sh_names) + len(ctx.shared)
+    chunks: list[list[str]] = []
+    used = chunk_size + 1
+    for j, (n, k) in enumerate(ctx.frozen):
+        if used + k > chunk_size:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(n)
+        param_chunk[base + j] = first_id + len(chunks) - 1
+        used += k
+    return chunks
 
 
 def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharded: list,
-            param_chunk: np.ndarray, own: int = 0) -> Layout:
+            param_chunk: np.ndarray, own: int = 0, frozen: Sequence[Sequence[str]] = (),
+            frozen_size: int = 0) -> Layout:
     """The cache trace and counts for chunks; ``param_chunk[i]`` is the sharded chunk of the i-th
-    name of ``ctx.sh_names`` then ``ctx.shared`` (-1 if it is in no sharded chunk). Sharded chunks
-    come first, the ``own`` sharded tied chunks last among them."""
-    n_sh = sum(sharded)
+    name of ``ctx.sh_names`` then ``ctx.shared`` then ``ctx.frozen`` (-1 if it is in no sharded
+    chunk). Sharded chunks come first, the ``own`` sharded tied chunks last among them, then (in
+    the trace only) the frozen chunks."""
+    n_tr = sum(sharded)
+    n_sh = n_tr + len(frozen)  # chunks in the trace
     n_steps = ctx.n_steps
     grad_buffers = 0
     if n_sh and ctx.acc_step.size:
@@ -226,7 +272,7 @@ def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharde
         keys = np.unique(ctx.acc_step[keep] * n_sh + acc_chunk[keep])
         bw = ctx.backward[keys // n_sh]
         if bw.any():
-            bk = keys[bw]
+            bk = keys[bw & (keys % n_sh < n_tr)]  # frozen chunks take no gradient buffer
             first = np.full(n_sh, n_steps, dtype=np.int64)
             last = np.full(n_sh, -1, dtype=np.int64)
             np.minimum.at(first, bk % n_sh, bk // n_sh)
@@ -235,7 +281,7 @@ def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharde
             delta = np.zeros(n_steps + 1, dtype=np.int64)
             np.add.at(delta, first[has], 1)
             np.add.at(delta, last[has] + 1, -1)
-            grad_buffers = int(np.cumsum(delta).max())
+            grad_buffers = int(np.cumsum(delta).max()) if bk.size else 0
         offsets = np.searchsorted(keys // n_sh, np.arange(n_steps + 1)).astype(np.int64)
         if bw.any() and not ctx.backward.all():
             # The runtime keeps the chunks of the last backward step pinned until the next backward
@@ -258,21 +304,24 @@ def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharde
         min_blocks = 0
     return Layout(
         chunk_size=chunk_size, chunks=tuple(tuple(c) for c in chunks), capacities=tuple(caps),
-        sharded=tuple(sharded), trace=trace, sharded_ids=tuple(range(n_sh)), min_blocks=min_blocks,
+        sharded=tuple(sharded), trace=trace, sharded_ids=tuple(range(n_tr)), min_blocks=min_blocks,
         grad_buffers=grad_buffers, used=sum(k for k, c in zip(ctx.sh_numel, param_chunk) if c >= 0), own=own,
+        frozen=tuple(tuple(c) for c in frozen), frozen_chunk_size=frozen_size,
     )
 
 
 def replicate(profile: StepProfile, layout: Layout) -> Layout:
     """``layout`` with every chunk replicated (data-parallel: no gathers, gradients all-reduced,
     every rank holding the whole model and optimizer state). Capacities shrink to what each chunk
-    holds, aligned."""
+    holds, aligned. Frozen chunks stay sharded (they cost no reduction either way)."""
     ctx = _context(profile)
     numel = profile.numel
     caps = [round_up(sum(numel[n] for n in names), ALIGN) if sh else cap
             for names, cap, sh in zip(layout.chunks, layout.capacities, layout.sharded)]
+    param_chunk = np.full(len(ctx.sh_names) + len(ctx.shared) + len(ctx.frozen), -1, dtype=np.int64)
+    frozen = _pack_frozen(ctx, layout.frozen_chunk_size, param_chunk, 0)
     return _layout(ctx, layout.chunk_size, [list(c) for c in layout.chunks], caps, [False] * len(caps),
-                   np.full(len(ctx.sh_names) + len(ctx.shared), -1, dtype=np.int64))
+                   param_chunk, 0, frozen, layout.frozen_chunk_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,6 +417,7 @@ class Evaluation:
     memory: dict[str, int] = field(default_factory=dict)
     gathers: int = 0
     shard_shared: bool = False  # tied parameters in sharded chunks of their own (Layout.own)
+    frozen_placement: Placement = Placement.DEVICE  # where every frozen chunk's shard lives
 
 
 def fixed_device_bytes(profile: StepProfile, layout: Layout, st: Setting, blocks: int) -> dict[str, int]:
@@ -379,7 +429,7 @@ def fixed_device_bytes(profile: StepProfile, layout: Layout, st: Setting, blocks
     out = {
         "activations": int(profile.activation_bytes),
         "buffers": int(profile.buffer_bytes),
-        "rcache": (blocks * layout.chunk_size + (own_extra if blocks else 0)) * st.elem,
+        "rcache": (blocks * layout.block_size + (own_extra if blocks else 0)) * st.elem,
         # sharded: the most chunks whose backward is in progress at once; replicated (tied) chunks:
         # their gradients arrive at both ends of backward, so their buffers live throughout
         "grad_buffers": (layout.grad_buffers * layout.chunk_size + own_extra + repl) * st.reduce_elem,
@@ -432,9 +482,10 @@ def replicated_optimizer_time(st: Setting, numel: int, where: Placement) -> floa
 
 
 def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int,
-               own_gathers: Optional[np.ndarray] = None) -> dict[str, float]:
+               own_gathers: Optional[np.ndarray] = None, frozen_gathers: int = 0) -> dict[str, float]:
     """Compute and collective seconds of one step; ``gathers`` counts every all-gather,
-    ``own_gathers`` those of each sharded tied chunk (``layout.own_capacities``)."""
+    ``own_gathers`` those of each sharded tied chunk (``layout.own_capacities``),
+    ``frozen_gathers`` those of the frozen chunks (never reduced)."""
     hw, w = st.hardware, st.world
     full = layout.chunk_size * st.elem
     repl = [c for c, s in zip(layout.capacities, layout.sharded) if not s]
@@ -446,8 +497,9 @@ def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int,
     own_gathers = [] if own_gathers is None else list(own_gathers)
     return {
         "compute": compute_seconds(profile, hw, st.dtype),
-        "all_gather": ((gathers - sum(own_gathers)) * hw.all_gather_time(full, w) if n else 0.0)
-        + sum(g * hw.all_gather_time(c * st.elem, w) for g, c in zip(own_gathers, own)),
+        "all_gather": ((gathers - sum(own_gathers) - frozen_gathers) * hw.all_gather_time(full, w) if n else 0.0)
+        + sum(g * hw.all_gather_time(c * st.elem, w) for g, c in zip(own_gathers, own))
+        + (frozen_gathers * hw.all_gather_time(layout.frozen_chunk_size * st.elem, w) if frozen_gathers else 0.0),
         "reduce_scatter": n * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, w)
         + sum(hw.reduce_scatter_time(c * st.reduce_elem, w) for c in own),
         "all_reduce": ar,
@@ -508,16 +560,25 @@ def place(
     t_rs = hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1) if (solo and n) else 0.0
     best: Optional[Evaluation] = None
     n_repl = sum(not s for s in layout.sharded)
-    for rwhere in (Placement.DEVICE, Placement.HOST) if n_repl else (Placement.DEVICE,):
+    fbytes = frozen_shard_bytes(layout, st)
+    wheres = [(r, f) for r in ((Placement.DEVICE, Placement.HOST) if n_repl else (Placement.DEVICE,))
+              for f in ((Placement.DEVICE, Placement.HOST) if layout.n_frozen else (Placement.DEVICE,))]
+    for rwhere, fwhere in wheres:
         repl_kinds = (RD if rwhere is Placement.DEVICE else RH,) * n_repl
         rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
         rh += construction_staging_bytes(layout)
+        if fwhere is Placement.DEVICE:
+            rd += fbytes
+        else:
+            rh += fbytes
+        if solo and layout.n_frozen and (fwhere is Placement.HOST) != (blocks > 0) and n == 0:
+            continue  # at world size 1 blocks serve host shards only
         dev_free = dev_budget - base_dev - rd
         host_free = host_budget - rh - st.process_bytes - (base_dev + rd if unified else 0)
         if dev_free < 0 or host_free < 0:
             continue
         if n == 0:
-            cand = price(profile, layout, st, own_kinds + repl_kinds, blocks, depth, per_chunk_gathers)
+            cand = price(profile, layout, st, own_kinds + repl_kinds, blocks, depth, per_chunk_gathers, fwhere)
         else:
             y = np.arange(n + 1)
             dd_dev = cb[DD][0]
@@ -543,7 +604,9 @@ def place(
             ok &= z <= n - y
             ok &= z * cb[DK][2] <= disk_budget
             if solo:  # blocks only for host shards: none iff every shard is on the device
-                ok &= (x == n) if blocks == 0 else (x < n)
+                ok &= (x == n) if blocks == 0 else ((x < n) | (fwhere is Placement.HOST))
+                if fwhere is Placement.HOST and blocks == 0:
+                    ok &= False
             if not ok.any():
                 continue
             zc = np.minimum(z, n - y)
@@ -571,7 +634,8 @@ def place(
                     kinds[c] = HH
                 else:
                     kinds[c] = HK
-            cand = price(profile, layout, st, tuple(kinds) + own_kinds + repl_kinds, blocks, depth, per_chunk_gathers)
+            cand = price(profile, layout, st, tuple(kinds) + own_kinds + repl_kinds, blocks, depth, per_chunk_gathers,
+                         fwhere)
         if cand.device_bytes > dev_budget or cand.host_bytes > host_budget or cand.disk_bytes > disk_budget:
             continue  # pragma: no cover - guarded by construction
         if unified and cand.device_bytes + cand.host_bytes > host_budget:
@@ -589,6 +653,7 @@ def price(
     blocks: int,
     depth: int,
     gathers: np.ndarray,
+    frozen_where: Placement = Placement.DEVICE,
 ) -> Evaluation:
     """Predicted per-rank memory and step time of ``layout`` with every chunk placed: the one
     pricing rule, used by the search (:func:`place`) and by :func:`evaluate_plan`.
@@ -596,9 +661,13 @@ def price(
     ``placements`` has one entry per chunk of ``layout``, in its order: the sharded chunks, the
     sharded tied chunks (``layout.own``, always ``DD``), then the replicated chunks (all ``RD``
     or all ``RH``). ``gathers`` counts each sharded chunk's all-gathers per step with ``blocks``
-    rCache blocks (:func:`simulate_layout`). At world size 1 the runtime keeps device-placed
-    shards whole and resident, so only host shards are gathered (a copy into a block) and
-    reduced (a copy out).
+    rCache blocks (:func:`simulate_layout`), then each frozen chunk's. At world size 1 the
+    runtime keeps device-placed shards whole and resident, so only host shards are gathered (a
+    copy into a block) and reduced (a copy out).
+
+    Frozen chunks (``layout.frozen``) keep their shards where ``frozen_where`` says and cost only
+    those (:func:`frozen_shard_bytes`) and their gathers (plus the host-to-device copy of a host
+    shard): no reduce-scatter, no gradient buffer, no master, no optimizer step, no write-back.
     """
     n_sh = layout.n_sharded
     n = n_sh - layout.own
@@ -612,7 +681,9 @@ def price(
     rwhere = repl[0].optim if repl else Placement.DEVICE
     hw, solo = st.hardware, st.world == 1
     g = np.asarray(gathers, dtype=np.int64)
-    g_own, g = g[n:n_sh], g[:n]
+    g_own, g_frozen, g = g[n:n_sh], g[n_sh:], g[:n]
+    if solo and frozen_where is Placement.DEVICE:
+        g_frozen = np.zeros_like(g_frozen)  # resident whole at world size 1, like device trainable chunks
     host_shard = np.asarray([k.shard is not Placement.DEVICE for k in kinds], dtype=bool)
     if solo and n:  # device shards stay whole and resident at world size 1
         g = np.where(host_shard, g, 0)
@@ -627,21 +698,25 @@ def price(
              + sum(ct[k] for k in kinds))
     h2d = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
     t_h2d = float(g[host_shard].sum() * h2d) if n else 0.0
+    if frozen_where is Placement.HOST and layout.n_frozen:
+        t_h2d += float(g_frozen.sum()) * hw.h2d_time(layout.frozen_chunk_size // st.world * st.elem, st.pin)
     n_disk = sum(k.on_disk for k in kinds)
-    dev_var = rd + sum(cb[k][0] for k in kinds)
+    fbytes = frozen_shard_bytes(layout, st)
+    dev_var = rd + sum(cb[k][0] for k in kinds) + (fbytes if frozen_where is Placement.DEVICE else 0)
     host = rh + sum(cb[k][1] for k in kinds) + staging_bytes(st, shard, n_disk)
+    host += fbytes if frozen_where is not Placement.DEVICE else 0
     disk = sum(cb[k][2] for k in kinds)
-    n_gathers = int(g.sum() + g_own.sum())
-    comm = comm_times(profile, layout, st, n_gathers, g_own)
+    n_gathers = int(g.sum() + g_own.sum() + g_frozen.sum())
+    comm = comm_times(profile, layout, st, n_gathers, g_own, int(g_frozen.sum()))
     if solo and n:
         comm["reduce_scatter"] = int(host_shard.sum()) * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1)
 
     fb_comm = comm["all_gather"] + comm["reduce_scatter"] + comm["all_reduce"] + t_h2d
-    if hw.overlap and depth >= 1 and n_sh:
+    if hw.overlap and depth >= 1 and (n_sh or layout.n_frozen):
         first_gather = hw.all_gather_time(layout.chunk_size * st.elem, st.world)
         fb = max(comm["compute"], fb_comm) + first_gather
         hidden = comm["compute"] + fb_comm - fb
-    elif hw.overlap_fraction > 0 and depth >= 1 and n_sh and n_gathers > 1:
+    elif hw.overlap_fraction > 0 and depth >= 1 and (n_sh or layout.n_frozen) and n_gathers > 1:
         # no copy engine, but gathers issued ahead still partly run while the rank computes; the
         # first gather of the step has nothing to hide under, nor have reduce-scatters (issued
         # synchronously by the runtime)
@@ -662,16 +737,25 @@ def price(
         breakdown["fused_step_hidden"] = -fused_hidden
         t_opt -= fused_hidden
     memory = dict(fixed, placed_device=dev_var, process=st.process_bytes)
+    if layout.n_frozen:  # included in placed_device, or in the host bytes
+        memory["frozen_shards"] = fbytes
     return Evaluation(
         chunk_size=layout.chunk_size, blocks=blocks, prefetch_depth=depth, placements=tuple(placements),
         device_bytes=sum(fixed.values()) + dev_var, host_bytes=host + st.process_bytes, disk_bytes=disk,
         step_time=fb + t_opt, breakdown=breakdown, memory=memory, gathers=n_gathers, shard_shared=layout.own > 0,
+        frozen_placement=frozen_where,
     )
 
 
+def frozen_shard_bytes(layout: Layout, st: Setting) -> int:
+    """Bytes of this rank's frozen-chunk shards: all a frozen chunk keeps between uses (its
+    compute-dtype weights, ``chunk_size / world`` elements; no gradient, master or state)."""
+    return layout.n_frozen * (layout.frozen_chunk_size // st.world) * st.elem
+
+
 def simulate_layout(layout: Layout, blocks: int) -> np.ndarray:
-    """Per sharded chunk gather counts under Belady with ``blocks`` blocks."""
-    if layout.n_sharded == 0:
+    """Gather counts under Belady with ``blocks`` blocks, per sharded chunk then per frozen chunk."""
+    if layout.n_sharded + layout.n_frozen == 0:
         return np.zeros(0, dtype=np.int64)
     return simulate(layout.trace, max(blocks, layout.min_blocks), "belady").per_chunk
 
@@ -680,7 +764,8 @@ def layout_from_plan(profile: StepProfile, plan) -> Layout:
     """The :class:`Layout` of an existing plan (``SearchResult``), e.g. from another search."""
     ctx = _context(profile)
     shared = {n for n, _ in ctx.shared}
-    index = {n: i for i, n in enumerate(ctx.sh_names + tuple(shared_name for shared_name, _ in ctx.shared))}
+    index = {n: i for i, n in enumerate(ctx.sh_names + tuple(shared_name for shared_name, _ in ctx.shared)
+                                        + tuple(f for f, _ in ctx.frozen))}
     param_chunk = np.full(len(index), -1, dtype=np.int64)
     order = _plan_order(plan, shared)
     own = sum(c.sharded and set(c.params) <= shared for c in order)
@@ -690,8 +775,13 @@ def layout_from_plan(profile: StepProfile, plan) -> Layout:
             for n in c.params:
                 if n in index:
                     param_chunk[index[n]] = ci
+    n_tr = sum(c.sharded for c in order)
+    for j, c in enumerate(plan.frozen_chunks):
+        for n in c.params:
+            param_chunk[index[n]] = n_tr + j
     return _layout(ctx, max(body, default=plan.chunk_size), [list(c.params) for c in order],
-                   [c.chunk_size for c in order], [c.sharded for c in order], param_chunk, own)
+                   [c.chunk_size for c in order], [c.sharded for c in order], param_chunk, own,
+                   [list(c.params) for c in plan.frozen_chunks], max((c.chunk_size for c in plan.frozen_chunks), default=0))
 
 
 def _plan_order(plan, shared: set) -> list:
@@ -714,9 +804,10 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     # the replicated chunks' state is priced in one place: the device only if all of it is there
     r = RD if all(c.optim_placement is Placement.DEVICE for c in repl) else RH
     blocks = plan.cache_blocks
-    if st.world == 1 and all(k.shard is Placement.DEVICE for k in kinds):
-        g, blocks = np.zeros(n_sh, dtype=np.int64), 0  # nothing goes through the cache
+    fwhere = plan.frozen_chunks[0].shard_placement if plan.frozen_chunks else Placement.DEVICE
+    if st.world == 1 and all(k.shard is Placement.DEVICE for k in kinds) and fwhere is Placement.DEVICE:
+        g, blocks = np.zeros(n_sh + lay.n_frozen, dtype=np.int64), 0  # nothing goes through the cache
     else:
         g = simulate_layout(lay, blocks)
     # sharded tied chunks are priced as DD, like the search does
-    return price(profile, lay, st, kinds + (DD,) * lay.own + (r,) * len(repl), blocks, plan.prefetch_depth, g)
+    return price(profile, lay, st, kinds + (DD,) * lay.own + (r,) * len(repl), blocks, plan.prefetch_depth, g, fwhere)

@@ -46,7 +46,7 @@ from elixir.search.cost_model import (
 )
 from elixir.search.minimum_waste import best_chunk_size
 from elixir.search.placement import DD, RD
-from elixir.search.plan import ChunkPlan, Prediction, SearchResult, dtype_name
+from elixir.search.plan import ChunkPlan, Placement, Prediction, SearchResult, dtype_name
 from elixir.search.step_profile import RECOMPUTE, StepProfile, profile_from_module, profile_step
 
 GRID_POINTS = 48  # geometric chunk-size candidates
@@ -98,8 +98,8 @@ def chunk_size_candidates(profile: StepProfile, world: int, points: int = GRID_P
 
 def _block_candidates(layout: Layout, world: int = 2) -> list[int]:
     """Block counts to try, smallest first. At world size 1, 0 blocks (every shard on the device,
-    kept whole by the runtime) comes first."""
-    n, lo = layout.n_sharded, layout.min_blocks
+    kept whole by the runtime) comes first. Frozen chunks go through the same blocks."""
+    n, lo = layout.n_sharded + layout.n_frozen, layout.min_blocks
     if n == 0:
         return [0]
     lo = max(1, lo)
@@ -194,7 +194,8 @@ class _Searcher:
             for tied in self.tied_modes:
                 lay = self.layout(c, tied)
                 for b in _block_candidates(lay, self.world):
-                    depths = range(0, min(MAX_DEPTH, b - max(1, lay.min_blocks)) + 1) if self.overlap and lay.n_sharded and b else (0,)
+                    gathered = lay.n_sharded + lay.n_frozen
+                    depths = range(0, min(MAX_DEPTH, b - max(1, lay.min_blocks)) + 1) if self.overlap and gathered and b else (0,)
                     ev_any = None
                     for d in depths:
                         scored += 1
@@ -207,7 +208,8 @@ class _Searcher:
         if self.world > 1:  # every chunk replicated (data parallel), where the memory allows it
             for c in chunk_size_candidates(self.profile, self.world, points=REPLICATED_POINTS):
                 scored += 1
-                ev = self.evaluate(replicate(self.profile, self.layout(c)), 0, 0)
+                twin = replicate(self.profile, self.layout(c))
+                ev = self.evaluate(twin, twin.min_blocks if twin.n_frozen else 0, 0)  # frozen chunks stay sharded
                 if ev is not None:
                     results.append(ev)
         if not results:
@@ -346,6 +348,10 @@ def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: L
     for names, cap, sharded, pl in zip(layout.chunks, layout.capacities, layout.sharded, ev.placements):
         chunks.append(ChunkPlan(tuple(names), tuple(shapes[n] for n in names), cap, profile.dtype, sharded,
                                 pl.shard, pl.optim))
+    fshapes = dict(profile.frozen_shapes)
+    frozen = tuple(ChunkPlan(tuple(names), tuple(fshapes[n] for n in names), layout.frozen_chunk_size, profile.dtype,
+                             True, ev.frozen_placement, Placement.DEVICE) for names in layout.frozen)
+    in_frozen = {n for c in frozen for n in c.params}
     traced = profile.info.get("source", "").startswith("tracer")
     pred = Prediction(
         peak_device_bytes=int(ev.device_bytes), peak_host_bytes=int(ev.host_bytes), peak_disk_bytes=int(ev.disk_bytes),
@@ -354,10 +360,10 @@ def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: L
     info = dict(info, cache_blocks_used=ev.blocks)
     # The runtime wants >= 1 block whenever a chunk is sharded, even at world size 1 where it keeps
     # device-placed chunks whole and never uses the block (the prediction counts 0 then).
-    blocks = max(ev.blocks, 1) if any(c.sharded for c in chunks) else ev.blocks
+    blocks = max(ev.blocks, 1) if any(c.sharded for c in chunks) or frozen else ev.blocks
     return SearchResult(
         chunks=tuple(chunks), world_size=world, cache_blocks=blocks, prefetch_depth=ev.prefetch_depth,
-        frozen_params=tuple(profile.frozen), param_order=tuple(tuple(sorted(s)) for s in profile.steps) if traced else None,
+        frozen_params=tuple(n for n in profile.frozen if n not in in_frozen), frozen_chunks=frozen, param_order=tuple(tuple(sorted(s)) for s in profile.steps) if traced else None,
         search="optimal", prediction=pred, info=info, grad_dtype=grad_dtype, fused_step=fused_step,
     )
 
@@ -550,6 +556,10 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     t.add_row("rCache blocks / prefetch depth", f"{result.cache_blocks} / {result.prefetch_depth}")
     t.add_row("gathers per step", str(info.get("gathers_per_step")))
     t.add_row("placements (shard, optimizer)", runners[0] and _summary(runners[0]) if runners else "")
+    if result.frozen_chunks:
+        fc = result.frozen_chunks
+        t.add_row("frozen chunks (weights only)", f"{len(fc)} x {fc[0].chunk_size:,} elements, shards on "
+                                                  f"{fc[0].shard_placement.value}")
     t.add_row("shard gradients / fused backward-and-step", f"{result.grad_dtype} / {'yes' if result.fused_step else 'no'}")
     b = info["budgets"]
     u = info["usable_after_margins"]

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from elixir.search.plan import dtype_name
+from elixir.search.plan import CHUNKABLE_DTYPES, dtype_name
 from elixir.tracer.hooks import param_owning_modules
 from elixir.tracer.memory_tracer import memory_profiling
 from elixir.tracer.op_costs import OpCosts
@@ -37,6 +37,8 @@ class StepProfile:
         params: ``(name, shape)`` of each trainable parameter (canonical names, definition order).
         shared: canonical names of parameters registered under more than one module (tied).
         frozen: parameters with ``requires_grad=False``.
+        frozen_shapes: ``(name, shape)`` of the frozen parameters a frozen chunk can hold (float32,
+            float16, bfloat16), definition order: the search packs them into frozen chunks.
         steps: per hooked op, the canonical names of the trainable parameters it touches.
         step_kinds: per step, ``"forward"``, ``"recompute"`` or ``"backward"``.
         activation_bytes: peak bytes of activations and temporaries (the tracer's ``activation_occ``).
@@ -52,6 +54,7 @@ class StepProfile:
     params: tuple[tuple[str, tuple[int, ...]], ...]
     shared: frozenset = frozenset()
     frozen: tuple[str, ...] = ()
+    frozen_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
     steps: tuple[tuple[str, ...], ...] = ()
     step_kinds: tuple[str, ...] = ()
     activation_bytes: int = 0
@@ -87,6 +90,19 @@ class StepProfile:
         passes = 3.0 + (1.0 if RECOMPUTE in self.step_kinds else 0.0)
         return 2.0 * passes * self.matmul_param_numel * self.tokens
 
+    def frozen_use_order(self) -> list[tuple[str, int]]:
+        """Chunkable frozen parameters by first use in the traced steps (unused ones after, in
+        definition order), with their element counts."""
+        numel = {n: math.prod(s) for n, s in self.frozen_shapes}
+        seen: dict[str, None] = {}
+        for s in self.steps:
+            for n in s:
+                if n in numel:
+                    seen.setdefault(n, None)
+        for n in numel:
+            seen.setdefault(n, None)
+        return [(n, numel[n]) for n in seen]
+
     def use_order(self) -> list[str]:
         """Parameter names by first use in the traced steps; unused ones after, in definition order."""
         seen: dict[str, None] = {}
@@ -101,6 +117,12 @@ class StepProfile:
 
 # ---------------------------------------------------------------------------------------------
 # from a module
+
+
+def _frozen_shapes(model: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``(name, shape)`` of the frozen parameters a frozen chunk can hold, definition order."""
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters()
+                 if not p.requires_grad and p.dtype in CHUNKABLE_DTYPES)
 
 
 def _canonical(model: nn.Module) -> tuple[list[tuple[str, tuple[int, ...]]], set, list[str], dict[str, str]]:
@@ -167,8 +189,8 @@ def profile_from_module(
     steps = fwd + fwd[::-1]
     kinds = [FORWARD] * len(fwd) + [BACKWARD] * len(fwd)
     return StepProfile(
-        params=tuple(params), shared=frozenset(shared), frozen=tuple(frozen), steps=tuple(steps),
-        step_kinds=tuple(kinds), activation_bytes=int(activation_bytes),
+        params=tuple(params), shared=frozenset(shared), frozen=tuple(frozen), frozen_shapes=_frozen_shapes(model),
+        steps=tuple(steps), step_kinds=tuple(kinds), activation_bytes=int(activation_bytes),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         matmul_param_numel=_matmul_numel(model, alias), tokens=tokens, dtype=dtype_name(dtype),
         info={"source": "module definition order (no tracer)"},
@@ -189,8 +211,8 @@ def profile_step(
     steps = [tuple(dict.fromkeys(alias.get(n, n) for n in s.params)) for s in prof.order.steps]
     kinds = [s.kind.value for s in prof.order.steps]
     return StepProfile(
-        params=tuple(params), shared=frozenset(shared), frozen=tuple(frozen), steps=tuple(steps),
-        step_kinds=tuple(kinds), activation_bytes=int(occ["activation_occ"]),
+        params=tuple(params), shared=frozenset(shared), frozen=tuple(frozen), frozen_shapes=_frozen_shapes(model),
+        steps=tuple(steps), step_kinds=tuple(kinds), activation_bytes=int(occ["activation_occ"]),
         buffer_bytes=int(occ["buffer_occ"]), matmul_param_numel=_matmul_numel(model, alias),
         tokens=_tokens(inp), dtype=dtype_name(dtype), op_costs=prof.op_costs,
         info={"source": "tracer", "phase_peaks": occ.get("phase_peaks", {})},
@@ -268,24 +290,31 @@ def expand_layers(profile: StepProfile, stack: str, traced: int, layers: int,
                 steps.append(tuple(_rename(n, prefix, _top) for n in profile.steps[i]))
                 kinds.append(profile.step_kinds[i])
     if full_params is None:
-        block = [(n, s) for n, s in profile.params if (m := pat.match(n)) and int(m.group(1)) == 1]
-        params: list = []
-        for n, s in profile.params:
-            m = pat.match(n)
-            if m and int(m.group(1)) == 1:
-                if (n, s) == block[0]:
-                    for k in range(1, last):
-                        params.extend((_rename(bn, prefix, lambda _i, k=k: k), bs) for bn, bs in block)
-            else:
-                params.append((_rename(n, prefix, _top), s))
-        full_params = params
+        full_params = _repeat_layers(list(profile.params), pat, prefix, last, _top)
     shared = frozenset(_rename(n, prefix, _top) for n in profile.shared)
     return StepProfile(
-        params=tuple(full_params), shared=shared, frozen=profile.frozen, steps=tuple(steps),
+        params=tuple(full_params), shared=shared, frozen=profile.frozen,
+        frozen_shapes=tuple(_repeat_layers(list(profile.frozen_shapes), pat, prefix, last, _top)), steps=tuple(steps),
         step_kinds=tuple(kinds), activation_bytes=profile.activation_bytes, buffer_bytes=profile.buffer_bytes,
         matmul_param_numel=profile.matmul_param_numel + (layers - 3) * _layer_matmul(profile, pat),
         tokens=profile.tokens, dtype=profile.dtype, op_costs=profile.op_costs, info=dict(profile.info),
     )
+
+
+def _repeat_layers(params: list, pat: re.Pattern, prefix: str, last: int, top: Callable[[int], int]) -> list:
+    """``(name, shape)`` of a 3-layer trace grown to ``last + 1`` layers: layer 1's repeated for
+    layers 1 .. last - 1, layer 2 renamed ``last``."""
+    block = [(n, s) for n, s in params if (m := pat.match(n)) and int(m.group(1)) == 1]
+    out: list = []
+    for n, s in params:
+        m = pat.match(n)
+        if m and int(m.group(1)) == 1:
+            if (n, s) == block[0]:
+                for k in range(1, last):
+                    out.extend((_rename(bn, prefix, lambda _i, k=k: k), bs) for bn, bs in block)
+        else:
+            out.append((_rename(n, prefix, top), s))
+    return out
 
 
 def _layer_matmul(profile: StepProfile, pat: re.Pattern) -> int:
@@ -333,7 +362,8 @@ def profile_by_layers(
                 traced_layers=(2, 3), layers=layers,
                 phase_peaks={k: lin(v, peaks2.get(k, v)) for k, v in peaks3.items()})
     return StepProfile(
-        params=full.params, shared=full.shared, frozen=full.frozen, steps=full.steps, step_kinds=full.step_kinds,
+        params=full.params, shared=full.shared, frozen=full.frozen, frozen_shapes=full.frozen_shapes, steps=full.steps,
+        step_kinds=full.step_kinds,
         activation_bytes=lin(p3.activation_bytes, p2.activation_bytes),
         buffer_bytes=lin(p3.buffer_bytes, p2.buffer_bytes), matmul_param_numel=full.matmul_param_numel,
         tokens=full.tokens, dtype=full.dtype, info=info,
