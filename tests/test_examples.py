@@ -78,3 +78,12 @@ def test_hf_trainer_gpt_tiny(tmp_path):
     out = run([f"{ROOT}/example/hf_trainer_gpt.py", "--out", str(tmp_path / "run"), "--steps", "3", "--batch", "2",
                "--seq", "16", "--hidden", "32"], str(tmp_path))
     assert "validation perplexity" in out and os.path.isfile(tmp_path / "run" / "final" / "config.json")
+
+
+def test_lora_finetune_tiny(tmp_path):
+    pytest.importorskip("peft")
+    out = run([f"{ROOT}/example/lora_finetune.py", "--make-tiny", "--pretrained", str(tmp_path / "tiny"), "--steps", "3",
+               "--batch", "2", "--seq", "32", "--hidden", "64", "--eval-batches", "1", "--corpus-bytes", "200000",
+               "--plan", "minimum_waste", "--save", str(tmp_path / "adapters")], str(tmp_path))
+    assert "wrote a tiny checkpoint" in out and "validation perplexity" in out and "0 missing keys" in out
+    assert os.path.isfile(tmp_path / "adapters" / "index.json")

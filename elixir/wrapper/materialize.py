@@ -19,6 +19,9 @@ the world size or the order in which chunks ask for them.
 - for Hugging Face models, ``_init_weights(module)`` of the nearest enclosing ``PreTrainedModel``
   (what ``post_init`` / ``init_weights`` runs; it also recomputes non-persistent buffers such as
   rotary ``inv_freq`` and ``position_ids``);
+- for PEFT LoRA layers (``peft.get_peft_model`` on a meta model), ``reset_lora_parameters`` of
+  each adapter with the ``init_lora_weights`` of the model's ``peft_config`` (so ``lora_B`` starts at
+  zero, as PEFT builds it, whatever the enclosing ``_init_weights`` wrote);
 - then the same initialisers of the unit's ancestors, innermost first (an ancestor may initialise
   its children's tensors: GPT-2's attention rescales its ``c_proj`` weight).
 
@@ -131,6 +134,9 @@ class Materializer:
     def __init__(self, root: nn.Module, seed: int) -> None:
         self.root = root
         self.seed = int(seed)
+        # PEFT adapters: how each adapter's LoRA weights are initialised (duck-typed: no peft import)
+        self._lora_init = {name: getattr(cfg, "init_lora_weights", True)
+                           for name, cfg in (getattr(root, "peft_config", None) or {}).items()}
         real = [n for n, p in root.named_parameters() if not p.is_meta]
         meta = [n for n, p in root.named_parameters() if p.is_meta]
         if real and meta:
@@ -217,6 +223,10 @@ class Materializer:
         hf = self._hf_owner.get(m)
         if hf is not None:
             fns.append(lambda: hf._init_weights(m))
+        lora = getattr(m, "reset_lora_parameters", None)
+        if callable(lora) and isinstance(getattr(m, "lora_A", None), nn.ModuleDict):
+            for name in m.lora_A:
+                fns.append(lambda name=name: lora(name, self._lora_init.get(name, True)))
         return fns
 
     def _run(self, m: nn.Module, seed: int) -> None:
