@@ -212,12 +212,17 @@ def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, ma
     with torch.no_grad():
         em.cache.release_all()
         em.streams.synchronize()  # no side-stream copy still reads what the host overwrites
+        by_chunk: dict[int, list] = {}
         for f, v in plan["values"]:
-            c = em.chunks[f.chunk]
+            by_chunk.setdefault(f.chunk, []).append((f, v))
+        for index, values in sorted(by_chunk.items()):
+            c = em.chunks[index]
             master = mapped.get(c.index, c.master)
-            master[f.lo : f.hi].copy_(v)
-            if c.shard is not master:
-                c.shard[f.lo : f.hi].copy_(v)
+            with c.shard_access(write=True):  # a disk shard: one chunk's staged at a time
+                for f, v in values:
+                    master[f.lo : f.hi].copy_(v)
+                    if c.shard is not master:
+                        c.shard[f.lo : f.hi].copy_(v)
         for fp, v in plan["frozen"]:
             fp.view(em).copy_(v)  # converts (a bf16 save into an fp32 chunk and back)
         tensors = module_tensors(em)

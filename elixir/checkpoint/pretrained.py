@@ -375,7 +375,8 @@ def _apply(em: ElixirModule, reader: Reader, source: dict, tensors: dict) -> Non
             todo = [i for i in em.param_map.by_chunk[chunk.index] if i in by_param]
             if not todo:
                 continue
-            with staged(em.disk_store, [chunk.index]):  # a disk master: staged, written back
+            # a disk master (and a disk shard): staged, written back
+            with staged(em.disk_store, [chunk.index]), chunk.shard_access(write=True):
                 for i in todo:
                     s = em.slots[i]
                     a, b = max(lo, s.offset), min(hi, s.offset + s.numel)

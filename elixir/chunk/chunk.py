@@ -22,8 +22,9 @@ gradient is a runtime bug and raises.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -53,6 +54,11 @@ class ChunkSpec:
         master_on_disk: the fp32 master (and the optimizer state) live in an offload file and are
             staged in host memory only while used (:mod:`elixir.offload`); implies a master
             separate from the shard, in a resizable host tensor of its own.
+        shard_on_disk: the compute shard lives in an offload file too (:attr:`Chunk.shard_store`),
+            read into host memory only while it is gathered or written (the optimizer step, a
+            load) and dropped after: the chunk then holds no resident bytes between uses. Implies
+            ``shard_on_host`` and ``master_on_disk`` (the step that rewrites the shard has the
+            master staged).
         pin_memory: page-lock host tensors (only matters with an accelerator).
         kind: trainable, or frozen (weights only; the master and gradient fields are unused).
     """
@@ -69,6 +75,7 @@ class ChunkSpec:
     shard_on_host: bool = False
     master_on_host: bool = False
     master_on_disk: bool = False
+    shard_on_disk: bool = False
     pin_memory: bool = True
     kind: ChunkKind = ChunkKind.TRAINABLE
 
@@ -80,6 +87,11 @@ class ChunkSpec:
     def shard_category(self) -> str:
         """The ledger category of this chunk's shard."""
         return "frozen_shard" if self.frozen else "shard"
+
+    def __post_init__(self) -> None:
+        if self.shard_on_disk and not (self.sharded and self.shard_on_host and self.master_on_disk):
+            raise ValueError(f"chunk {self.index}: a disk shard needs a sharded chunk with its shard on the host "
+                             "and its master on disk")
 
     @property
     def shard_numel(self) -> int:
@@ -132,6 +144,7 @@ class Chunk:
         self._work = None
         self.shard: Optional[torch.Tensor] = None
         self.master: Optional[torch.Tensor] = None
+        self.shard_store = None  # the DiskStore holding the shard (spec.shard_on_disk), set by its owner
 
     # ---- initialisation -------------------------------------------------------------------
 
@@ -147,7 +160,10 @@ class Chunk:
         self.payload = flat.to(device=spec.device, dtype=spec.dtype, copy=True)
         self.state = ChunkState.HOLD
         src = flat[lo : lo + n]
-        if spec.sharded:
+        if spec.shard_on_disk:  # plain (resizable) host memory: the store frees it once written
+            self.shard = src.to(device="cpu", dtype=spec.dtype, copy=True)
+            self.ledger.alloc("shard", "host", _nbytes(n, spec.dtype))
+        elif spec.sharded:
             self.shard = _copy_of(src, spec.dtype, spec.shard_on_host, spec)
             self.ledger.alloc(spec.shard_category, _loc(spec.shard_on_host), _nbytes(n, spec.dtype))
         else:
@@ -185,6 +201,8 @@ class Chunk:
         # the compute work that last used the memory), copies and gathers, and records `_ready`.
         self.payload.untyped_storage().resize_(self.payload_bytes)
         streams = self.streams
+        if self.spec.shard_on_disk:
+            self.shard_store.stage(self.index)  # read it in; dropped once the gather is done (wait)
         with streams.issue(streams.gather) as ready:
             src = self.shard
             if self.spec.shard_on_host:
@@ -208,6 +226,10 @@ class Chunk:
                 self._ready = streams.after(streams.gather, lambda: edist.wait_work(work))
             streams.wait(self._ready)  # the compute stream waits for this chunk only
             self._ready = None
+            if self.spec.shard_on_disk:
+                if dev.is_accelerator(self.spec.device):
+                    streams.synchronize()  # the host-to-device copy of the staged shard is done
+                self.shard_store.discard(self.index)  # the disk copy is current
             self._move(ChunkState.HOLD)
 
     def pin(self) -> None:
@@ -234,6 +256,20 @@ class Chunk:
         self._move(ChunkState.RELEASED)
         self.payload.untyped_storage().resize_(0)
         self.ledger.free("gathered", "device", self.payload_bytes)
+
+    @contextlib.contextmanager
+    def shard_access(self, write: bool) -> Iterator[torch.Tensor]:
+        """The compute shard, resident for the block: a disk shard is read in and, with ``write``,
+        written back after (else dropped); other shards are resident already."""
+        if not self.spec.shard_on_disk:
+            yield self.shard
+            return
+        store = self.shard_store
+        store.stage(self.index)
+        try:
+            yield self.shard
+        finally:
+            store.offload(self.index, write=write)
 
     def refresh_from_master(self) -> None:
         """After an optimizer step: copy the fp32 master into the compute shard when they differ.

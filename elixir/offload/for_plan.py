@@ -1,4 +1,5 @@
-"""The DiskStore a plan needs: one per rank when some chunk's optimizer placement is DISK.
+"""The DiskStores a plan needs: per rank, one when some chunk's optimizer placement is DISK, and
+one when some compute shard's placement is DISK.
 
 Every rank opens its own offload file; a failure on any rank (unwritable directory, no space) is
 agreed on with one collective and raised on every rank, so no rank is left waiting in the
@@ -35,10 +36,40 @@ def store_for_plan(
     on_disk = [cp for cp in plan.chunks if cp.optim_placement is Placement.DISK]
     if not on_disk:
         return None
-    elements = sum(cp.chunk_size // world_size if cp.sharded else cp.chunk_size for cp in on_disk)
+    elements = sum(_shard_elements(cp, world_size) for cp in on_disk)
+    return _open_agreed(ledger, elements * RESERVE_BYTES_PER_ELEMENT, rank, world_size, group, offload_dir, direct)
+
+
+def shard_store_for_plan(
+    plan: SearchResult,
+    ledger: MemoryLedger,
+    rank: int,
+    world_size: int,
+    element_size: int,
+    group=None,
+    offload_dir: Optional[str] = None,
+    direct: bool = False,
+) -> Optional[DiskStore]:
+    """The rank's DiskStore for the compute shards the plan puts on disk (``shard_placement ==
+    DISK``; ``element_size``: bytes per compute element), or None when there are none. A store of
+    its own: a gather reads only the shard, not the master and optimizer state beside it.
+    Collective when some shard is on disk and ``world_size > 1``."""
+    on_disk = [cp for cp in plan.chunks if cp.sharded and cp.shard_placement is Placement.DISK]
+    if not on_disk:
+        return None
+    elements = sum(_shard_elements(cp, world_size) for cp in on_disk)
+    return _open_agreed(ledger, elements * element_size, rank, world_size, group, offload_dir, direct)
+
+
+def _shard_elements(cp, world_size: int) -> int:
+    return cp.chunk_size // world_size if cp.sharded else cp.chunk_size
+
+
+def _open_agreed(ledger, need_bytes: int, rank: int, world_size: int, group, offload_dir, direct: bool) -> DiskStore:
+    """Open this rank's store; a failure on any rank is raised on every rank (one collective)."""
     store, error = None, None
     try:
-        store = DiskStore(ledger, offload_dir, need_bytes=elements * RESERVE_BYTES_PER_ELEMENT, rank=rank, direct=direct)
+        store = DiskStore(ledger, offload_dir, need_bytes=need_bytes, rank=rank, direct=direct)
     except OffloadDirError as e:
         error = str(e)
     if world_size > 1:

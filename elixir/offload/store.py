@@ -119,6 +119,7 @@ class DiskStore:
         self.peak_staged_bytes = 0
         self.bytes_read = 0
         self.bytes_written = 0
+        self._booked: dict[str, str] = {}  # flat key -> ledger kind its staged bytes are booked under
 
     @property
     def path(self) -> str:
@@ -134,18 +135,27 @@ class DiskStore:
     def register(self, chunk) -> None:
         """Take over ``chunk``'s fp32 master (a resident, resizable 1-D tensor): write it to disk
         and free its host memory."""
-        if chunk.index in self.chunks:
-            raise ValueError(f"chunk {chunk.index} is already on disk")
-        m = chunk.master
-        if m.dim() != 1 or not m.is_contiguous() or m.storage_offset() != 0 or m.untyped_storage().nbytes() != _nbytes(m):
-            raise ValueError(f"chunk {chunk.index}: a disk master must own its storage exactly")
-        rec = DiskChunk(chunk.index, m.numel())
-        rec.flats[MASTER] = m
-        rec.regions[MASTER] = self._region(_nbytes(m))
-        self.chunks[chunk.index] = rec
-        self._book(rec.staged_bytes)  # resident now; the ledger already holds it (Chunk.init_from)
-        self.start_write(chunk.index)
-        self.finish(chunk.index)
+        self.register_tensor(chunk.index, MASTER, chunk.master, ledger_kind="master")
+
+    def register_tensor(self, index: int, key: str, tensor: torch.Tensor, ledger_kind: Optional[str] = None) -> None:
+        """Take over ``tensor`` (resident, resizable, 1-D, owning its storage exactly) as the only
+        flat of a new record ``index`` under ``key``: write it to disk and free its host memory.
+        ``ledger_kind``: the ledger entry (on ``host``) its bytes are booked under while staged;
+        the caller booked it already, as it is resident now."""
+        if index in self.chunks:
+            raise ValueError(f"chunk {index} is already on disk")
+        t = tensor
+        if t.dim() != 1 or not t.is_contiguous() or t.storage_offset() != 0 or t.untyped_storage().nbytes() != _nbytes(t):
+            raise ValueError(f"chunk {index}: a disk-placed {key} must own its storage exactly")
+        rec = DiskChunk(index, t.numel())
+        rec.flats[key] = t
+        rec.regions[key] = self._region(_nbytes(t))
+        if ledger_kind is not None:
+            self._booked[key] = ledger_kind
+        self.chunks[index] = rec
+        self._book(rec.staged_bytes)  # resident now; the ledger already holds it
+        self.start_write(index)
+        self.finish(index)
 
     def add_record(self, index: int, numel: int) -> None:
         """A resident record of ``numel`` elements without a master: its flats come from
@@ -189,14 +199,17 @@ class DiskStore:
 
     def _account(self, rec: DiskChunk, sign: int) -> None:
         self._book(sign * rec.staged_bytes)
-        master = rec.flats.get(MASTER)
-        if master is None or self.ledger is None:
+        if self.ledger is None:
             return
-        n = _nbytes(master)
-        if sign > 0:
-            self.ledger.alloc("master", "host", n)
-        else:
-            self.ledger.free("master", "host", n)
+        for key, kind in self._booked.items():
+            flat = rec.flats.get(key)
+            if flat is None:
+                continue
+            n = rec.regions[key].nbytes
+            if sign > 0:
+                self.ledger.alloc(kind, "host", n)
+            else:
+                self.ledger.free(kind, "host", n)
 
     def start_read(self, index: int) -> None:
         """OFFLOADED -> READING: allocate the flats and queue their reads."""

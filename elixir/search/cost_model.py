@@ -22,7 +22,10 @@ that fits. A sharded tied chunk keeps its shard and optimizer state on the devic
   ``DD``: device ``s(e + m + g + k)``; ``DH``: device ``s e``, host ``s(4 + g + k)``;
   ``HH``: host ``s(e + m + g + k)``; ``DK``/``HK``: as ``DH``/``HH`` with master and state
   (``s(4 + k)``) on disk and up to :data:`DISK_STAGING` chunks' worth staged in host memory
-  while the optimizer streams them (``elixir/offload/pipeline.py`` reads one ahead).
+  while the optimizer streams them (``elixir/offload/pipeline.py`` reads one ahead);
+  ``KK``: host ``s g`` only, the shard too on disk (``s(4 + k + e)``), up to
+  :data:`DISK_SHARD_STAGING` shards staged while gathered. The search turns to ``KK`` only when
+  no plan fits with every shard resident: the least-gathered chunks first;
   ``m`` is 4 for the fp32 master copy, 0 when the compute dtype is fp32 and shard and master live
   together (the runtime then uses one tensor); ``g`` is the shard gradient's element size (4 in
   fp32, 2 with bf16/fp16 ``grad_dtype``), and 0 with the fused backward-and-step, which frees each
@@ -44,7 +47,8 @@ throughput at that size, or its matmul throughput) + all-gathers (one per simula
 gather, ``all_gather_time(C e)``) + reduce-scatters (one per sharded chunk) + all-reduces of
 replicated chunks + host->device copies of host shards at each gather + per-placement optimizer
 phase (device Adam; or grad shard device->host, host Adam, updated shard host->device; plus disk
-read and write of master and state). With ``overlap`` hardware and a prefetch depth >= 1,
+read and write of master and state, and of a ``KK`` shard, which is also read at each of its
+gathers, before the gather and not overlapped). With ``overlap`` hardware and a prefetch depth >= 1,
 communication during forward/backward hides under compute: ``max(compute, comm) + one gather``.
 With the fused backward-and-step the disk transfers run on the I/O threads while backward
 computes (two thirds of the compute: backward costs twice the forward's FLOPs), so up to that much
@@ -61,13 +65,14 @@ from typing import Optional, Sequence
 import numpy as np
 
 from elixir.hardware.profile import HardwareProfile
-from elixir.search.placement import DD, DH, DK, HD, HH, HK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
+from elixir.search.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
 from elixir.search.plan import Placement, disk_bytes_per_element
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 
 ALIGN = 16  # elements per rank a shard is aligned to (as minimum_waste_search)
 DISK_STAGING = 2  # disk chunks whose master + state are in host memory at once (offload/pipeline.py)
+DISK_SHARD_STAGING = 2  # disk shards in host memory at once: the one gathered, and the one being stepped
 CONSTRUCTION_STAGING = 2  # fp32 chunks staged while building or loading (wrapper/materialize.py, checkpoint/pretrained.py)
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "cpuadam": 8, "sgd": 4, "none": 0}
@@ -366,6 +371,7 @@ def per_chunk_bytes(st: Setting, shard: int) -> dict[ChunkPlacement, tuple[int, 
         HH: (0, shard * (e + m_same + g + k), 0),
         DK: (shard * e, shard * g, shard * st.disk_elem),
         HK: (0, shard * (e + g), shard * st.disk_elem),
+        KK: (0, shard * g, shard * (st.disk_elem + e)),
         HD: (shard * (4 + g + k), shard * e, 0),  # only priced for given plans
     }
 
@@ -378,9 +384,11 @@ def construction_staging_bytes(layout: Layout) -> int:
     return CONSTRUCTION_STAGING * max(layout.capacities, default=0) * 4
 
 
-def staging_bytes(st: Setting, shard: int, disk_chunks: int) -> int:
-    """Host bytes that stream the optimizer state of ``disk_chunks`` disk chunks."""
-    return min(int(disk_chunks), DISK_STAGING) * shard * st.disk_elem
+def staging_bytes(st: Setting, shard: int, disk_chunks: int, disk_shards: int = 0) -> int:
+    """Host bytes that stream the optimizer state of ``disk_chunks`` disk chunks, and the shards
+    of the ``disk_shards`` among them whose shard is on disk too."""
+    return (min(int(disk_chunks), DISK_STAGING) * shard * st.disk_elem
+            + min(int(disk_shards), DISK_SHARD_STAGING) * shard * st.elem)
 
 
 def per_chunk_fixed_time(st: Setting, shard: int) -> dict[ChunkPlacement, float]:
@@ -397,6 +405,7 @@ def per_chunk_fixed_time(st: Setting, shard: int) -> dict[ChunkPlacement, float]
         HH: grad_d2h + host,
         DK: grad_d2h + host + param_h2d + disk,
         HK: grad_d2h + host + disk,
+        KK: grad_d2h + host + hw.disk_time(shard * (st.disk_elem + st.elem), shard * (st.disk_elem + st.elem)),
         HD: dev + hw.d2h_time(shard * st.elem, st.pin),
     }
 
@@ -608,6 +617,15 @@ def place(
                 if fwhere is Placement.HOST and blocks == 0:
                     ok &= False
             if not ok.any():
+                # no plan keeps every shard resident: the whole of the least-gathered chunks on disk
+                kk = _disk_shard_kinds(st, cb, shard, body_gathers, host_free, disk_budget, allow_disk and (blocks > 0 or not solo))
+                if kk is None:
+                    continue
+                cand = price(profile, layout, st, kk + own_kinds + repl_kinds, blocks, depth, per_chunk_gathers)
+                if cand.device_bytes <= dev_budget and cand.host_bytes <= host_budget and cand.disk_bytes <= disk_budget \
+                        and not (unified and cand.device_bytes + cand.host_bytes > host_budget) \
+                        and (best is None or cand.step_time < best.step_time):
+                    best = cand
                 continue
             zc = np.minimum(z, n - y)
             # z disk chunks taken from the host-shard chunks first (HK), then DK
@@ -643,6 +661,26 @@ def place(
         if best is None or cand.step_time < best.step_time:
             best = cand
     return best
+
+
+def _disk_shard_kinds(st: Setting, cb: dict, shard: int, gathers: np.ndarray, host_free: int, disk_budget: int,
+                      allow: bool) -> Optional[tuple[ChunkPlacement, ...]]:
+    """The placement of ``len(gathers)`` sharded chunks with every optimizer state on disk and
+    the fewest shards on disk too (``KK``, the least-gathered chunks; the rest ``HK``) that fits
+    ``host_free`` host bytes and the disk budget, or None."""
+    n = len(gathers)
+    if not allow or n == 0:
+        return None
+    for v in range(n, -1, -1):  # v chunks keep a host shard (HK), n - v put it on disk (KK)
+        host = v * cb[HK][1] + (n - v) * cb[KK][1] + staging_bytes(st, shard, n, n - v)
+        disk = v * cb[HK][2] + (n - v) * cb[KK][2]
+        if host <= host_free and disk <= disk_budget:
+            order = np.argsort(-gathers, kind="stable")  # most gathered first: they keep host shards
+            kinds = [KK] * n
+            for c in order[:v]:
+                kinds[c] = HK
+            return tuple(kinds)
+    return None
 
 
 def price(
@@ -700,10 +738,13 @@ def price(
     t_h2d = float(g[host_shard].sum() * h2d) if n else 0.0
     if frozen_where is Placement.HOST and layout.n_frozen:
         t_h2d += float(g_frozen.sum()) * hw.h2d_time(layout.frozen_chunk_size // st.world * st.elem, st.pin)
+    disk_shard = np.asarray([k.shard_on_disk for k in kinds], dtype=bool)
+    # a disk shard is read before each of its gathers (synchronously: nothing hides it)
+    t_shard_reads = float(g[disk_shard].sum() * hw.disk_time(shard * st.elem, 0)) if n else 0.0
     n_disk = sum(k.on_disk for k in kinds)
     fbytes = frozen_shard_bytes(layout, st)
     dev_var = rd + sum(cb[k][0] for k in kinds) + (fbytes if frozen_where is Placement.DEVICE else 0)
-    host = rh + sum(cb[k][1] for k in kinds) + staging_bytes(st, shard, n_disk)
+    host = rh + sum(cb[k][1] for k in kinds) + staging_bytes(st, shard, n_disk, int(disk_shard.sum()))
     host += fbytes if frozen_where is not Placement.DEVICE else 0
     disk = sum(cb[k][2] for k in kinds)
     n_gathers = int(g.sum() + g_own.sum() + g_frozen.sum())
@@ -727,12 +768,17 @@ def price(
     else:
         fb = comm["compute"] + fb_comm
         hidden = 0.0
+    fb += t_shard_reads
     breakdown = dict(comm, h2d_gather=t_h2d, optimizer=t_opt, overlap_hidden=-hidden)
+    if t_shard_reads:
+        breakdown["disk_shard_reads"] = t_shard_reads
     if st.fused_step and n_disk and n_sh:
         # the backward stager reads and writes disk chunks while backward computes (2/3 of the
         # compute); the first chunk's read has nothing before it to hide under
         nbytes = layout.chunk_size // st.world * st.disk_elem
-        t_disk = n_disk * hw.disk_time(nbytes, nbytes)
+        n_kk = int(disk_shard.sum())
+        kk_bytes = nbytes + layout.chunk_size // st.world * st.elem
+        t_disk = (n_disk - n_kk) * hw.disk_time(nbytes, nbytes) + n_kk * hw.disk_time(kk_bytes, kk_bytes)
         fused_hidden = min(t_disk - hw.disk_time(nbytes, 0), 2.0 / 3.0 * comm["compute"])
         breakdown["fused_step_hidden"] = -fused_hidden
         t_opt -= fused_hidden

@@ -5,7 +5,8 @@ A :class:`ChunkPlacement` pairs the two :class:`~elixir.search.plan.Placement` v
 whether the chunk is replicated. Reports and ``info["runner_ups"]`` spell it as a two-letter code,
 shard then optimizer state, with D for device, H for host, K for disk and R for a replicated
 chunk's payload (always on the device): ``DD``, ``DH``, ``HH``, ``DK``, ``HK``, ``HD``, ``RD``,
-``RH``. The code is only a spelling: code that decides reads the fields.
+``RH``, and ``KK`` (the whole chunk on disk: its shard is read for every gather and rewritten by
+every step). The code is only a spelling: code that decides reads the fields.
 """
 
 from __future__ import annotations
@@ -38,11 +39,18 @@ class ChunkPlacement:
         object.__setattr__(self, "optim", Placement(self.optim))
         if self.replicated and self.shard is not Placement.DEVICE:
             raise ValueError(f"a replicated chunk's payload lives on the device, not on {self.shard.value}")
+        if self.shard is Placement.DISK and self.optim is not Placement.DISK:
+            raise ValueError("a disk shard needs its chunk's optimizer state on disk too (KK)")
 
     @property
     def code(self) -> str:
         """The two-letter spelling used in reports (``"DK"``, ``"RH"``)."""
         return ("R" if self.replicated else _LETTER[self.shard]) + _LETTER[self.optim]
+
+    @property
+    def shard_on_disk(self) -> bool:
+        """The compute shard lives on disk too (read for every gather)."""
+        return self.shard is Placement.DISK
 
     @property
     def on_disk(self) -> bool:
@@ -74,8 +82,9 @@ DH = ChunkPlacement(Placement.DEVICE, Placement.HOST)
 HH = ChunkPlacement(Placement.HOST, Placement.HOST)
 DK = ChunkPlacement(Placement.DEVICE, Placement.DISK)
 HK = ChunkPlacement(Placement.HOST, Placement.DISK)
+KK = ChunkPlacement(Placement.DISK, Placement.DISK)
 HD = ChunkPlacement(Placement.HOST, Placement.DEVICE)  # only priced for given plans
 RD = ChunkPlacement(Placement.DEVICE, Placement.DEVICE, replicated=True)
 RH = ChunkPlacement(Placement.DEVICE, Placement.HOST, replicated=True)
 
-SHARDED_PLACEMENTS = (DD, DH, HH, DK, HK)  # what the search chooses from for a sharded chunk
+SHARDED_PLACEMENTS = (DD, DH, HH, DK, HK, KK)  # what the search chooses from for a sharded chunk

@@ -90,7 +90,9 @@ class ChunkPlan:
         chunk_size: capacity in elements (padding included); a multiple of the world size when sharded.
         dtype: compute dtype of the chunk (``"float32"``, ``"bfloat16"``, ``"float16"``).
         sharded: split across ranks (True) or replicated whole on every rank (False).
-        shard_placement: where this rank's compute-dtype shard lives between uses.
+        shard_placement: where this rank's compute-dtype shard lives between uses. ``DISK`` (read
+            for each gather, rewritten by each step) needs a sharded chunk whose optimizer state
+            is on disk too: the step that rewrites the shard then has its master staged.
         optim_placement: where the fp32 master shard and optimizer state live.
     """
 
@@ -101,6 +103,14 @@ class ChunkPlan:
     sharded: bool = True
     shard_placement: Placement = Placement.DEVICE
     optim_placement: Placement = Placement.DEVICE
+
+    def __post_init__(self) -> None:
+        if self.shard_placement == Placement.DISK and not (self.sharded and self.optim_placement == Placement.DISK):
+            raise ValueError(
+                f"chunk of {self.params[:1]}...: a disk shard_placement needs sharded=True and optim_placement "
+                f"'disk' (got sharded={self.sharded}, optim_placement {Placement(self.optim_placement).value!r}); put the "
+                "optimizer state on disk too, or the shard on the host"
+            )
 
     @property
     def numels(self) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ import torch.nn as nn
 from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk import BlockCache, Chunk, ChunkKind, ChunkSpec, GradState, MemoryLedger, Schedule
-from elixir.offload.for_plan import store_for_plan
+from elixir.offload.for_plan import shard_store_for_plan, store_for_plan
 from elixir.offload.store import DiskStore
 from elixir.search.plan import Placement, dtype_from_name
 from elixir.tracer.hooks import (
@@ -110,8 +110,10 @@ class ElixirModule(nn.Module):
             ``tempfile.gettempdir()``. The file is unlinked as soon as it is open (nothing is left
             behind, even by a killed process). A directory that does not exist is created and
             removed again (if empty) when the file is closed; an existing one is left as it was.
-            Unused (never created) when no chunk is on disk. See
-            :mod:`elixir.offload`; ``self.disk_store`` is the :class:`~elixir.offload.DiskStore`.
+            Unused (never created) when no chunk is on disk. Compute shards the plan puts on disk
+            (``shard_placement == DISK``) go to a second file there, ``self.shard_store``, read
+            only for a gather or a write. See :mod:`elixir.offload`; ``self.disk_store`` is the
+            :class:`~elixir.offload.DiskStore`.
         offload_direct: also open the offload file with ``O_DIRECT`` (bypassing the page cache)
             for transfers whose buffers are page-aligned (torch aligns large host tensors when
             ``THP_MEM_ALLOC_ENABLE=1``); everything else stays buffered.
@@ -200,6 +202,7 @@ class ElixirModule(nn.Module):
         self.offload_dir = offload_policy.offload_dir
         self.offload_direct = offload_policy.direct
         self.disk_store: Optional[DiskStore] = None
+        self.shard_store: Optional[DiskStore] = None  # compute shards placed on disk
         self._build_chunks(named, sync_module_states)
         guard_save_pretrained(self)  # the HF model's own save_pretrained would read released payloads
         self._chunk_params: list[list[int]] = self.param_map.by_chunk
@@ -250,6 +253,10 @@ class ElixirModule(nn.Module):
         self.disk_store = store_for_plan(
             plan, self.ledger, self.rank, self.world_size, self.group, self.offload_dir, self.offload_direct
         )
+        self.shard_store = shard_store_for_plan(
+            plan, self.ledger, self.rank, self.world_size, torch.empty((), dtype=self.dtype).element_size(),
+            self.group, self.offload_dir, self.offload_direct,
+        )
         mat = self.materializer
         on_meta: list[tuple[nn.Parameter, nn.Parameter]] = []  # (meta param, its chunk view)
         # one staging buffer for every chunk's flat values: allocated once, so the shards kept
@@ -280,9 +287,10 @@ class ElixirModule(nn.Module):
                 reduce_dtype=self.reduce_dtype,
                 grad_dtype=self.grad_dtype,
                 device=self.device,
-                shard_on_host=sharded and cp.shard_placement is Placement.HOST,
+                shard_on_host=sharded and cp.shard_placement is not Placement.DEVICE,
                 master_on_host=not frozen and cp.optim_placement is not Placement.DEVICE,
                 master_on_disk=not frozen and cp.optim_placement is Placement.DISK,
+                shard_on_disk=sharded and not frozen and cp.shard_placement is Placement.DISK,
                 pin_memory=bool(plan.info.get("pin_memory", True)),
             )
             chunk = Chunk(spec, self.ledger, self.group, streams=self.streams)
@@ -313,6 +321,9 @@ class ElixirModule(nn.Module):
                 chunk.release()
             if spec.master_on_disk:
                 self.disk_store.register(chunk)
+            if spec.shard_on_disk:
+                self.shard_store.register_tensor(ci, "shard", chunk.shard, ledger_kind="shard")
+                chunk.shard_store = self.shard_store
             (self.frozen_chunks if frozen else self.chunks).append(chunk)
             if mat is not None:  # construction stays within the shards plus the staging area
                 dev.trim_host_memory()

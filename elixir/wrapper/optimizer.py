@@ -451,15 +451,16 @@ class ElixirOptimizer:
         frags = self.chunk_fragments(i)
         self._attach_grads(i)
         try:
-            if self.kernel is UpdateKernel.FUSED:
-                fused_step(self, 1.0, only=i)
-                written = lowp_target(c)
-            else:
-                self._plain_chunk(i)
-                written = False
-            if not written and c.shard is not c.master:
-                with torch.no_grad():
-                    c.shard.copy_(c.master)
+            with c.shard_access(write=True):  # a disk shard: read in, rewritten, written back
+                if self.kernel is UpdateKernel.FUSED:
+                    fused_step(self, 1.0, only=i)
+                    written = lowp_target(c)
+                else:
+                    self._plain_chunk(i)
+                    written = False
+                if not written and c.shard is not c.master:
+                    with torch.no_grad():
+                        c.shard.copy_(c.master)
         finally:
             self._detach_grads(frags)
 
@@ -495,11 +496,12 @@ class ElixirOptimizer:
         dev.release_free_host_memory()
 
         def work(i: int) -> None:
-            step_chunk(i)
             c = self.module.chunks[i]
-            if not (kernel_writes_lowp and lowp_target(c)):  # else the kernel wrote the shard already
-                with torch.no_grad():
-                    c.shard.copy_(c.master)
+            with c.shard_access(write=True):  # a disk shard: read in, rewritten, written back
+                step_chunk(i)
+                if not (kernel_writes_lowp and lowp_target(c)):  # else the kernel wrote the shard already
+                    with torch.no_grad():
+                        c.shard.copy_(c.master)
 
         self.for_each_disk_chunk(work, todo)
 

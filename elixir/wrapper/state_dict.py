@@ -91,7 +91,8 @@ def load_full_state_dict(em: ElixirModule, state_dict: dict, strict: bool = True
         em.cache.release_all()
         em.streams.synchronize()  # no side-stream copy still reads what the host overwrites
         for chunk in em.chunks:
-            with staged(em.disk_store, [chunk.index]):  # a disk master: staged, written back
+            # a disk master (and a disk shard): staged, written back
+            with staged(em.disk_store, [chunk.index]), chunk.shard_access(write=True):
                 for piece in em.param_map.shard_pieces(chunk.spec):
                     v = by_param.get(id(em.params[piece.param_index]))
                     if v is None:
