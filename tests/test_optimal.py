@@ -18,10 +18,11 @@ from elixir.search.cost_model import (
     pack,
     per_chunk_bytes,
     replicated_optimizer_bytes,
+    staging_bytes,
     unified_memory,
 )
 from elixir.search.optimal import DoesNotFitError, chunk_size_candidates, optimal_search, search_profile
-from elixir.search.placement import DD, DH, DK, HH, HK
+from elixir.search.placement import DD, DH, DK, HH, HK, KK
 from elixir.search.plan import Placement, SearchResult
 from elixir.search.step_profile import BACKWARD, FORWARD, StepProfile
 
@@ -60,7 +61,7 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
     dev, host, disk = POLICY.usable(*budgets)
     elem = 4 if profile.dtype == "float32" else 2
     stt = Setting(world=world, elem=elem, reduce_elem=elem, opt_bytes=8, hardware=HW, dtype=profile.dtype)
-    types = [DD, DH, HH] + ([DK, HK] if disk > 0 else [])
+    types = [DD, DH, HH] + ([DK, HK, KK] if disk > 0 else [])
     tied_modes = (False, True) if profile.shared and world > 1 else (False,)
     for c, tied in itertools.product(chunk_size_candidates(profile, world), tied_modes):
         lay = pack(profile, c, world, tied)
@@ -74,13 +75,14 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
             for counts in itertools.product(range(n + 1), repeat=len(types)):
                 if sum(counts) != n:
                     continue
-                if blocks == 0 and any(k for k, t in zip(counts, types) if t.shard is Placement.HOST):
+                if blocks == 0 and any(k for k, t in zip(counts, types) if t.shard is not Placement.DEVICE):
                     continue
                 d = base + rd + sum(k * cb[t][0] for k, t in zip(counts, types))
                 h = rh + construction_staging_bytes(lay) + sum(k * cb[t][1] for k, t in zip(counts, types))
                 k_disk = sum(k * cb[t][2] for k, t in zip(counts, types))
-                if k_disk:
-                    h += (c // world) * (4 + 8)  # one chunk's master + state staged in host memory
+                if k_disk:  # masters + state (and KK shards) staged while the optimizer streams them
+                    n_disk = sum(k for k, t in zip(counts, types) if t.on_disk)
+                    h += staging_bytes(stt, c // world, n_disk, sum(k for k, t in zip(counts, types) if t.shard_on_disk))
                 # a CPU-only profile has one pool: the host budget holds device and host bytes
                 if d <= dev and (d + h if unified_memory(HW) else h) <= host and k_disk <= disk:
                     return True
