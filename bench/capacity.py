@@ -102,21 +102,24 @@ def _build(system: str, cfg, offload: str, mem_cap: int):
         import deepspeed  # noqa: F401  (raises ImportError: recorded as the reason)
 
         deepspeed.init_distributed(dist_backend="gloo")
-        model = AutoModelForCausalLM.from_config(cfg).train()
-        base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-                "zero_optimization": {"stage": 3}}
-        try:
-            ds = dict(base)
-            ds["zero_optimization"] = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": offload},
-                                       "offload_optimizer": {"device": "nvme", "nvme_path": offload}}
-            engine, opt, _, _ = deepspeed.initialize(model=model, config=ds)
-            return engine, ("deepspeed", "nvme")
-        except Exception as e:  # the async-I/O op does not build here: fall back to CPU offload
-            print(json.dumps({"note": f"NVMe offload failed ({type(e).__name__}: {str(e)[:300]}); CPU offload"}))
-            ds = dict(base)
-            ds["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
-            engine, opt, _, _ = deepspeed.initialize(model=model, config=ds)
-            return engine, ("deepspeed", "cpu")
+        base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+        nvme = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": offload},
+                "offload_optimizer": {"device": "nvme", "nvme_path": offload}}
+        cpu = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+        for where, zero in (("nvme", nvme), ("cpu", cpu)):
+            ds = dict(base, zero_optimization=zero)
+            try:
+                # zero.Init partitions (and offloads) each parameter as it is created: the whole
+                # model never exists in this process, as with elixir's meta build
+                with deepspeed.zero.Init(config_dict_or_path=ds):
+                    model = AutoModelForCausalLM.from_config(cfg).train()
+                engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+                print(json.dumps({"note": f"DeepSpeed ZeRO-3, parameters and optimizer offloaded to {where}"}), flush=True)
+                return engine, ("deepspeed", where)
+            except Exception as e:  # e.g. the async-I/O op does not build here: CPU offload instead
+                if where == "cpu":
+                    raise
+                print(json.dumps({"note": f"NVMe offload failed ({type(e).__name__}: {str(e)[:300]}); CPU offload"}), flush=True)
     if system == "e":
         from elixir.optim import HybridAdam
         from elixir.search import optimal_search
