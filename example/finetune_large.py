@@ -9,8 +9,9 @@ then fine-tune it, on 1 or more local ranks (CPU: gloo; GPUs: NCCL):
 
     torchrun --nproc-per-node 2 --standalone example/finetune_large.py /tmp/llama-ckpt --steps 20
 
-The model is built on the meta device, ``optimal_search`` places every chunk's shard and optimizer
-state on the device, in host memory or on disk (``--offload-dir``) to fit ``--host-memory``, and
+The model is built on the meta device, ``optimal_search`` places every chunk's bf16 shard and its
+fp32 master and optimizer state on the device, in host memory or on disk (``--offload-dir``; a
+chunk may go there whole, shard included) to fit ``--host-memory``, and
 ``load_pretrained`` streams the checkpoint into each rank's shards. The text is the Python
 standard library's source (``elixir.data``), byte-level, so nothing is downloaded.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +47,11 @@ def make_checkpoint(path: str, hidden: int, layers: int, shard_size: str) -> Non
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     n = sum(p.numel() for p in model.parameters())
+    # frozen chunks in bf16: no fp32 master and no optimizer state, so each rank holds only its
+    # bf16 shards (2 bytes per parameter over the ranks), never the model in fp32
+    model.requires_grad_(False)
     plan = minimum_waste_search(model, info.world_size, cpu_offload=True)
-    em = ElixirModule(model, plan, init_seed=0)  # each rank holds only its fp32 shards
+    em = ElixirModule(model, plan, init_seed=0, dtype=torch.bfloat16)
     checkpoint.save_pretrained(path, em, max_shard_size=shard_size, dtype=torch.bfloat16)
     if info.is_main:
         print(f"saved {n / 1e9:.2f}B parameters ({n * 2 / 2**30:.1f} GiB in bf16, {n * 4 / 2**30:.1f} GiB as fp32) to {path}")
@@ -66,13 +72,20 @@ def finetune(args) -> list[float]:
         return loss
 
     gib = 2**30
+    dtype = getattr(torch, args.dtype)
+    offload_root = os.path.abspath(args.offload_dir or tempfile.gettempdir())
+    while not os.path.isdir(offload_root):  # not created yet: the disk it will be created on
+        offload_root = os.path.dirname(offload_root)
+    # default disk budget: 90% of what is free where the offload files go, shared by the ranks
+    disk = args.disk * gib if args.disk else 0.9 * shutil.disk_usage(offload_root).free / info.world_size
     plan = optimal_search(
-        model, info.world_size, inp=batch, step_fn=step_fn, verbose=info.is_main,
+        model, info.world_size, unified_dtype=dtype, optimizer_type="HybridAdam", inp=batch, step_fn=step_fn,
+        verbose=info.is_main,
         host_memory=int(args.host_memory * gib) if args.host_memory else None,
         device_memory=int(args.host_memory * gib) if args.host_memory else None,
-        disk=int(args.disk * gib) if args.disk else None,
+        disk=int(disk),
     )
-    em = ElixirModule(model, plan, offload_dir=args.offload_dir)
+    em = ElixirModule(model, plan, dtype=dtype, offload_dir=args.offload_dir)
     checkpoint.load_pretrained(args.checkpoint, em)
     opt = ElixirOptimizer(em, HybridAdam(em.parameters(), lr=args.lr, weight_decay=0.0))
 
@@ -104,8 +117,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="compute dtype of the chunks (the optimizer keeps fp32 masters)")
     p.add_argument("--host-memory", type=float, help="GiB per rank the plan may use (default: the hardware profile's)")
-    p.add_argument("--disk", type=float, help="GiB of disk per rank for offloaded optimizer state")
+    p.add_argument("--disk", type=float, help="GiB of disk per rank for offloaded chunks (default: 90%% of the "
+                   "offload directory's free space over the ranks)")
     p.add_argument("--offload-dir", default=os.environ.get("ELIXIR_OFFLOAD_DIR"), help="where disk chunks live")
     p.add_argument("--save", help="save the fine-tuned model here (HF layout, bf16)")
     args = p.parse_args()
