@@ -3,7 +3,10 @@
 Systems: (a) plain torch AdamW fp32, (b) plain torch bf16 autocast, (c) FSDP2 with
 ``CPUOffloadPolicy``, (d) DeepSpeed ZeRO-3 with NVMe offload (or CPU offload when its async-I/O op
 cannot be built; the error is recorded), (e) elixir built on meta with ``optimal_search`` placing
-every chunk (disk included). A size passes when 3 steps finish with finite, falling losses under
+every chunk (disk included). The LoRA line (rank 8 on every attention and MLP projection, the base
+frozen in bf16, adapters fp32): (f) plain PEFT on torch, (g) PEFT under FSDP2 with
+``CPUOffloadPolicy`` (bf16 all-gathers), (h) elixir: PEFT built on meta, frozen chunks in bf16 with no
+gradient, master or optimizer state, ``optimal_search`` placing them. A size passes when 3 steps finish with finite, falling losses under
 the memory cap. Sizes come from a ladder of LLaMA configs; each system's largest passing rung is
 found by bisection (training memory grows with the rung).
 
@@ -34,7 +37,12 @@ SYSTEMS = {
     "c": "FSDP2 CPUOffloadPolicy",
     "d": "DeepSpeed ZeRO-3 offload",
     "e": "elixir (meta, optimal_search)",
+    "f": "LoRA: PEFT on torch",
+    "g": "LoRA: PEFT + FSDP2 CPUOffloadPolicy",
+    "h": "LoRA: elixir (meta, frozen chunks)",
 }
+LORA_SYSTEMS = {"f", "g", "h"}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # (hidden, layers): parameters grow roughly 12 * hidden^2 * layers
 LADDER = [(1024, 8), (1536, 12), (1792, 14), (2048, 16), (2048, 22), (2304, 22), (2560, 24), (2816, 24),
           (3072, 26), (3328, 26), (3584, 28), (3840, 28), (4096, 30), (4096, 36), (5120, 36), (5120, 44),
@@ -76,9 +84,73 @@ def _io() -> tuple[int, int]:
     return int(d["read_bytes"]), int(d["write_bytes"])
 
 
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    # adapters in fp32 over the bf16 base (PEFT's autocast_adapter_dtype), as PEFT recommends
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS))
+
+
+def _build_lora(system: str, cfg, offload: str, mem_cap: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lr = 1e-3
+    if system == "f":
+        model = _lora(AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)).train()
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, fused=True)
+    if system == "g":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        with torch.device("meta"):
+            model = _lora(AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)).train()
+        mesh = init_device_mesh("cpu", (1,))
+        kw = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False),
+                  mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        model.to_empty(device="cpu")
+        model.get_base_model().initialize_weights()  # weights and buffers (rotary inv_freq), as system c
+        with torch.no_grad():  # the adapters as PEFT starts them: lora_B zero
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.to_local().zero_() if "lora_B" in n else p.to_local().normal_(0.0, 0.02)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    if system == "h":
+        from elixir.search import optimal_search
+        from elixir.wrapper import ElixirModule, ElixirOptimizer
+
+        with torch.device("meta"):
+            model = _lora(AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)).train()
+        batch = {"input_ids": torch.zeros(1, 256, dtype=torch.long)}
+
+        def step_fn(m, b):
+            loss = m(input_ids=b["input_ids"], labels=b["input_ids"]).loss
+            loss.backward()
+            return loss
+
+        plan = optimal_search(model, 1, unified_dtype=torch.bfloat16, optimizer_type="AdamW", inp=batch,
+                              step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap)
+        where = sorted({c.shard_placement.value for c in plan.frozen_chunks})
+        print(json.dumps({"note": f"plan: {len(plan.frozen_chunks)} frozen chunks of {plan.frozen_chunks[0].chunk_size:,} "
+                                  f"el on {where}, {len(plan.chunks)} trainable chunks, predicted peak "
+                                  f"{(plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes) / GIB:.2f} GiB"}),
+              flush=True)
+        em = ElixirModule(model, plan, dtype=torch.bfloat16, offload_dir=offload)
+        return em, ElixirOptimizer(em, torch.optim.AdamW([p for p in em.parameters() if p.requires_grad], lr=lr))
+    raise ValueError(system)
+
+
 def _build(system: str, cfg, offload: str, mem_cap: int):
     import torch
     from transformers import AutoModelForCausalLM
+
+    if system in LORA_SYSTEMS:
+        return _build_lora(system, cfg, offload, mem_cap)
 
     if system in ("a", "b"):
         model = AutoModelForCausalLM.from_config(cfg).train()
