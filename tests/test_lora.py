@@ -26,8 +26,10 @@ BATCH = 4
 TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"]}
 
 
-def build_lora(base: str) -> nn.Module:
+def build_lora(base: str, checkpointing: bool = False) -> nn.Module:
     model = build_model(base)
+    if checkpointing:  # frozen chunks are gathered again for the recomputation
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[base], lora_dropout=0.0, init_lora_weights="gaussian",
                      fan_in_fan_out=base == "gpt2")
     torch.manual_seed(1)
@@ -60,6 +62,7 @@ def _class_loss(model, batch):
 CASES = {
     "llama-lora": ZooCase("llama-lora", lambda: build_lora("llama"), _token_batch, _lm_loss),
     "gpt2-lora": ZooCase("gpt2-lora", lambda: build_lora("gpt2"), _token_batch, _lm_loss),
+    "llama-lora-ckpt": ZooCase("llama-lora-ckpt", lambda: build_lora("llama", checkpointing=True), _token_batch, _lm_loss),
     "classifier": ZooCase("classifier", build_classifier, _class_batch, _class_loss),
 }
 
@@ -369,3 +372,28 @@ def test_frozen_1b_backbone_on_meta_costs_each_rank_half_its_bytes():
     """About 1.1B frozen parameters (4.4 GB in fp32): each of 2 ranks peaks near 2.2 GB more."""
     check_frozen_backbone_rss(dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                                    num_attention_heads=32, num_key_value_heads=4))
+
+
+def test_frozen_chunks_stay_in_bf16_with_no_fp32_copy(tmp_path):
+    """A bf16 model: frozen chunks hold the bf16 weights as loaded (bitwise), no master, 2 bytes
+    per element in the ledger; only the adapters have fp32 masters."""
+    from elixir.checkpoint import load_pretrained
+
+    base = build_model("llama", seed=4).to(torch.bfloat16)
+    base.save_pretrained(tmp_path / "base")
+    model = CASES["llama-lora"].build()
+    em = ElixirModule(model, minimum_waste_search(model, 1, unified_dtype=torch.bfloat16), dtype=torch.bfloat16)
+    load_pretrained(str(tmp_path / "base"), em)
+    assert em.frozen_chunks and all(c.shard.dtype == torch.bfloat16 and c.master is None for c in em.frozen_chunks)
+    assert em.ledger.bytes("frozen_shard") == sum(c.spec.capacity for c in em.frozen_chunks) * 2
+    assert all(c.master.dtype == torch.float32 for c in em.chunks)
+    sd, saved = em.state_dict(), base.state_dict()
+    for k, v in sd.items():
+        bk = k.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if "lora_" not in k and bk in saved:
+            assert v.dtype == torch.bfloat16 and torch.equal(v, saved[bk]), k
+    opt = ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]))
+    before = {k: v for k, v in sd.items() if "lora_" not in k}
+    train_wrapped(CASES["llama-lora"], em, opt, steps=2, batch_size=BATCH)
+    after = em.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
