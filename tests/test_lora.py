@@ -397,3 +397,21 @@ def test_frozen_chunks_stay_in_bf16_with_no_fp32_copy(tmp_path):
     train_wrapped(CASES["llama-lora"], em, opt, steps=2, batch_size=BATCH)
     after = em.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_peft_save_pretrained_writes_the_trained_adapters(tmp_path):
+    """PEFT's own save_pretrained on the wrapped PeftModel (given the gathered state, which the
+    guard supplies at world size 1) writes adapter_model.safetensors that PeftModel.from_pretrained
+    loads onto a plain base: the trained adapters, nothing else."""
+    from peft import PeftModel
+
+    case = CASES["llama-lora"]
+    em = ElixirModule(case.build(), minimum_waste_search(case.build(), 1))
+    opt = ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]))
+    train_wrapped(case, em, opt, steps=2, batch_size=BATCH)
+    em.module.save_pretrained(str(tmp_path / "adapter"))
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    back = PeftModel.from_pretrained(build_model("llama"), str(tmp_path / "adapter"))
+    sd, mine = back.state_dict(), em.state_dict()
+    names = [n for n, p in em.module.named_parameters() if p.requires_grad]
+    assert names and all(torch.equal(sd[n], mine[n]) for n in names)
