@@ -29,6 +29,10 @@ Systems:
   proven to fit.
 - ``elixir`` / ``elixir-hybrid`` / ``elixir-bf16``: ``minimum_waste_search``'s plan, with torch
   AdamW / HybridAdam / bf16 chunks and HybridAdam.
+- ``elixir-zero2`` / ``elixir-zero1``: the same chunks as ZeRO-2 / ZeRO-1 chunks (what
+  ``LowLevelZeroPlugin(stage=2|1)`` runs: parameters whole on every rank, fp32 master and optimizer
+  state split, gradients reduce-scattered / all-reduced, updated parameters all-gathered after the
+  step), with HybridAdam.
 - ``ddp``, ``fsdp2`` (per block plus root), ``plain`` (world 1 only), each with torch AdamW, and
   ``-fused`` variants with ``fused=True``; ``ddp-bf16`` (autocast bf16), ``fsdp2-bf16``
   (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), ``fsdp2-offload``
@@ -58,7 +62,10 @@ from typing import Optional
 
 GiB = 2**30
 
-ELIXIR_SYSTEMS = ("elixir-optimal", "elixir-optimal-bf16", "elixir-optimal-fused", "elixir-tight", "elixir", "elixir-hybrid", "elixir-bf16")
+ELIXIR_SYSTEMS = (
+    "elixir-optimal", "elixir-optimal-bf16", "elixir-optimal-fused", "elixir-tight", "elixir", "elixir-hybrid", "elixir-bf16",
+    "elixir-zero2", "elixir-zero1",
+)
 PEER_SYSTEMS = (
     "ddp", "ddp-fused", "ddp-bf16", "fsdp2", "fsdp2-fused", "fsdp2-bf16", "fsdp2-offload",
     "deepspeed", "deepspeed-bf16", "deepspeed-offload", "plain", "plain-fused",
@@ -77,6 +84,7 @@ DEFAULT_LINES = (
     "elixir-optimal-bf16:2", "fsdp2-bf16:2", "ddp-bf16:2", "deepspeed-bf16:2",
     "elixir-tight:2", "fsdp2-offload:2", "deepspeed-offload:2",
     "elixir-optimal:2@medium", "fsdp2-fused:2@medium", "deepspeed:2@medium",
+    "elixir-zero2:2", "elixir-zero1:2",
 )
 # (numerator, denominator, step-time target, memory target): the issue's targets. The memory
 # target compares per-rank peak RSS.
@@ -101,6 +109,8 @@ RATIOS = (
     ("elixir-optimal:2@medium", "fsdp2-fused:2@medium", 1.0, None),
     ("elixir-optimal:2@medium", "fsdp2:2@medium", 1.0, None),
     ("elixir-optimal:2@medium", "deepspeed:2@medium", 1.0, None),
+    ("elixir-zero2:2", "ddp-fused:2", None, None),
+    ("elixir-zero2:2", "elixir-hybrid:2", None, None),
 )
 
 
@@ -267,8 +277,8 @@ def plan_summary(sr) -> dict:
     from collections import Counter
 
     code = {"device": "D", "host": "H", "disk": "K"}
-    kinds = Counter(("S" if c.sharded else "R") + code[c.shard_placement.value] + code[c.optim_placement.value]
-                    for c in sr.chunks)
+    kind = {"sharded": "S", "zero2": "2", "zero1": "1", "replicated": "R"}
+    kinds = Counter(kind[c.sharding.value] + code[c.shard_placement.value] + code[c.optim_placement.value] for c in sr.chunks)
     shared = [n for c in sr.chunks for n in c.params if "wte" in n]
     tied_sharded = any(c.sharded for c in sr.chunks for n in c.params if "wte" in n)
     return {"search": sr.search, "chunk_size": sr.chunk_size, "chunks": len(sr.chunks), "cache_blocks": sr.cache_blocks,
@@ -299,6 +309,11 @@ def wrap(system: str, model, cfg: BenchConfig, world: int):
         else:
             t0 = time.perf_counter()
             sr = minimum_waste_search(model, world, unified_dtype=dtype)
+            if system in ("elixir-zero2", "elixir-zero1"):
+                from elixir.booster.low_level_zero import zero_plan
+                from elixir.search import Sharding
+
+                sr = zero_plan(sr, Sharding.ZERO2 if system == "elixir-zero2" else Sharding.ZERO1)
             extra.update(search_s=time.perf_counter() - t0, plan=plan_summary(sr))
         if system == "elixir":
             inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -552,7 +567,7 @@ def print_results(results: dict[str, LineResult], cfg: BenchConfig, wall: float)
                        _fmt_gib(x.get("predicted_activation_bytes")),
                        _fmt_gib(x.get("memory", {}).get("device_peak_bytes")))
         console.print(pt)
-        console.print("chunk kinds: S/R sharded/replicated, then shard and optimizer placement (D device, H host, "
+        console.print("chunk kinds: S/R sharded/replicated, 2/1 ZeRO-2/ZeRO-1, then shard and optimizer placement (D device, H host, "
                       "K disk); the ledger peak is the runtime's own tensors (no activations, no inner-optimizer moments)")
     rt = Table(title="ratios (same invocation)")
     for col in ("ratio", "step time", "target", "peak RSS (max rank)", "target ", "met"):

@@ -277,20 +277,19 @@ class Trainer:
         if pred is None:
             return None
         mem = self.plan.info.get("predicted_memory", {})
-        moments = sum((c.chunk_size // self.plan.world_size if c.sharded else c.chunk_size) * 8
-                      for c in self.plan.chunks if c.optim_placement.value == "device")
+        moments = sum(c.state_size(self.plan.world_size) * 8 for c in self.plan.chunks if c.optim_placement.value == "device")
         return pred.peak_device_bytes - mem.get("activations", 0) - mem.get("buffers", 0) - moments
 
 
 def print_chunks(console, plan) -> None:
-    """Per chunk: what it holds, its size, sharded or replicated, where its shard and optimizer
-    state live."""
+    """Per chunk: what it holds, its size, its kind (sharded, ZeRO-2/1, replicated), where its
+    shard and optimizer state live."""
     t = Table(title="chunks of the plan", title_justify="left")
     for col in ("#", "parameters", "elements", "kind", "shard on", "optimizer on"):
         t.add_column(col, justify="right" if col in ("#", "elements") else "left")
     for i, c in enumerate(plan.chunks):
         names = c.params[0] if len(c.params) == 1 else f"{c.params[0]} .. {c.params[-1]} ({len(c.params)})"
-        t.add_row(str(i), names, f"{c.chunk_size:,}", "sharded" if c.sharded else "replicated",
+        t.add_row(str(i), names, f"{c.chunk_size:,}", c.sharding.value,
                   c.shard_placement.value if c.sharded else "device (whole)", c.optim_placement.value)
     console.print(t)
 
@@ -340,7 +339,8 @@ def run_worker(cfg: DemoConfig) -> int:
         "tokens_per_s": cfg.steps * world * cfg.batch * cfg.seq / sum(step_times),
         "memory": per_rank,
         "plan": {"search": cfg.search, "chunks": len(trainer.plan.chunks), "chunk_size": trainer.plan.chunk_size,
-                 "sharded": sum(c.sharded for c in trainer.plan.chunks), "waste": trainer.plan.waste(),
+                 "sharded": sum(c.sharded for c in trainer.plan.chunks), "shardings": trainer.plan.sharding_counts,
+                 "param_elements_per_rank": sum(c.shard_size(world) for c in trainer.plan.chunks), "waste": trainer.plan.waste(),
                  "cache_blocks": trainer.plan.cache_blocks, "search_s": trainer.search_s},
         "measured_step_s": _median(step_times[TIMING_WARMUP:] or step_times),
         "predicted_step_s": None if trainer.plan.prediction is None else trainer.plan.prediction.step_time_s,

@@ -23,7 +23,7 @@ BATCH = 4
 
 
 def _plugins():
-    from elixir.booster import GeminiPlugin, TorchDDPPlugin, TorchFSDPPlugin
+    from elixir.booster import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
 
     return {
         "ddp": lambda: TorchDDPPlugin(),
@@ -36,10 +36,13 @@ def _plugins():
         "gemini_auto": lambda: GeminiPlugin(placement_policy="auto", precision="fp32"),
         "auto": lambda: "auto",
         "gemini_accum": lambda: GeminiPlugin(placement_policy="static", shard_param_frac=1.0, enable_gradient_accumulation=True, precision="fp32"),
+        "zero1": lambda: LowLevelZeroPlugin(stage=1, precision="fp32"),
+        # a small bucket: several ZeRO-2 chunks; state on the host
+        "zero2": lambda: LowLevelZeroPlugin(stage=2, precision="fp32", reduce_bucket_size_in_m=0.01, cpu_offload=True),
     }
 
 
-TRAINED = ("ddp", "fsdp", "gemini_static_0", "gemini_static_0.5", "gemini_static_1", "gemini_auto", "auto")
+TRAINED = ("ddp", "fsdp", "gemini_static_0", "gemini_static_0.5", "gemini_static_1", "gemini_auto", "auto", "zero1", "zero2")
 
 
 def _boosted(case: str, plugin_name: str, steps_sched: bool = False):
@@ -138,9 +141,9 @@ def _worker(root: str) -> dict:
             out["norms"][(case, name)] = norms
             if name == "auto":
                 out["reasons"][case] = (type(booster.plugin).__name__, booster.reason)
-    for name in ("ddp", "fsdp", "gemini_static_0.5"):
+    for name in ("ddp", "fsdp", "gemini_static_0.5", "zero2"):
         out["resume"][name] = _resume(root, "gpt2", name)
-    for name in ("ddp", "fsdp", "gemini_accum"):
+    for name in ("ddp", "fsdp", "gemini_accum", "zero2"):
         booster, model, opt, _ = _boosted("llama", name)
         _accumulated_step("llama", booster, model, opt)
         out["accum"][name] = _full_state(booster, model)
@@ -271,3 +274,49 @@ def test_booster_gemini_example_smoke(tmp_path):
     assert len(losses) == 3 and all(x == x for x in losses)
     assert (tmp_path / "ckpt" / "model" / "model.safetensors").exists()
     assert (tmp_path / "ckpt" / "optimizer" / "index.json").exists()
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        ({"stage": 3}, "GeminiPlugin"),
+        ({"precision": "fp8"}, "precision must be one of"),
+        ({"overlap_communication": False}, "overlap_communication"),
+        ({"communication_dtype": torch.float16, "precision": "bf16"}, "torch.float32"),
+        ({"master_weights": False}, "fp32 master"),
+        ({"extra_dp_size": 2}, "extra_dp_size=1"),
+        ({"reduce_bucket_size_in_m": 0}, "reduce_bucket_size_in_m"),
+    ],
+)
+def test_low_level_zero_refuses_what_it_cannot_honour(kw, says):
+    from elixir.booster import LowLevelZeroPlugin
+
+    with pytest.raises(ValueError) as err:
+        LowLevelZeroPlugin(**kw)
+    assert says in str(err.value)
+    with pytest.raises(TypeError, match="unexpected argument"):
+        LowLevelZeroPlugin(no_such_thing=1)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_low_level_zero_plan_has_every_argument_in_it(stage):
+    from elixir.booster import LowLevelZeroPlugin
+    from elixir.search import Placement, Sharding
+    from elixir.testing.zoo import build_model
+
+    model = build_model("gpt2")
+    big = LowLevelZeroPlugin(stage=stage).make_plan(model)
+    small = LowLevelZeroPlugin(stage=stage, reduce_bucket_size_in_m=0.01, cpu_offload=True).make_plan(model)
+    kind = {1: Sharding.ZERO1, 2: Sharding.ZERO2}[stage]
+    for plan, optim in ((big, Placement.DEVICE), (small, Placement.HOST)):
+        assert {c.sharding for c in plan.chunks} == {kind} and plan.cache_blocks == 0
+        assert {c.optim_placement for c in plan.chunks} == {optim}
+        assert {c.shard_placement for c in plan.chunks} == {Placement.DEVICE}
+    largest = max(p.numel() for p in model.parameters())
+    bucket = int(0.01 * 2**20)
+    # reduce_bucket_size_in_m caps the chunks (a parameter larger than the bucket gets its own)
+    assert len(small.chunks) > len(big.chunks)
+    assert all(c.chunk_size <= max(bucket, largest) + 16 * 2 or len(c.params) == 1 for c in small.chunks)
+    bf = LowLevelZeroPlugin(stage=stage, precision="bf16", communication_dtype=torch.float32)
+    assert bf.dtype == torch.bfloat16 and bf.reduce_always_fp32
+    assert bf.loss_scale.initial_scale == 2.0**32  # ColossalAI's default for this plugin

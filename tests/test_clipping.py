@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from elixir import distributed as edist
-from elixir.search import minimum_waste_search
+from elixir.search import Sharding, minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
 from elixir.testing.zoo import ZOO, build_model
@@ -36,10 +36,12 @@ class Case:
     norm_type: float
     replicate_first: bool = False  # force the first sharded chunk to be replicated
     via_ctor: bool = False  # clip with ElixirOptimizer(max_norm=...) instead of clip_grad_norm_
+    kinds: str = ""  # "zero2": every chunk ZeRO-2; "mixed": chunks cycle sharded/zero2/zero1/replicated
 
     @property
     def label(self) -> str:
-        return f"{self.model}-L{self.norm_type}{'-replicated' if self.replicate_first else ''}{'-ctor' if self.via_ctor else ''}"
+        return (f"{self.model}-L{self.norm_type}{'-replicated' if self.replicate_first else ''}"
+                f"{'-ctor' if self.via_ctor else ''}{'-' + self.kinds if self.kinds else ''}")
 
 
 CASES = [
@@ -47,16 +49,31 @@ CASES = [
     Case("tied", 2.0), Case("tied", float("inf"), via_ctor=True),
     Case("shared", 2.0, replicate_first=True), Case("llama", float("inf"), replicate_first=True),
     Case("routed", 2.0, via_ctor=True),
+    # per-chunk ZeRO stage: each rank's norm part is its slice of a ZeRO-1/2 chunk, counted once
+    Case("tied", 2.0, kinds="zero2"), Case("shared", float("inf"), via_ctor=True, kinds="mixed"),
+    Case("gpt2", 2.0, kinds="mixed"),
 ]
 
+MIX = (Sharding.SHARDED, Sharding.ZERO2, Sharding.ZERO1, Sharding.REPLICATED)
 
-def _plan(model, world: int, replicate_first: bool):
-    sr = minimum_waste_search(model, world)
+
+def with_kinds(sr, kinds: str):
+    """``sr`` with every chunk ZeRO-2 (``"zero2"``), or the kinds cycling through :data:`MIX`."""
+    if not kinds:
+        return sr
+    w = sr.world_size
+    chunks = [c.with_sharding(Sharding.ZERO2 if kinds == "zero2" else MIX[i % len(MIX)], w) for i, c in enumerate(sr.chunks)]
+    sharded = sum(c.sharded for c in chunks)
+    return dataclasses.replace(sr, chunks=tuple(chunks), cache_blocks=max(1, min(sr.cache_blocks, sharded)))
+
+
+def _plan(model, world: int, replicate_first: bool, kinds: str = ""):
+    sr = with_kinds(minimum_waste_search(model, world), kinds)
     if not replicate_first:
         return sr
     chunks = list(sr.chunks)
     i = next(i for i, c in enumerate(chunks) if c.sharded)
-    chunks[i] = dataclasses.replace(chunks[i], sharded=False, chunk_size=chunks[i].used)
+    chunks[i] = dataclasses.replace(chunks[i], sharding=Sharding.REPLICATED, chunk_size=chunks[i].used)
     sharded = sum(c.sharded for c in chunks)
     return dataclasses.replace(sr, chunks=tuple(chunks), cache_blocks=min(sr.cache_blocks, sharded))
 
@@ -65,7 +82,7 @@ def _run_case(case: Case) -> dict:
     rank, world = edist.get_rank(), edist.get_world_size()
     zc = ZOO[case.model]
     model = build_model(case.model)
-    em = ElixirModule(model, _plan(model, world, case.replicate_first))
+    em = ElixirModule(model, _plan(model, world, case.replicate_first, case.kinds))
     max_norm = MAX_NORM[case.norm_type]
     kw = dict(max_norm=max_norm, norm_type=case.norm_type) if case.via_ctor else {}
     opt = ElixirOptimizer(em, sgd([p for p in em.parameters() if p.requires_grad]), **kw)

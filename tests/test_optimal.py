@@ -15,13 +15,21 @@ from elixir.search.cost_model import (
     Setting,
     construction_staging_bytes,
     fixed_device_bytes,
+    layout_from_plan,
     pack,
     per_chunk_bytes,
     replicated_optimizer_bytes,
     staging_bytes,
     unified_memory,
+    zero_chunk_bytes,
 )
-from elixir.search.optimal import DoesNotFitError, chunk_size_candidates, optimal_search, search_profile
+from elixir.search.optimal import (
+    DoesNotFitError,
+    chunk_size_candidates,
+    optimal_search,
+    search_profile,
+    zero_candidates,
+)
 from elixir.search.placement import DD, DH, DK, HH, HK, KK
 from elixir.search.plan import Placement, SearchResult
 from elixir.search.step_profile import BACKWARD, FORWARD, StepProfile
@@ -57,20 +65,24 @@ def layer_stacks(draw):
 
 
 def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int]) -> bool:
-    """Exhaustive: any chunk size, the fewest blocks, any count of each placement."""
+    """Exhaustive: any chunk size, the fewest blocks, any count of each placement, and the
+    search's counts of ZeRO-1/2 chunks (state on the device)."""
     dev, host, disk = POLICY.usable(*budgets)
     elem = 4 if profile.dtype == "float32" else 2
     stt = Setting(world=world, elem=elem, reduce_elem=elem, opt_bytes=8, hardware=HW, dtype=profile.dtype)
     types = [DD, DH, HH] + ([DK, HK, KK] if disk > 0 else [])
     tied_modes = (False, True) if profile.shared and world > 1 else (False,)
-    for c, tied in itertools.product(chunk_size_candidates(profile, world), tied_modes):
-        lay = pack(profile, c, world, tied)
+    layouts = [pack(profile, c, world, tied, z) for c, tied in itertools.product(chunk_size_candidates(profile, world), tied_modes)
+               for z in zero_candidates(pack(profile, c, world, tied), world)]
+    for lay in layouts:
+        c = lay.chunk_size
         n = lay.n_sharded - lay.own  # sharded tied chunks stay DD, in the fixed bytes
+        zd = sum(zero_chunk_bytes(stt, z, Placement.DEVICE)[0] for z in lay.zero_capacities)
         cb = per_chunk_bytes(stt, c // world if n else 0)
         # at world size 1 device shards stay whole and need no block: 0 blocks when all are there
         block_options = ([0] if world == 1 or not lay.n_sharded else []) + ([max(1, lay.min_blocks)] if lay.n_sharded else [])
         for blocks, rw in itertools.product(block_options, (Placement.DEVICE, Placement.HOST)):
-            base = sum(fixed_device_bytes(profile, lay, stt, blocks).values())
+            base = sum(fixed_device_bytes(profile, lay, stt, blocks).values()) + zd
             rd, rh = replicated_optimizer_bytes(lay, stt, rw)
             for counts in itertools.product(range(n + 1), repeat=len(types)):
                 if sum(counts) != n:
@@ -132,7 +144,7 @@ def test_plans_respect_budgets_and_raise_exactly_when_nothing_fits(profile, worl
     assert all(c.chunk_size % world == 0 for c in r.chunks if c.sharded)
     host_shards = any(c.sharded and c.shard_placement.value != "device" for c in r.chunks)
     if any(c.sharded for c in r.chunks) and (world > 1 or host_shards):
-        assert r.cache_blocks >= max(1, pack(profile, r.chunk_size, world).min_blocks)
+        assert r.cache_blocks >= max(1, layout_from_plan(profile, r).min_blocks)
     else:  # world size 1 with every shard on the device: the runtime keeps them whole, no cache
         assert r.info["cache_blocks_used"] == 0 and r.prediction.breakdown["all_gather"] == 0
     # more memory never makes the chosen plan slower (the search is exhaustive over its candidates)

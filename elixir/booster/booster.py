@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from elixir import checkpoint
 from elixir import distributed as edist
 from elixir.booster import model_io
 from elixir.booster.auto import choose_plugin
@@ -35,7 +36,7 @@ class Booster:
 
     Args:
         plugin: a :class:`~elixir.booster.plugin.Plugin` (TorchDDPPlugin, TorchFSDPPlugin,
-            GeminiPlugin/ElixirPlugin) or ``"auto"``.
+            GeminiPlugin/ElixirPlugin, LowLevelZeroPlugin) or ``"auto"``.
         mixed_precision: with ``plugin="auto"``, the compute dtype to plan for (``"fp16"``,
             ``"bf16"``, ``"fp32"``). With a given plugin it must be None: Gemini takes
             ``precision=``, FSDP2 a ``MixedPrecisionPolicy`` (DDP runs in the model's dtype).
@@ -95,15 +96,22 @@ class Booster:
 
     def save_model(self, model: nn.Module, path: str, shard: bool = True, size_per_shard: float = 1024, use_safetensors: bool = True) -> None:
         """The full model in HF's safetensors layout in the directory ``path`` (shards of at most
-        ``size_per_shard`` MiB with an index when ``shard``). Collective: every rank calls it."""
+        ``size_per_shard`` MiB with an index when ``shard``), written by
+        :func:`elixir.checkpoint.save_pretrained`: for a model on elixir's runtime one gathered
+        chunk at a time, files spread over the ranks (no rank holds the whole model); for DDP and
+        FSDP2 from the full state dict on rank 0. Collective: every rank calls it."""
         if not use_safetensors:
             raise ValueError("save_model writes safetensors only; use_safetensors=False is not supported")
+        limit = max(1, int(size_per_shard * 2**20)) if shard else 2**62  # bytes
+        if isinstance(model, ElixirModule):
+            checkpoint.save_pretrained(path, model, max_shard_size=limit)
+            return
         state = self._plugin().full_state_dict(model)
         error = None
         if edist.get_rank() == 0:
             try:
-                model_io.write(state, path, shard, size_per_shard, _unwrap(model))
-            except OSError as e:
+                checkpoint.save_state_dict_pretrained(path, state, _unwrap(model), max_shard_size=limit)
+            except (OSError, checkpoint.CheckpointError) as e:
                 error = f"save_model({path!r}) failed: {e}"
         _agree(error)
 

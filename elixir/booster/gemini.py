@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Optional, Union
 
 import torch
 
-from elixir import checkpoint
 from elixir import distributed as edist
-from elixir.booster.plugin import Plugin
+from elixir.booster.runtime_plugin import PRECISIONS, ElixirRuntimePlugin, refuse_unsupported
 from elixir.search import SearchResult
 from elixir.search.placement_policy import PLACEMENT_POLICIES, StaticFractions, make_plan
-from elixir.wrapper import ElixirModule, ElixirOptimizer, LossScalePolicy
-
-PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+from elixir.wrapper import LossScalePolicy
 
 # GeminiPlugin arguments the runtime cannot honour: name -> (value that means "off", the alternative)
 _SHARDFORMER = "Shardformer model rewrites are out of scope for elixir (it runs the model's own modules)"
@@ -39,7 +35,7 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
 }
 
 
-class GeminiPlugin(Plugin):
+class GeminiPlugin(ElixirRuntimePlugin):
     """Chunked ZeRO-3 with heterogeneous placement, on :class:`~elixir.wrapper.ElixirModule` and
     :class:`~elixir.wrapper.ElixirOptimizer`, under ColossalAI's GeminiPlugin argument names.
 
@@ -90,12 +86,7 @@ class GeminiPlugin(Plugin):
         enable_async_reduce: bool = True,
         **unsupported: Any,
     ) -> None:
-        for k, v in unsupported.items():
-            if k not in UNSUPPORTED:
-                raise TypeError(f"GeminiPlugin got an unexpected argument {k!r}")
-            off, why = UNSUPPORTED[k]
-            if v != off:
-                raise ValueError(f"GeminiPlugin({k}={v!r}) is not supported: {why}")
+        refuse_unsupported("GeminiPlugin", unsupported, UNSUPPORTED)
         if placement_policy not in PLACEMENT_POLICIES:
             raise ValueError(f"placement_policy must be one of {PLACEMENT_POLICIES}, got {placement_policy!r}")
         fractions = StaticFractions(shard_param_frac, offload_param_frac, offload_optim_frac)
@@ -141,41 +132,5 @@ class GeminiPlugin(Plugin):
         if self.max_prefetch:
             result = dataclasses.replace(result, prefetch_depth=self.max_prefetch)
         return result
-
-    def configure(self, model, optimizer, criterion, dataloader, lr_scheduler) -> tuple:
-        if not isinstance(model, ElixirModule):
-            model = ElixirModule(
-                model, self.make_plan(model), dtype=self.dtype, output_fp32=self.dtype != torch.float32,
-                prefetch=self.max_prefetch > 0, offload_dir=self.offload_dir,
-            )
-        if optimizer is not None and not isinstance(optimizer, ElixirOptimizer):
-            optimizer = ElixirOptimizer(model, optimizer, max_norm=self.max_norm, norm_type=self.norm_type,
-                                       loss_scale_policy=self.loss_scale)
-        return model, optimizer, criterion, dataloader, lr_scheduler
-
-    def backward(self, loss, optimizer) -> None:
-        optimizer.backward(loss)
-
-    def no_sync(self, model, optimizer) -> contextlib.AbstractContextManager:
-        if not self.enable_gradient_accumulation:
-            raise RuntimeError("no_sync needs GeminiPlugin(enable_gradient_accumulation=True)")
-        return model.no_sync()
-
-    def clip_grad_by_norm(self, model, optimizer, max_norm, norm_type=2.0) -> torch.Tensor:
-        return optimizer.clip_grad_norm_(max_norm, norm_type)
-
-    def full_state_dict(self, model) -> dict:
-        return model.state_dict(rank0_only=True)
-
-    def load_full_state_dict(self, model, state, strict) -> None:
-        model.load_state_dict(state, strict=strict)
-
-    def save_optimizer(self, optimizer, path) -> None:
-        # elixir's sharded checkpoint: each rank writes its own fp32 master shards and optimizer state
-        checkpoint.save(path, optimizer.module, optimizer)
-
-    def load_optimizer(self, optimizer, path) -> None:
-        checkpoint.load(path, optimizer.module, optimizer)
-
 
 ElixirPlugin = GeminiPlugin

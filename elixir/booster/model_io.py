@@ -1,44 +1,20 @@
-"""Model checkpoints in Hugging Face's safetensors layout: ``model.safetensors`` or shards plus
-``model.safetensors.index.json`` (and ``config.json`` for an HF model), so ``from_pretrained``
-reads what :meth:`Booster.save_model` writes. Files are written by ``huggingface_hub``."""
+"""Reading model checkpoints in Hugging Face's safetensors layout (``model.safetensors`` or shards
+plus ``model.safetensors.index.json``) for :meth:`Booster.load_model`. Writing is
+:func:`elixir.checkpoint.save_pretrained`'s (and ``save_state_dict_pretrained`` for DDP/FSDP2)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-from typing import Optional
 
 import torch
 import torch.nn as nn
-from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 
 from elixir import distributed as edist
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-def write(state: dict[str, torch.Tensor], path: str, shard: bool, size_per_shard_mb: float, hf_model: Optional[nn.Module]) -> None:
-    """Rank 0: write ``state`` to the directory ``path`` (replaced atomically)."""
-    tmp = path.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    state = {k: v.detach().contiguous() for k, v in state.items()}
-    max_shard = max(1, int(size_per_shard_mb * 2**20)) if shard else 2**62  # bytes
-    save_torch_state_dict(state, tmp, max_shard_size=max_shard, safe_serialization=True)
-    config = getattr(hf_model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(tmp)
-    if os.path.isdir(path):
-        old = path.rstrip("/") + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
 
 
 def read(path: str) -> dict[str, torch.Tensor]:

@@ -44,9 +44,14 @@ from elixir.checkpoint.consolidate import consolidate
 from elixir.checkpoint.errors import CheckpointError
 from elixir.checkpoint.index import FORMAT, VERSION, Entry, Index
 from elixir.checkpoint.load import load
-from elixir.checkpoint.pretrained import LoadReport, load_pretrained, save_pretrained
+from elixir.checkpoint.pretrained import (
+           LoadReport,
+           load_pretrained,
+           save_pretrained,
+           save_state_dict_pretrained,
+)
 from elixir.checkpoint.save import save
 from elixir.checkpoint.verify import Verified, verify
 
 __all__ = ["CheckpointError", "save", "load", "consolidate", "verify", "Verified", "load_pretrained", "save_pretrained",
-           "LoadReport", "FORMAT", "VERSION", "Index", "Entry"]
+           "save_state_dict_pretrained", "LoadReport", "FORMAT", "VERSION", "Index", "Entry"]

@@ -78,7 +78,7 @@ def frag_range(em: ElixirModule, f: Fragment) -> tuple[str, int, int]:
 
 def writes_fragment(em: ElixirModule, f: Fragment) -> bool:
     """Replicated chunks are identical everywhere: only rank 0 writes them."""
-    return em.chunks[f.chunk].spec.sharded or em.rank == 0
+    return em.chunks[f.chunk].spec.state_sharded or em.rank == 0
 
 
 def fragments(em: ElixirModule, eo: Optional[ElixirOptimizer], mapped: dict[int, torch.Tensor]) -> list[Fragment]:

@@ -228,6 +228,7 @@ def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, ma
         tensors = module_tensors(em)
         for k, v in plan["module"].items():
             tensors[k].data.copy_(v)
+        em.publish_updates()  # ZeRO-1/2 chunks: every rank wrote its slice of the payload
     if eo is not None and plan["opt"] is not None:
         if "full" in plan["opt"]:
             optim_state.scatter_full_state(eo, plan["opt"]["full"])

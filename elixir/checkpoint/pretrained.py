@@ -46,7 +46,7 @@ from elixir.offload.pipeline import staged
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.state_dict import chunk_values
 
-__all__ = ["load_pretrained", "save_pretrained", "LoadReport", "SAFE_WEIGHTS", "SAFE_INDEX"]
+__all__ = ["load_pretrained", "save_pretrained", "save_state_dict_pretrained", "LoadReport", "SAFE_WEIGHTS", "SAFE_INDEX"]
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -73,10 +73,11 @@ class LoadReport:
 # what the model holds, under HF's key conventions
 
 
-def _model_keys(em: ElixirModule) -> dict[str, list[str]]:
-    """State-dict keys of each distinct tensor, grouped: first key -> every key naming it."""
+def _model_keys(model: torch.nn.Module) -> dict[str, list[str]]:
+    """State-dict keys of each distinct tensor of the (unwrapped) ``model``, grouped: first key ->
+    every key naming it."""
     names: dict[int, list[str]] = {}
-    for k, t in em.module.state_dict(keep_vars=True).items():
+    for k, t in model.state_dict(keep_vars=True).items():
         names.setdefault(id(t), []).append(k)
     return {ks[0]: ks for ks in names.values()}
 
@@ -94,9 +95,10 @@ def _matches(key: str, pats: list[str]) -> bool:
     return any(re.search(p, key) for p in pats)
 
 
-def _saved_name(em: ElixirModule, keys: list[str]) -> str:
-    """The one name a tied tensor is saved under: the tie's source if the model names one."""
-    tied = getattr(em.module, "all_tied_weights_keys", None) or {}
+def _saved_name(model: torch.nn.Module, keys: list[str]) -> str:
+    """The one name a tied tensor of the (unwrapped) ``model`` is saved under: the tie's source if
+    the model names one."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
     for k in keys:
         if k not in tied:
             return k
@@ -133,9 +135,7 @@ def save_pretrained(
     em = model
     limit = parse_size(max_shard_size)
     tensors = _tensors(em)
-    keys = [_saved_name(em, ks) for ks in _model_keys(em).values()]
-    ignore = _patterns(em.module, "_keys_to_ignore_on_save")
-    keys = [k for k in keys if not _matches(k, ignore)]
+    keys = _keys_to_save(em.module)
     slot_of = {s.name: s for s in em.slots + em.frozen_map.slots}
     pname = {id(em.params[s.index]): s.name for s in em.slots}
     pname.update({id(em.frozen_map.params[s.index]): s.name for s in em.frozen_map.slots})
@@ -145,21 +145,11 @@ def save_pretrained(
         base = torch.float32 if id(t) in pname and not em.frozen_map.slot_of(t) else t.dtype
         return dtype if dtype is not None and t.is_floating_point() else base
 
-    # shards in state-dict order, a new file when the next tensor would pass the limit (as HF)
-    files: list[list[str]] = [[]]
-    size = 0
-    for k in keys:
-        n = tensors[k].numel() * torch.empty((), dtype=out_dtype(k)).element_size()
-        if files[-1] and size + n > limit:
-            files.append([])
-            size = 0
-        files[-1].append(k)
-        size += n
-    nfiles = len(files)
-    names = [SAFE_WEIGHTS] if nfiles == 1 else [f"model-{i + 1:05d}-of-{nfiles:05d}.safetensors" for i in range(nfiles)]
+    files, names = _split(keys, lambda k: tensors[k].numel() * torch.empty((), dtype=out_dtype(k)).element_size(), limit)
 
     def finish(tmp: str) -> None:  # rank 0, once every file is written: the index and config, last
-        _write_meta(tmp, em, files, names, tensors, out_dtype, dtype)
+        total = sum(tensors[k].numel() * torch.empty((), dtype=out_dtype(k)).element_size() for f in files for k in f)
+        _write_meta(tmp, em.module, files, names, total, dtype)
 
     with atomic.collective_save(path, em.group, em.world_size, em.rank, (CONFIG, SAFE_WEIGHTS, SAFE_INDEX),
                                 finish) as stage:
@@ -192,15 +182,62 @@ def save_pretrained(
         agree(em.group, em.world_size, error)  # every rank's files were written
 
 
-def _write_meta(tmp, em, files, names, tensors, out_dtype, dtype) -> None:
+def _keys_to_save(model: torch.nn.Module) -> list[str]:
+    """The keys a checkpoint of ``model`` holds: each tensor once (tied weights under their source
+    name), less the model's ``_keys_to_ignore_on_save``, in state-dict order."""
+    keys = [_saved_name(model, ks) for ks in _model_keys(model).values()]
+    ignore = _patterns(model, "_keys_to_ignore_on_save")
+    return [k for k in keys if not _matches(k, ignore)]
+
+
+def _split(keys: list[str], nbytes, limit: int) -> tuple[list[list[str]], list[str]]:
+    """Keys in files of at most ``limit`` bytes (``nbytes(key)`` each), in order, a new file when
+    the next tensor would pass the limit (as HF); and the files' names."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for k in keys:
+        n = nbytes(k)
+        if files[-1] and size + n > limit:
+            files.append([])
+            size = 0
+        files[-1].append(k)
+        size += n
+    nfiles = len(files)
+    names = [SAFE_WEIGHTS] if nfiles == 1 else [f"model-{i + 1:05d}-of-{nfiles:05d}.safetensors" for i in range(nfiles)]
+    return files, names
+
+
+def save_state_dict_pretrained(
+    path: str, state: dict[str, torch.Tensor], model: torch.nn.Module, max_shard_size: Union[int, str] = "5GB",
+) -> None:
+    """Write a full ``state`` dict of the unwrapped ``model`` (a model not run by elixir: DDP's,
+    FSDP2's gathered one) in the same layout as :func:`save_pretrained`: each tensor once (tied
+    weights under one name), HF's file split and index, ``config.json``, staged and renamed into
+    place. Not collective: one process writes."""
+    limit = parse_size(max_shard_size)
+    keys = [k for k in _keys_to_save(model) if k in state]
+    tensors = {k: state[k].detach().to("cpu").contiguous() for k in keys}
+    files, names = _split(keys, lambda k: tensors[k].numel() * tensors[k].element_size(), limit)
+    tmp = atomic.staging_dir(path, markers=(CONFIG, SAFE_WEIGHTS, SAFE_INDEX))
+    try:
+        for fkeys, name in zip(files, names):
+            write_tensors(os.path.join(tmp, name), {k: tensors[k] for k in fkeys})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        _write_meta(tmp, model, files, names, total, None)
+        atomic.commit(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_meta(tmp, model, files, names, total: int, dtype) -> None:
     if len(files) > 1:
-        total = sum(tensors[k].numel() * torch.empty((), dtype=out_dtype(k)).element_size() for f in files for k in f)
         index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for i, f in enumerate(files) for k in f}}
         p = os.path.join(tmp, SAFE_INDEX)
         with open(p, "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
         fsync_file(p)
-    config = getattr(em.module, "config", None)
+    config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_file"):
         if dtype is not None:  # from_pretrained(dtype="auto") should get the saved dtype
             config = copy.deepcopy(config)
@@ -284,6 +321,7 @@ def load_pretrained(path: str, model: ElixirModule, strict: bool = True) -> Load
         error = f"reading the checkpoint at {path} failed: {type(e).__name__}: {e}"
     agree(em.group, em.world_size, error)
     _apply(em, *plan)
+    em.publish_updates()  # ZeRO-1/2 chunks: every rank wrote its slice of the payload
     return report
 
 
@@ -291,7 +329,7 @@ def _plan_load(root: str, em: ElixirModule, strict: bool):
     if not os.path.isdir(root):
         raise CheckpointError(f"no checkpoint directory at {root}")
     saved = _checkpoint_files(root)
-    groups = _model_keys(em)
+    groups = _model_keys(em.module)
     tensors = _tensors(em)
     all_keys = {k for ks in groups.values() for k in ks}
     to_saved = _prefix_map(em, saved, all_keys)

@@ -6,7 +6,9 @@ A chunk knows nothing about models. It owns:
   chunk its storage is resized to 0 when released and back when gathered, so any view of it (also
   the views autograd saved for backward) sees the re-gathered values;
 - ``shard``: this rank's compute-dtype slice (the whole chunk when replicated), on the device or in
-  host memory;
+  host memory; for a chunk whose parameters are whole but whose state is split (ZeRO-1/2) it is
+  this rank's slice *of the payload* (a view), and :meth:`publish` all-gathers the updated slices
+  into the payload after a step;
 - ``master``: the fp32 slice the optimizer updates (the same tensor as ``shard`` when the compute
   dtype is fp32 and both live in the same place);
 - ``grad_buffer``: the full-size gradient buffer filled during backward, freed once reduced;
@@ -32,6 +34,7 @@ from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk.accounting import MemoryLedger
 from elixir.chunk.state import ChunkKind, ChunkState, GradState, check_chunk_move, check_grad_move
+from elixir.search.plan import Sharding
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,10 @@ class ChunkSpec:
 
     Attributes:
         index: position of the chunk in the plan.
-        capacity: elements, padding included (a multiple of ``world_size`` when sharded).
-        sharded: split across ranks, or replicated whole on every rank.
+        capacity: elements, padding included (a multiple of ``world_size`` when any state is split).
+        sharding: what is split across ranks (:class:`~elixir.search.plan.Sharding`: the payload
+            for ``SHARDED``; master, gradient and optimizer state for every sharding but ``REPLICATED``);
+            a bool is read as the older ``sharded`` flag.
         world_size, rank: the data-parallel group layout.
         dtype: compute dtype of payload and shard.
         reduce_dtype: dtype gradients are reduced in.
@@ -65,7 +70,7 @@ class ChunkSpec:
 
     index: int
     capacity: int
-    sharded: bool
+    sharding: Sharding
     world_size: int
     rank: int
     dtype: torch.dtype = torch.float32
@@ -89,18 +94,36 @@ class ChunkSpec:
         return "frozen_shard" if self.frozen else "shard"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sharding", Sharding.of(self.sharding))
         if self.shard_on_disk and not (self.sharded and self.shard_on_host and self.master_on_disk):
             raise ValueError(f"chunk {self.index}: a disk shard needs a sharded chunk with its shard on the host "
                              "and its master on disk")
 
     @property
+    def sharded(self) -> bool:
+        """The payload is split across ranks: gathered for use, released after (ZeRO-3)."""
+        return self.sharding.params_sharded
+
+    @property
+    def state_sharded(self) -> bool:
+        """Master, reduced gradient and optimizer state are this rank's part only."""
+        return self.sharding.state_sharded
+
+    @property
     def shard_numel(self) -> int:
-        return self.capacity // self.world_size if self.sharded else self.capacity
+        """Elements of this rank's master and reduced gradient (and of its payload shard when sharded)."""
+        return self.capacity // self.world_size if self.state_sharded else self.capacity
 
     @property
     def shard_offset(self) -> int:
         """Offset of this rank's shard in the flat chunk."""
-        return self.rank * self.shard_numel if self.sharded else 0
+        return self.rank * self.shard_numel if self.state_sharded else 0
+
+    @property
+    def publishes(self) -> bool:
+        """Whole parameters but a split master (ZeRO-1/2): after a step every rank's updated slice
+        is all-gathered into every payload (:meth:`Chunk.publish`)."""
+        return self.state_sharded and not self.sharded and self.world_size > 1
 
 
 def _loc(on_host: bool) -> str:
@@ -124,7 +147,7 @@ class Chunk:
     """Runtime state of one chunk on this rank (see the module docstring)."""
 
     def __init__(self, spec: ChunkSpec, ledger: MemoryLedger, group=None, streams: Optional[dev.SideStreams] = None) -> None:
-        if spec.sharded and spec.capacity % spec.world_size:
+        if spec.state_sharded and spec.capacity % spec.world_size:
             raise ValueError(f"chunk {spec.index}: capacity {spec.capacity} is not a multiple of world size {spec.world_size}")
         self.spec = spec
         self.index = spec.index
@@ -166,8 +189,8 @@ class Chunk:
         elif spec.sharded:
             self.shard = _copy_of(src, spec.dtype, spec.shard_on_host, spec)
             self.ledger.alloc(spec.shard_category, _loc(spec.shard_on_host), _nbytes(n, spec.dtype))
-        else:
-            self.shard = self.payload  # replicated: the payload is the shard, always resident
+        else:  # parameters whole: the payload is always resident, this rank's shard a view of it
+            self.shard = self.payload[lo : lo + n] if spec.state_sharded else self.payload
         if spec.frozen:
             return self.payload  # weights only: no master
         same_place = spec.master_on_host == (spec.shard_on_host and spec.sharded)
@@ -279,6 +302,18 @@ class Chunk:
             with torch.no_grad(), streams.issue(streams.copy):
                 self.shard.copy_(self.master, non_blocking=dev.non_blocking_ok(self.master, self.shard.device))
 
+    def publish(self) -> None:
+        """ZeRO-1/2 after a step (or a load): all-gather every rank's updated slice of the payload
+        into the whole payload, so each rank computes with every update. A no-op for the other
+        kinds. Collective: every rank publishes the same chunks in the same order."""
+        if not self.spec.publishes:
+            return
+        streams = self.streams
+        with torch.no_grad(), streams.issue(streams.copy) as ready:
+            mine = self.shard.clone()  # the gather's input must not alias its output (gloo)
+            edist.all_gather_into(self.payload, mine, self.group)
+        streams.wait(ready)
+
     # ---- gradients -------------------------------------------------------------------------
 
     def _grad_move(self, new: GradState) -> None:
@@ -341,7 +376,7 @@ class Chunk:
         world = spec.world_size
         self._zero_unwritten()
         direct = (
-            spec.sharded and world > 1 and not self.grad_valid
+            spec.sharding.reduce_scatters and world > 1 and not self.grad_valid
             and spec.grad_dtype == buf.dtype and self.master.device == buf.device
         )
         if direct:
@@ -350,14 +385,14 @@ class Chunk:
             self.shard_grad.div_(world)
             self.grad_valid = True
         else:
-            if spec.sharded:
+            if spec.sharding.reduce_scatters:
                 out = buf[spec.shard_offset : spec.shard_offset + spec.shard_numel] if world == 1 else torch.empty(
                     spec.shard_numel, dtype=buf.dtype, device=buf.device
                 )
                 edist.reduce_scatter_into(out, buf, self.group)
-            else:
+            else:  # all-reduced; ZeRO-1 keeps this rank's slice
                 edist.all_reduce(buf, self.group)
-                out = buf
+                out = buf[spec.shard_offset : spec.shard_offset + spec.shard_numel]
             if world > 1:
                 out.div_(world)
             self._accumulate_shard_grad(out)
@@ -411,5 +446,5 @@ class Chunk:
         self.grad_valid = False
 
     def __repr__(self) -> str:
-        kind = ("sharded" if self.spec.sharded else "replicated") + (" frozen" if self.spec.frozen else "")
+        kind = self.spec.sharding.value + (" frozen" if self.spec.frozen else "")
         return f"Chunk({self.index}, {kind}, {self.spec.capacity} el, {self.state.name}, pins={self.pins})"

@@ -36,7 +36,7 @@ def store_for_plan(
     on_disk = [cp for cp in plan.chunks if cp.optim_placement is Placement.DISK]
     if not on_disk:
         return None
-    elements = sum(_shard_elements(cp, world_size) for cp in on_disk)
+    elements = sum(cp.state_size(world_size) for cp in on_disk)
     return _open_agreed(ledger, elements * RESERVE_BYTES_PER_ELEMENT, rank, world_size, group, offload_dir, direct)
 
 
@@ -57,12 +57,8 @@ def shard_store_for_plan(
     on_disk = [cp for cp in plan.chunks if cp.sharded and cp.shard_placement is Placement.DISK]
     if not on_disk:
         return None
-    elements = sum(_shard_elements(cp, world_size) for cp in on_disk)
+    elements = sum(cp.shard_size(world_size) for cp in on_disk)
     return _open_agreed(ledger, elements * element_size, rank, world_size, group, offload_dir, direct)
-
-
-def _shard_elements(cp, world_size: int) -> int:
-    return cp.chunk_size // world_size if cp.sharded else cp.chunk_size
 
 
 def _open_agreed(ledger, need_bytes: int, rank: int, world_size: int, group, offload_dir, direct: bool) -> DiskStore:

@@ -3,7 +3,7 @@
 from elixir.search.cost_model import MemoryPolicy
 from elixir.search.minimum_waste import minimum_waste_search, print_plan
 from elixir.search.optimal import DoesNotFitError, optimal_search
-from elixir.search.plan import ChunkPlan, Placement, Prediction, SearchResult
+from elixir.search.plan import ChunkPlan, Placement, Prediction, SearchResult, Sharding
 
-__all__ = ["ChunkPlan", "Placement", "Prediction", "SearchResult", "minimum_waste_search", "print_plan"]
+__all__ = ["Sharding", "ChunkPlan", "Placement", "Prediction", "SearchResult", "minimum_waste_search", "print_plan"]
 __all__ += ["DoesNotFitError", "MemoryPolicy", "optimal_search"]

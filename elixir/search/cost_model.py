@@ -66,7 +66,7 @@ import numpy as np
 
 from elixir.hardware.profile import HardwareProfile
 from elixir.search.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
-from elixir.search.plan import Placement, disk_bytes_per_element
+from elixir.search.plan import Placement, Sharding, disk_bytes_per_element
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 
@@ -124,6 +124,7 @@ class Layout:
     # frozen chunks (capacity frozen_chunk_size each, always sharded): trace ids n_sharded .. n_sharded + n_frozen - 1
     frozen: tuple[tuple[str, ...], ...] = ()
     frozen_chunk_size: int = 0
+    zero: int = 0  # the `zero` chunks after the sharded ones are ZeRO-1/2: parameters whole, state split
 
     @property
     def block_size(self) -> int:
@@ -137,6 +138,17 @@ class Layout:
     @property
     def n_frozen(self) -> int:
         return len(self.frozen)
+
+    @property
+    def zero_capacities(self) -> tuple[int, ...]:
+        """Capacities of the ZeRO-1/2 chunks (the ``zero`` chunks right after the sharded ones)."""
+        n = self.n_sharded
+        return tuple(self.capacities[n : n + self.zero])
+
+    @property
+    def replicated_capacities(self) -> tuple[int, ...]:
+        """Capacities of the replicated chunks (every chunk neither sharded nor ZeRO-1/2)."""
+        return tuple(self.capacities[self.n_sharded + self.zero :])
 
     @property
     def own_capacities(self) -> tuple[int, ...]:
@@ -194,13 +206,15 @@ def _context(profile: StepProfile) -> _PackContext:
     return ctx
 
 
-def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool = False) -> Layout:
+def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool = False, zero: int = 0) -> Layout:
     """Greedy in-order packing of ``profile``'s parameters into chunks of ``chunk_size``; each tied
     parameter gets a chunk of its own, replicated, or sharded with ``shard_shared``. Frozen
     parameters are packed the same way, apart, into frozen chunks of ``chunk_size`` (sharded; they
     share the rCache, take no gradient buffer and no optimizer state). The frozen chunk size is
     :func:`frozen_chunk_size`: adapters are small, so trainable chunks may be far smaller than the
-    frozen weights they adapt.
+    frozen weights they adapt. The ``zero`` body chunks used in the most steps (those a small rCache
+    gathers most often) become ZeRO-1/2 chunks: never gathered, so they leave the cache trace
+    (:func:`zero_order`).
 
     The cache trace lists, per step, the sharded chunks it needs (the runtime pins a chunk only
     while a module using it runs, and the last backward step's chunks until the next backward step,
@@ -222,9 +236,10 @@ def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool =
         chunks[-1].append(n)
         param_chunk[i] = c
         used += k
-    n_sh = len(chunks)
-    caps = [chunk_size] * n_sh
-    sharded = [True] * n_sh
+    n_body = len(chunks)
+    zero = min(max(0, int(zero)), n_body) if world > 1 else 0
+    caps = [chunk_size] * n_body
+    sharded = [True] * n_body
     own = len(ctx.shared) if shard_shared and world > 1 else 0
     for j, (n, k) in enumerate(ctx.shared):
         chunks.append([n])
@@ -232,9 +247,58 @@ def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool =
             param_chunk[len(ctx.sh_names) + j] = len(chunks) - 1
         caps.append(round_up(k, ALIGN * world) if own else k)
         sharded.append(bool(own))
+    zero_buffers = zero_used = 0
+    if zero:
+        # move the chosen body chunks behind the sharded ones (sharded body, sharded tied, zero, replicated)
+        chosen = set(zero_order(ctx, param_chunk, n_body)[:zero])
+        n_sh = n_body - zero + own
+        order = [i for i in range(n_body) if i not in chosen] + list(range(n_body, n_body + own)) + sorted(chosen)
+        order += list(range(n_body + own, len(chunks)))
+        new_id = {old: new for new, old in enumerate(order)}
+        chunks = [chunks[i] for i in order]
+        caps = [caps[i] for i in order]
+        sharded = [i < n_sh for i in range(len(order))]
+        param_chunk = np.asarray([new_id[c] if c >= 0 else -1 for c in param_chunk.tolist()], dtype=np.int64)
+        # their gradient buffers live like a sharded chunk's; they are never gathered (not in the trace)
+        zero_buffers = _grad_buffer_peak(ctx, param_chunk, n_sh + zero)
+        zero_used = sum(k for k, c in zip(ctx.sh_numel, param_chunk) if c >= n_sh)
+        param_chunk = np.where(param_chunk >= n_sh, -1, param_chunk)
     fsize = frozen_chunk_size(ctx, chunk_size, world)
     frozen = _pack_frozen(ctx, fsize, param_chunk, sum(sharded))
-    return _layout(ctx, chunk_size, chunks, caps, sharded, param_chunk, own, frozen, fsize)
+    return _layout(ctx, chunk_size, chunks, caps, sharded, param_chunk, own, frozen, fsize, zero, zero_buffers, zero_used)
+
+
+def zero_order(ctx: _PackContext, param_chunk: np.ndarray, n_body: int) -> list[int]:
+    """Body chunks by how many steps use them, most first (ties: plan order): the chunks whose
+    gathers a ZeRO-1/2 chunk saves most."""
+    if not ctx.acc_step.size:
+        return list(range(n_body))
+    c = param_chunk[ctx.acc_param]
+    keep = (c >= 0) & (c < n_body)
+    uses = np.zeros(n_body, dtype=np.int64)
+    pairs = np.unique(ctx.acc_step[keep] * n_body + c[keep])
+    np.add.at(uses, pairs % n_body, 1)
+    return sorted(range(n_body), key=lambda i: (-int(uses[i]), i))
+
+
+def _grad_buffer_peak(ctx: _PackContext, param_chunk: np.ndarray, n: int) -> int:
+    """The most of chunks ``0..n-1`` whose backward is in progress at once (first to last
+    backward use: the runtime reduces a chunk once all its gradients arrived)."""
+    if not n or not ctx.acc_step.size:
+        return 0
+    c = param_chunk[ctx.acc_param]
+    keep = (c >= 0) & (c < n) & ctx.backward[ctx.acc_step]
+    if not keep.any():
+        return 0
+    first = np.full(n, ctx.n_steps, dtype=np.int64)
+    last = np.full(n, -1, dtype=np.int64)
+    np.minimum.at(first, c[keep], ctx.acc_step[keep])
+    np.maximum.at(last, c[keep], ctx.acc_step[keep])
+    has = last >= 0
+    delta = np.zeros(ctx.n_steps + 1, dtype=np.int64)
+    np.add.at(delta, first[has], 1)
+    np.add.at(delta, last[has] + 1, -1)
+    return int(np.cumsum(delta).max())
 
 
 def frozen_chunk_size(ctx: _PackContext, chunk_size: int, world: int) -> int:
@@ -262,11 +326,13 @@ def _pack_frozen(ctx: _PackContext, chunk_size: int, param_chunk: np.ndarray, fi
 
 def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharded: list,
             param_chunk: np.ndarray, own: int = 0, frozen: Sequence[Sequence[str]] = (),
-            frozen_size: int = 0) -> Layout:
+            frozen_size: int = 0, zero: int = 0, zero_buffers: int = 0, zero_used: int = 0) -> Layout:
     """The cache trace and counts for chunks; ``param_chunk[i]`` is the sharded chunk of the i-th
     name of ``ctx.sh_names`` then ``ctx.shared`` then ``ctx.frozen`` (-1 if it is in no sharded
     chunk). Sharded chunks come first, the ``own`` sharded tied chunks last among them, then (in
-    the trace only) the frozen chunks."""
+    the trace only) the frozen chunks. The ``zero`` ZeRO-1/2 chunks follow the sharded ones among
+    ``chunks`` but are in no trace (``param_chunk`` -1): ``zero_buffers`` is the gradient-buffer
+    peak with them counted, ``zero_used`` their parameter elements."""
     n_tr = sum(sharded)
     n_sh = n_tr + len(frozen)  # chunks in the trace
     n_steps = ctx.n_steps
@@ -310,8 +376,9 @@ def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharde
     return Layout(
         chunk_size=chunk_size, chunks=tuple(tuple(c) for c in chunks), capacities=tuple(caps),
         sharded=tuple(sharded), trace=trace, sharded_ids=tuple(range(n_tr)), min_blocks=min_blocks,
-        grad_buffers=grad_buffers, used=sum(k for k, c in zip(ctx.sh_numel, param_chunk) if c >= 0), own=own,
-        frozen=tuple(tuple(c) for c in frozen), frozen_chunk_size=frozen_size,
+        grad_buffers=max(grad_buffers, zero_buffers),
+        used=sum(k for k, c in zip(ctx.sh_numel, param_chunk) if c >= 0) + zero_used, own=own,
+        frozen=tuple(tuple(c) for c in frozen), frozen_chunk_size=frozen_size, zero=zero,
     )
 
 
@@ -427,11 +494,12 @@ class Evaluation:
     gathers: int = 0
     shard_shared: bool = False  # tied parameters in sharded chunks of their own (Layout.own)
     frozen_placement: Placement = Placement.DEVICE  # where every frozen chunk's shard lives
+    zero: int = 0  # ZeRO-1/2 chunks in the layout (Layout.zero)
 
 
 def fixed_device_bytes(profile: StepProfile, layout: Layout, st: Setting, blocks: int) -> dict[str, int]:
     """Device bytes that do not depend on placement."""
-    repl = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
+    repl = sum(layout.replicated_capacities)
     # a sharded tied chunk larger than the others takes a larger block while gathered, and a larger
     # gradient buffer (from the first use's backward to the last's: both ends of backward)
     own_extra = sum(max(0, c - layout.chunk_size) for c in layout.own_capacities)
@@ -458,26 +526,39 @@ def _largest_shard(layout: Layout, world: int) -> int:
     replicated chunk)."""
     return max([layout.chunk_size // world if layout.n_sharded else 0]
                + [c // world for c in layout.own_capacities]
-               + [c for c, s in zip(layout.capacities, layout.sharded) if not s])
+               + [c // world for c in layout.zero_capacities] + list(layout.replicated_capacities))
 
 
 def replicated_optimizer_bytes(layout: Layout, st: Setting, where: Placement) -> tuple[int, int]:
     """(device, host) bytes of the replicated chunks' master, gradient and optimizer state, kept
     ``where`` (the device or the host)."""
-    repl = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
+    repl = sum(layout.replicated_capacities)
     g = st.kept_grad
     if where is Placement.DEVICE:
         return repl * ((0 if st.elem == 4 else 4) + g + st.opt_bytes), 0
     return 0, repl * (4 + g + st.opt_bytes)
 
 
+_COMPUTE: dict[tuple[int, int, str], tuple[StepProfile, HardwareProfile, float]] = {}
+
+
 def compute_seconds(profile: StepProfile, hw: HardwareProfile, dtype: str) -> float:
     """Forward/backward compute of one step: from the tracer's per-op costs when the profile has
     them (roofline per op, see :meth:`HardwareProfile.op_compute_time`), else ``6 N D`` FLOPs at
-    the profile's training throughput."""
+    the profile's training throughput. Remembered per (profile, hardware, dtype): a search asks
+    for it once per candidate."""
+    key = (id(profile), id(hw), dtype)
+    hit = _COMPUTE.get(key)
+    if hit is not None and hit[0] is profile and hit[1] is hw:
+        return hit[2]
     if profile.op_costs is not None and profile.op_costs.ops:
-        return hw.op_compute_time(profile.op_costs, dtype)
-    return hw.compute_time(profile.flops(), dtype)
+        t = hw.op_compute_time(profile.op_costs, dtype)
+    else:
+        t = hw.compute_time(profile.flops(), dtype)
+    if len(_COMPUTE) > 16:
+        _COMPUTE.clear()
+    _COMPUTE[key] = (profile, hw, t)
+    return t
 
 
 def replicated_optimizer_time(st: Setting, numel: int, where: Placement) -> float:
@@ -490,29 +571,73 @@ def replicated_optimizer_time(st: Setting, numel: int, where: Placement) -> floa
             + hw.h2d_time(numel * st.elem, st.pin))
 
 
+# ---------------------------------------------------------------------------------------------
+# ZeRO-1/2 chunks: parameters whole on every rank, master + optimizer state split
+
+
+def zero_stage(st: Setting, capacity: int) -> int:
+    """The faster reduction for a ZeRO chunk of ``capacity`` elements on this hardware: 1
+    (all-reduce, then keep this rank's slice) or 2 (reduce-scatter). Equal memory either way."""
+    hw, r = st.hardware, capacity * st.reduce_elem
+    return 1 if hw.all_reduce_time(r, st.world) < hw.reduce_scatter_time(r, st.world) else 2
+
+
+def zero_chunk_bytes(st: Setting, capacity: int, where: Placement) -> tuple[int, int, int]:
+    """(device, host, disk) bytes of one ZeRO-1/2 chunk with its state ``where``: the whole
+    compute-dtype parameters on the device, and this rank's ``capacity / world`` elements of
+    master (none in fp32 on the device: the master is the rank's slice of the parameters), kept
+    gradient and optimizer state."""
+    s, e, k, g = capacity // st.world, st.elem, st.opt_bytes, st.kept_grad
+    params = capacity * e
+    if where is Placement.DEVICE:
+        return params + s * ((0 if e == 4 else 4) + g + k), 0, 0
+    if where is Placement.HOST:
+        return params, s * (4 + g + k), 0
+    return params, s * g, s * st.disk_elem
+
+
+def zero_chunk_optimizer_time(st: Setting, capacity: int, where: Placement) -> float:
+    """Optimizer-phase seconds of one ZeRO-1/2 chunk (its part only, as a sharded chunk whose
+    shard is on the device); the updated parameters' all-gather is ``comm_times``'s ``publish``."""
+    return per_chunk_fixed_time(st, capacity // st.world)[ChunkPlacement(Placement.DEVICE, where)]
+
+
+def zero_placements(st: Setting, layout: Layout, where: Placement = Placement.DEVICE) -> tuple[ChunkPlacement, ...]:
+    """The search's placements of ``layout``'s ZeRO chunks: the faster stage, state ``where``."""
+    return tuple(ChunkPlacement(Placement.DEVICE, where, zero=zero_stage(st, c)) for c in layout.zero_capacities)
+
+
 def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int,
-               own_gathers: Optional[np.ndarray] = None, frozen_gathers: int = 0) -> dict[str, float]:
+               own_gathers: Optional[np.ndarray] = None, frozen_gathers: int = 0,
+               zero: Sequence[ChunkPlacement] = ()) -> dict[str, float]:
     """Compute and collective seconds of one step; ``gathers`` counts every all-gather,
     ``own_gathers`` those of each sharded tied chunk (``layout.own_capacities``),
-    ``frozen_gathers`` those of the frozen chunks (never reduced)."""
+    ``frozen_gathers`` those of the frozen chunks (never reduced), ``zero`` the placements of
+    the ZeRO-1/2 chunks (their reductions, and ``publish``: the all-gather of their updated
+    parameters after the step, which nothing overlaps)."""
     hw, w = st.hardware, st.world
     full = layout.chunk_size * st.elem
-    repl = [c for c, s in zip(layout.capacities, layout.sharded) if not s]
+    repl = layout.replicated_capacities
     ar = 0.0
     if w > 1:
         ar = sum(hw.all_reduce_time(c * st.reduce_elem, w) for c in repl)
     n = layout.n_sharded - layout.own
     own = layout.own_capacities
     own_gathers = [] if own_gathers is None else list(own_gathers)
-    return {
+    zc = list(zip(layout.zero_capacities, zero))
+    out = {
         "compute": compute_seconds(profile, hw, st.dtype),
         "all_gather": ((gathers - sum(own_gathers) - frozen_gathers) * hw.all_gather_time(full, w) if n else 0.0)
         + sum(g * hw.all_gather_time(c * st.elem, w) for g, c in zip(own_gathers, own))
         + (frozen_gathers * hw.all_gather_time(layout.frozen_chunk_size * st.elem, w) if frozen_gathers else 0.0),
         "reduce_scatter": n * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, w)
-        + sum(hw.reduce_scatter_time(c * st.reduce_elem, w) for c in own),
-        "all_reduce": ar,
+        + sum(hw.reduce_scatter_time(c * st.reduce_elem, w) for c in own)
+        + sum(hw.reduce_scatter_time(c * st.reduce_elem, w) for c, k in zc if k.zero == 2),
+        "all_reduce": ar + sum(hw.all_reduce_time(c * st.reduce_elem, w) for c, k in zc if k.zero == 1),
     }
+    if zc:
+        out["publish"] = sum(hw.all_gather_time(c * st.elem, w) for c, _ in zc)
+    return out
 
 
 def unified_memory(hw) -> bool:
@@ -553,9 +678,10 @@ def place(
     unified = unified_memory(hw)
     n = layout.n_sharded - layout.own
     body_gathers = per_chunk_gathers[:n]
-    own_kinds = (DD,) * layout.own
+    own_kinds = (DD,) * layout.own + zero_placements(st, layout)  # the search keeps ZeRO state on the device
     shard = layout.chunk_size // st.world if n else 0
     base_dev = sum(fixed_device_bytes(profile, layout, st, blocks).values())
+    base_dev += sum(zero_chunk_bytes(st, c, Placement.DEVICE)[0] for c in layout.zero_capacities)
     cb = per_chunk_bytes(st, shard)
     ct = per_chunk_fixed_time(st, shard)
     g_sorted = np.sort(body_gathers)[::-1]  # most gathered first
@@ -568,7 +694,7 @@ def place(
     t_gather = hw.all_gather_time(layout.chunk_size * st.elem, 1) if (solo and n) else 0.0
     t_rs = hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1) if (solo and n) else 0.0
     best: Optional[Evaluation] = None
-    n_repl = sum(not s for s in layout.sharded)
+    n_repl = len(layout.replicated_capacities)
     fbytes = frozen_shard_bytes(layout, st)
     wheres = [(r, f) for r in ((Placement.DEVICE, Placement.HOST) if n_repl else (Placement.DEVICE,))
               for f in ((Placement.DEVICE, Placement.HOST) if layout.n_frozen else (Placement.DEVICE,))]
@@ -711,9 +837,12 @@ def price(
     n = n_sh - layout.own
     if len(placements) != len(layout.chunks):
         raise ValueError(f"{len(placements)} placements for {len(layout.chunks)} chunks")
-    kinds, own, repl = tuple(placements[:n]), placements[n:n_sh], placements[n_sh:]
-    if any(k.replicated for k in kinds) or any(k != DD for k in own) or any(not k.replicated for k in repl):
-        raise ValueError("placements out of the layout's order: sharded chunks, sharded tied chunks (DD), replicated")
+    n_z = n_sh + layout.zero
+    kinds, own, zero, repl = tuple(placements[:n]), placements[n:n_sh], tuple(placements[n_sh:n_z]), placements[n_z:]
+    if (any(not k.sharded for k in kinds) or any(k != DD for k in own) or any(not k.zero for k in zero)
+            or any(not k.replicated for k in repl)):
+        raise ValueError("placements out of the layout's order: sharded chunks, sharded tied chunks (DD), ZeRO-1/2, "
+                         "replicated")
     if len({k.optim for k in repl}) > 1:
         raise ValueError("the replicated chunks keep their optimizer state in one place (all RD or all RH)")
     rwhere = repl[0].optim if repl else Placement.DEVICE
@@ -730,10 +859,11 @@ def price(
     fixed = fixed_device_bytes(profile, layout, st, blocks)
     rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
     rh += construction_staging_bytes(layout)
-    repl_numel = sum(c for c, s in zip(layout.capacities, layout.sharded) if not s)
+    repl_numel = sum(layout.replicated_capacities)
     t_opt = (replicated_optimizer_time(st, repl_numel, rwhere)
              + sum(hw.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
-             + sum(ct[k] for k in kinds))
+             + sum(ct[k] for k in kinds)
+             + sum(zero_chunk_optimizer_time(st, c, k.optim) for c, k in zip(layout.zero_capacities, zero)))
     h2d = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
     t_h2d = float(g[host_shard].sum() * h2d) if n else 0.0
     if frozen_where is Placement.HOST and layout.n_frozen:
@@ -747,8 +877,11 @@ def price(
     host = rh + sum(cb[k][1] for k in kinds) + staging_bytes(st, shard, n_disk, int(disk_shard.sum()))
     host += fbytes if frozen_where is not Placement.DEVICE else 0
     disk = sum(cb[k][2] for k in kinds)
+    for c, k in zip(layout.zero_capacities, zero):
+        zd, zh, zk = zero_chunk_bytes(st, c, k.optim)
+        dev_var, host, disk = dev_var + zd, host + zh, disk + zk
     n_gathers = int(g.sum() + g_own.sum() + g_frozen.sum())
-    comm = comm_times(profile, layout, st, n_gathers, g_own, int(g_frozen.sum()))
+    comm = comm_times(profile, layout, st, n_gathers, g_own, int(g_frozen.sum()), zero)
     if solo and n:
         comm["reduce_scatter"] = int(host_shard.sum()) * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1)
 
@@ -769,6 +902,7 @@ def price(
         fb = comm["compute"] + fb_comm
         hidden = 0.0
     fb += t_shard_reads
+    fb += comm.get("publish", 0.0)  # the ZeRO chunks' updated parameters, after the step: nothing hides it
     breakdown = dict(comm, h2d_gather=t_h2d, optimizer=t_opt, overlap_hidden=-hidden)
     if t_shard_reads:
         breakdown["disk_shard_reads"] = t_shard_reads
@@ -789,7 +923,7 @@ def price(
         chunk_size=layout.chunk_size, blocks=blocks, prefetch_depth=depth, placements=tuple(placements),
         device_bytes=sum(fixed.values()) + dev_var, host_bytes=host + st.process_bytes, disk_bytes=disk,
         step_time=fb + t_opt, breakdown=breakdown, memory=memory, gathers=n_gathers, shard_shared=layout.own > 0,
-        frozen_placement=frozen_where,
+        frozen_placement=frozen_where, zero=layout.zero,
     )
 
 
@@ -815,25 +949,38 @@ def layout_from_plan(profile: StepProfile, plan) -> Layout:
     param_chunk = np.full(len(index), -1, dtype=np.int64)
     order = _plan_order(plan, shared)
     own = sum(c.sharded and set(c.params) <= shared for c in order)
-    body = [c.chunk_size for c in order if c.sharded and not set(c.params) <= shared]
+    zero = sum(_is_zero(plan, c) for c in order)
+    body = [c.chunk_size for c in order if (c.sharded and not set(c.params) <= shared) or _is_zero(plan, c)]
     for ci, c in enumerate(order):
-        if c.sharded:
+        if c.sharded or _is_zero(plan, c):
             for n in c.params:
                 if n in index:
                     param_chunk[index[n]] = ci
     n_tr = sum(c.sharded for c in order)
+    zero_buffers = _grad_buffer_peak(ctx, param_chunk, n_tr + zero) if zero else 0
+    zero_used = sum(k for k, c in zip(ctx.sh_numel, param_chunk) if c >= n_tr) if zero else 0
+    param_chunk = np.where(param_chunk >= n_tr, -1, param_chunk)  # ZeRO chunks: in no trace
     for j, c in enumerate(plan.frozen_chunks):
         for n in c.params:
             param_chunk[index[n]] = n_tr + j
     return _layout(ctx, max(body, default=plan.chunk_size), [list(c.params) for c in order],
                    [c.chunk_size for c in order], [c.sharded for c in order], param_chunk, own,
-                   [list(c.params) for c in plan.frozen_chunks], max((c.chunk_size for c in plan.frozen_chunks), default=0))
+                   [list(c.params) for c in plan.frozen_chunks], max((c.chunk_size for c in plan.frozen_chunks), default=0),
+                   zero, zero_buffers, zero_used)
+
+
+def _is_zero(plan, chunk) -> bool:
+    """A ZeRO-1/2 chunk, as the runtime runs it (at world size 1 it is replicated)."""
+    return chunk.sharding in (Sharding.ZERO1, Sharding.ZERO2) and plan.world_size > 1
 
 
 def _plan_order(plan, shared: set) -> list:
-    """A plan's chunks as a Layout orders them: sharded, then sharded tied ones, then replicated."""
+    """A plan's chunks as a Layout orders them: sharded, then sharded tied ones, then ZeRO-1/2,
+    then replicated."""
     tied = [c for c in plan.chunks if c.sharded and set(c.params) <= shared]
-    return [c for c in plan.chunks if c.sharded and c not in tied] + tied + [c for c in plan.chunks if not c.sharded]
+    zero = [c for c in plan.chunks if _is_zero(plan, c)]
+    return ([c for c in plan.chunks if c.sharded and c not in tied] + tied + zero
+            + [c for c in plan.chunks if not c.sharded and not _is_zero(plan, c)])
 
 
 def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
@@ -846,7 +993,8 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     n_sh = lay.n_sharded
     n = n_sh - lay.own
     kinds = tuple(ChunkPlacement.of(c) for c in order[:n])
-    repl = order[n_sh:]
+    zero = tuple(ChunkPlacement.of(c) for c in order[n_sh : n_sh + lay.zero])
+    repl = order[n_sh + lay.zero :]
     # the replicated chunks' state is priced in one place: the device only if all of it is there
     r = RD if all(c.optim_placement is Placement.DEVICE for c in repl) else RH
     blocks = plan.cache_blocks
@@ -856,4 +1004,5 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     else:
         g = simulate_layout(lay, blocks)
     # sharded tied chunks are priced as DD, like the search does
-    return price(profile, lay, st, kinds + (DD,) * lay.own + (r,) * len(repl), blocks, plan.prefetch_depth, g, fwhere)
+    return price(profile, lay, st, kinds + (DD,) * lay.own + zero + (r,) * len(repl), blocks, plan.prefetch_depth, g,
+                 fwhere)

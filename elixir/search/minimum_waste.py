@@ -256,6 +256,7 @@ def minimum_waste_search(
     inp=None,
     step_fn: Optional[Callable] = None,
     frozen_chunks: bool = True,
+    max_chunk_size: Optional[int] = None,
 ) -> SearchResult:
     """Plan ``model`` for ``group_size`` ranks with the chunk size that minimises padding.
 
@@ -270,6 +271,8 @@ def minimum_waste_search(
         inp, step_fn: trace one step (``step_fn(model, inp)``) to pack in order of first use.
         frozen_chunks: pack frozen parameters into sharded frozen chunks (placed like the rest);
             False leaves them out of chunks (``frozen_params``), whole on every rank.
+        max_chunk_size: the largest chunk size (elements) to consider (a parameter larger than it
+            gets a chunk of its own); default: the search's own cap.
     """
     t0 = time.perf_counter()
     if group_size < 1:
@@ -298,7 +301,9 @@ def minimum_waste_search(
     sharded_names = [n for n, _ in named if n not in tied]
     numels = [_numel(shapes[n]) for n in sharded_names]
     align = ALIGN * group_size
-    size, oversize, _ = search_chunk_size(numels, align) if numels else (0, 0, 0)
+    if max_chunk_size is not None and max_chunk_size < 1:
+        raise ValueError(f"max_chunk_size must be >= 1 element, got {max_chunk_size}")
+    size, oversize, _ = search_chunk_size(numels, align, max_chunk_size) if numels else (0, 0, 0)
     place = Placement.HOST if cpu_offload else Placement.DEVICE
     dt = dtype_name(unified_dtype)
     chunks: list[ChunkPlan] = []

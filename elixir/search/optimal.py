@@ -96,6 +96,16 @@ def chunk_size_candidates(profile: StepProfile, world: int, points: int = GRID_P
     return sorted(s for s in sizes if s >= lo)
 
 
+def zero_candidates(layout: Layout, world: int) -> list[int]:
+    """How many of ``layout``'s body chunks to try as ZeRO-1/2 (parameters whole, state split; the
+    most used first, :func:`~elixir.search.cost_model.zero_order`) beside the all-sharded layout:
+    none, one, half, all (world size > 1)."""
+    n = layout.n_sharded - layout.own
+    if world == 1 or n == 0:
+        return [0]
+    return sorted({0, 1, n // 2, n})
+
+
 def _block_candidates(layout: Layout, world: int = 2) -> list[int]:
     """Block counts to try, smallest first. At world size 1, 0 blocks (every shard on the device,
     kept whole by the runtime) comes first. Frozen chunks go through the same blocks."""
@@ -139,7 +149,7 @@ class _Searcher:
         self.grad_dtype = grad_dtype
         self.fused_step = fused_step
         self.usable = policy.usable(budgets.device, budgets.host, budgets.disk)
-        self._layouts: dict[tuple[int, bool], Layout] = {}
+        self._layouts: dict[tuple[int, bool, int], Layout] = {}
 
     @property
     def tied_modes(self) -> tuple[bool, ...]:
@@ -156,15 +166,20 @@ class _Searcher:
                   process_bytes=self.setting.process_bytes)
         return _Searcher(**{**kw, **changes})
 
-    def layout(self, c: int, shard_shared: bool = False) -> Layout:
-        key = (c, shard_shared)
+    def layout(self, c: int, shard_shared: bool = False, zero: int = 0) -> Layout:
+        key = (c, shard_shared, zero)
         if key not in self._layouts:
-            self._layouts[key] = pack(self.profile, c, self.world, shard_shared)
+            self._layouts[key] = pack(self.profile, c, self.world, shard_shared, zero)
         return self._layouts[key]
+
+    def layouts(self, c: int, shard_shared: bool = False) -> list[Layout]:
+        """The layouts tried for chunk size ``c``: all sharded, and with :func:`zero_candidates`
+        of the body chunks ZeRO-1/2."""
+        return [self.layout(c, shard_shared, z) for z in zero_candidates(self.layout(c, shard_shared), self.world)]
 
     def layout_of(self, ev: Evaluation) -> Layout:
         """The layout an evaluation was made on (the packed one, or its fully replicated twin)."""
-        lay = self.layout(ev.chunk_size, ev.shard_shared)
+        lay = self.layout(ev.chunk_size, ev.shard_shared, ev.zero)
         if lay.n_sharded and all(p.replicated for p in ev.placements):
             return replicate(self.profile, lay)
         return lay
@@ -181,10 +196,10 @@ class _Searcher:
         """Whether any candidate fits: the fewest blocks, no prefetch, for every chunk size."""
         for c in chunk_size_candidates(self.profile, self.world):
             for tied in self.tied_modes:
-                lay = self.layout(c, tied)
-                for b in _block_candidates(lay, self.world)[: 2 if self.world == 1 else 1]:
-                    if self.evaluate(lay, b, 0, usable, profile) is not None:
-                        return True
+                for lay in self.layouts(c, tied):
+                    for b in _block_candidates(lay, self.world)[: 2 if self.world == 1 else 1]:
+                        if self.evaluate(lay, b, 0, usable, profile) is not None:
+                            return True
         return False
 
     def run(self) -> tuple[Evaluation, list[Evaluation], int]:
@@ -192,19 +207,20 @@ class _Searcher:
         scored = 0
         for c in chunk_size_candidates(self.profile, self.world):
             for tied in self.tied_modes:
-                lay = self.layout(c, tied)
-                for b in _block_candidates(lay, self.world):
-                    gathered = lay.n_sharded + lay.n_frozen
-                    depths = range(0, min(MAX_DEPTH, b - max(1, lay.min_blocks)) + 1) if self.overlap and gathered and b else (0,)
-                    ev_any = None
-                    for d in depths:
-                        scored += 1
-                        ev = self.evaluate(lay, b, d)
-                        if ev is not None:
-                            results.append(ev)
-                            ev_any = ev
-                    if ev_any is None and b > 0:
-                        break  # more blocks only need more memory
+                for lay in self.layouts(c, tied):
+                    for b in _block_candidates(lay, self.world):
+                        gathered = lay.n_sharded + lay.n_frozen
+                        depths = (range(0, min(MAX_DEPTH, b - max(1, lay.min_blocks)) + 1)
+                                  if self.overlap and gathered and b else (0,))
+                        ev_any = None
+                        for d in depths:
+                            scored += 1
+                            ev = self.evaluate(lay, b, d)
+                            if ev is not None:
+                                results.append(ev)
+                                ev_any = ev
+                        if ev_any is None and b > 0:
+                            break  # more blocks only need more memory
         if self.world > 1:  # every chunk replicated (data parallel), where the memory allows it
             for c in chunk_size_candidates(self.profile, self.world, points=REPLICATED_POINTS):
                 scored += 1
@@ -345,8 +361,8 @@ def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: L
                      grad_dtype: str = "float32", fused_step: bool = False) -> SearchResult:
     shapes = dict(profile.params)
     chunks = []
-    for names, cap, sharded, pl in zip(layout.chunks, layout.capacities, layout.sharded, ev.placements):
-        chunks.append(ChunkPlan(tuple(names), tuple(shapes[n] for n in names), cap, profile.dtype, sharded,
+    for names, cap, pl in zip(layout.chunks, layout.capacities, ev.placements):
+        chunks.append(ChunkPlan(tuple(names), tuple(shapes[n] for n in names), cap, profile.dtype, pl.sharding,
                                 pl.shard, pl.optim))
     fshapes = dict(profile.frozen_shapes)
     frozen = tuple(ChunkPlan(tuple(names), tuple(fshapes[n] for n in names), layout.frozen_chunk_size, profile.dtype,
@@ -430,7 +446,8 @@ def search_profile(
         error = e
     lean_grad = profile.dtype if grad_dtype is None and profile.dtype in ("bfloat16", "float16") else g0
     lean_fused = profile.dtype != "float16" if fused_step is None else fused_step
-    binds = found is None or any(p not in (DD, RD) for p in found[0].placements)
+    binds = found is None or any(p not in (DD, RD) and not (p.zero and p.optim is Placement.DEVICE)
+                                 for p in found[0].placements)
     if binds and (lean_grad, lean_fused) != (g0, bool(fused_step)):
         lean = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, lean_grad, lean_fused,
                          process_bytes)
@@ -460,7 +477,9 @@ def search_profile(
         "predicted_memory": {k: int(v) for k, v in best.memory.items()},
         "process_bytes": int(process_bytes),
         "gathers_per_step": best.gathers,
-        "waste": 1 - layout.used / (layout.chunk_size * (layout.n_sharded - layout.own)) if layout.n_sharded > layout.own else 0.0,
+        "waste": (1 - layout.used / (layout.chunk_size * (layout.n_sharded - layout.own + layout.zero))
+                  if layout.n_sharded - layout.own + layout.zero else 0.0),
+        "chunk_shardings": dict(Counter(p.sharding.value for p in best.placements)),
         "chunk_size": layout.chunk_size,
         "tied": None if not profile.shared else ("sharded" if best.shard_shared else "replicated"),
         "tied_alternative": _tied_alternative(s, best, results),
@@ -539,15 +558,15 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     console = console or Console()
     p = result.prediction
     info = result.info
-    sharded = [c for c in result.chunks if c.sharded]
+    sharded = [c for c in result.chunks if c.state_sharded]
     t = Table(title=f"elixir optimal plan: world {result.world_size}, hardware {info.get('hardware')}")
     t.add_column("what")
     t.add_column("value", justify="right")
     t.add_row("hardware profile", f"{info.get('hardware')} ({info.get('hardware_choice', 'given')}; "
                                   f"{info.get('hardware_source', '')})")
     if sharded:
-        t.add_row("chunk size", f"{info.get('chunk_size', result.chunk_size):,} elements ({len(sharded)} sharded, "
-                                f"{len(result.chunks) - len(sharded)} replicated)")
+        kinds = ", ".join(f"{v} {k}" for k, v in result.sharding_counts.items())
+        t.add_row("chunk size", f"{info.get('chunk_size', result.chunk_size):,} elements ({kinds})")
         t.add_row("padding waste", f"{100 * info.get('waste', 0):.2f}% of the sharded chunks")
     else:
         t.add_row("chunks", f"all {len(result.chunks)} replicated (data parallel: nothing sharded, nothing gathered)")
@@ -588,7 +607,8 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
                   _fmt(e.host_bytes), f"{e.step_time:.4f}", f"{e.step_time / best:.3f}x" if best else "")
     console.print(r)
     console.print("placements: DD shard+optimizer on device, DH shard on device / optimizer on host, HH both on host, "
-                  "DK/HK optimizer on disk, R* replicated chunk (optimizer on D/H)")
+                  "DK/HK optimizer on disk, R* replicated chunk (optimizer on D/H), 1*/2* ZeRO-1/2 chunk: parameters "
+                  "whole, optimizer state split (on D/H/K)")
     if why:
         console.print(f"why: {why}")
 
@@ -675,4 +695,4 @@ def _process_bytes(model: nn.Module) -> int:
     return mine
 
 
-__all__ = ["Budgets", "DoesNotFitError", "optimal_search", "search_profile", "chunk_size_candidates"]
+__all__ = ["Budgets", "DoesNotFitError", "optimal_search", "search_profile", "chunk_size_candidates", "zero_candidates"]

@@ -2,18 +2,19 @@
 
 A :class:`ChunkPlacement` pairs the two :class:`~elixir.search.plan.Placement` values of a
 :class:`~elixir.search.plan.ChunkPlan` (its compute shard's and its optimizer state's) with
-whether the chunk is replicated. Reports and ``info["runner_ups"]`` spell it as a two-letter code,
-shard then optimizer state, with D for device, H for host, K for disk and R for a replicated
-chunk's payload (always on the device): ``DD``, ``DH``, ``HH``, ``DK``, ``HK``, ``HD``, ``RD``,
-``RH``, and ``KK`` (the whole chunk on disk: its shard is read for every gather and rewritten by
-every step). The code is only a spelling: code that decides reads the fields.
+whether the chunk is replicated or a ZeRO-1/2 chunk. Reports and ``info["runner_ups"]`` spell it as
+a two-letter code, shard then optimizer state, with D for device, H for host, K for disk, R for a
+replicated chunk's payload and 1 / 2 for a ZeRO-1 / ZeRO-2 chunk's (whole parameters, always on
+the device): ``DD``, ``DH``, ``HH``, ``DK``, ``HK``, ``HD``, ``RD``, ``RH``, ``2D``, ``1H``, and
+``KK`` (the whole chunk on disk: its shard is read for every gather and rewritten by every step).
+The code is only a spelling: code that decides reads the fields.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elixir.search.plan import ChunkPlan, Placement
+from elixir.search.plan import ChunkPlan, Placement, Sharding
 
 _LETTER = {Placement.DEVICE: "D", Placement.HOST: "H", Placement.DISK: "K"}
 _FROM_LETTER = {v: k for k, v in _LETTER.items()}
@@ -28,11 +29,14 @@ class ChunkPlacement:
             always :attr:`Placement.DEVICE`).
         optim: where the fp32 master and the optimizer state live.
         replicated: the chunk is whole on every rank (its gradient all-reduced), not sharded.
+        zero: 1 or 2 for a ZeRO-1/2 chunk (parameters whole on every rank, master and optimizer
+            state split: :class:`~elixir.search.plan.Sharding`), 0 otherwise.
     """
 
     shard: Placement
     optim: Placement
     replicated: bool = False
+    zero: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shard", Placement(self.shard))
@@ -41,11 +45,28 @@ class ChunkPlacement:
             raise ValueError(f"a replicated chunk's payload lives on the device, not on {self.shard.value}")
         if self.shard is Placement.DISK and self.optim is not Placement.DISK:
             raise ValueError("a disk shard needs its chunk's optimizer state on disk too (KK)")
+        if self.zero not in (0, 1, 2) or (self.zero and self.replicated):
+            raise ValueError(f"zero must be 0, 1 or 2 and excludes replicated, got zero={self.zero!r}")
+        if self.zero and self.shard is not Placement.DEVICE:
+            raise ValueError(f"a ZeRO-1/2 chunk's payload lives on the device, not on {self.shard.value}")
+
+    @property
+    def sharded(self) -> bool:
+        """The parameters are split and gathered for use (ZeRO-3)."""
+        return not self.replicated and not self.zero
+
+    @property
+    def sharding(self) -> Sharding:
+        """The plan's :class:`~elixir.search.plan.Sharding` of a chunk so placed."""
+        if self.replicated:
+            return Sharding.REPLICATED
+        return {0: Sharding.SHARDED, 1: Sharding.ZERO1, 2: Sharding.ZERO2}[self.zero]
 
     @property
     def code(self) -> str:
-        """The two-letter spelling used in reports (``"DK"``, ``"RH"``)."""
-        return ("R" if self.replicated else _LETTER[self.shard]) + _LETTER[self.optim]
+        """The two-letter spelling used in reports (``"DK"``, ``"RH"``, ``"2D"``)."""
+        head = "R" if self.replicated else (str(self.zero) if self.zero else _LETTER[self.shard])
+        return head + _LETTER[self.optim]
 
     @property
     def shard_on_disk(self) -> bool:
@@ -63,15 +84,19 @@ class ChunkPlacement:
     @classmethod
     def from_code(cls, code: str) -> ChunkPlacement:
         """The placement a two-letter code spells (see the module docstring)."""
-        if len(code) != 2 or code[0] not in "DHKR" or code[1] not in _FROM_LETTER:
-            raise ValueError(f"unknown chunk placement code {code!r}; expected e.g. 'DD', 'HK' or 'RH'")
+        if len(code) != 2 or code[0] not in "DHKR12" or code[1] not in _FROM_LETTER:
+            raise ValueError(f"unknown chunk placement code {code!r}; expected e.g. 'DD', 'HK', 'RH' or '2D'")
         if code[0] == "R":
             return cls(Placement.DEVICE, _FROM_LETTER[code[1]], replicated=True)
+        if code[0] in "12":
+            return cls(Placement.DEVICE, _FROM_LETTER[code[1]], zero=int(code[0]))
         return cls(_FROM_LETTER[code[0]], _FROM_LETTER[code[1]])
 
     @classmethod
     def of(cls, chunk: ChunkPlan) -> ChunkPlacement:
         """The placement of a plan's chunk."""
+        if chunk.sharding in (Sharding.ZERO1, Sharding.ZERO2):
+            return cls(Placement.DEVICE, chunk.optim_placement, zero=chunk.sharding.stage)
         if not chunk.sharded:
             return cls(Placement.DEVICE, chunk.optim_placement, replicated=True)
         return cls(chunk.shard_placement, chunk.optim_placement)

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from elixir.search.minimum_waste import minimum_waste_search, print_plan
 from elixir.search.optimal import optimal_search
-from elixir.search.plan import Placement, SearchResult
+from elixir.search.plan import Placement, SearchResult, Sharding
 
 PLACEMENT_POLICIES = ("static", "auto", "cuda", "cpu")
 
@@ -86,7 +86,7 @@ def apply_static(result: SearchResult, fractions: StaticFractions) -> SearchResu
             dataclasses.replace(
                 c,
                 chunk_size=chunk_size,
-                sharded=sharded,
+                sharding=Sharding.SHARDED if sharded else Sharding.REPLICATED,
                 shard_placement=Placement.HOST if i < off_p else Placement.DEVICE,
                 optim_placement=Placement.HOST if i < off_o else Placement.DEVICE,
             )

@@ -6,8 +6,12 @@ made on a laptop for a cluster can be inspected, edited and shipped.
 Vocabulary:
 - a **chunk** is a flat buffer holding several trainable parameters, packed in order; every chunk of
   a plan has the same capacity ``chunk_size`` (elements), a multiple of the world size;
-- a **sharded** chunk is split evenly across the ranks, each keeping ``chunk_size // world_size``
-  elements; a **replicated** chunk (tied, shared or tiny parameters) is kept whole on every rank;
+- a chunk's **sharding** (:class:`Sharding`) says what of it is split across the ranks: a
+  **sharded** chunk (ZeRO-3) is split evenly, each rank keeping ``chunk_size // world_size``
+  elements of everything; a **replicated** chunk (tied, shared or tiny parameters) is kept whole
+  on every rank; a **zero2** / **zero1** chunk keeps its parameters whole on every rank but splits
+  its fp32 master and optimizer state (ZeRO-2 reduce-scatters its gradient, ZeRO-1 all-reduces it),
+  and all-gathers the updated parameters after each step. One plan may mix them;
 - the **rCache** is a pool of ``cache_blocks`` full-size blocks into which sharded chunks are gathered
   for compute, and released after;
 - a chunk's **shard placement** says where its compute-dtype shard lives between uses, and its
@@ -80,6 +84,60 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r} in plan; expected one of {sorted(_DTYPES)}") from None
 
 
+class Sharding(str, enum.Enum):
+    """What of a chunk is split across the data-parallel ranks, and so which collectives it costs.
+
+    ========== ============ =============== ======================= =============================
+    sharding   parameters   gradient        fp32 master + optimizer  collectives per step
+    ========== ============ =============== ======================= =============================
+    sharded    split        reduce-scatter  split                   all-gather per use, RS
+    zero2      whole        reduce-scatter  split                   RS, all-gather after the step
+    zero1      whole        all-reduce      split                   AR, all-gather after the step
+    replicated whole        all-reduce      whole                   AR
+    ========== ============ =============== ======================= =============================
+
+    ``sharded`` is ZeRO-3 (the rCache gathers it for compute and releases it after); the others
+    keep their compute-dtype parameters resident on the device, so they are never gathered for
+    use. ``zero2`` and ``zero1`` differ only in how the gradient is reduced: a reduce-scatter
+    moves half the bytes of an all-reduce on a ring, but some backends (gloo) all-reduce faster.
+    """
+
+    SHARDED = "sharded"
+    ZERO2 = "zero2"
+    ZERO1 = "zero1"
+    REPLICATED = "replicated"
+
+    @property
+    def params_sharded(self) -> bool:
+        """The compute-dtype parameters are split (gathered for each use): ZeRO-3."""
+        return self is Sharding.SHARDED
+
+    @property
+    def state_sharded(self) -> bool:
+        """The fp32 master, the reduced gradient and the optimizer state are split."""
+        return self is not Sharding.REPLICATED
+
+    @property
+    def reduce_scatters(self) -> bool:
+        """The gradient is reduce-scattered (else all-reduced)."""
+        return self in (Sharding.SHARDED, Sharding.ZERO2)
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage (0 for replicated: plain data parallel)."""
+        return {Sharding.SHARDED: 3, Sharding.ZERO2: 2, Sharding.ZERO1: 1, Sharding.REPLICATED: 0}[self]
+
+    @classmethod
+    def of(cls, value: Sharding | str | bool) -> Sharding:
+        """A sharding from its name, or from the older boolean ``sharded`` (True: sharded, False: replicated)."""
+        if isinstance(value, bool):
+            return cls.SHARDED if value else cls.REPLICATED
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown chunk sharding {value!r}; expected one of {[k.value for k in cls]}") from None
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
     """One chunk: which parameters it packs, in order, and where its state lives.
@@ -87,30 +145,52 @@ class ChunkPlan:
     Attributes:
         params: parameter names (``module.named_parameters()`` paths) in packing order.
         shapes: the shape of each parameter, for validation against the model.
-        chunk_size: capacity in elements (padding included); a multiple of the world size when sharded.
+        chunk_size: capacity in elements (padding included); a multiple of the world size when
+            any of its state is split (every sharding but replicated).
         dtype: compute dtype of the chunk (``"float32"``, ``"bfloat16"``, ``"float16"``).
-        sharded: split across ranks (True) or replicated whole on every rank (False).
-        shard_placement: where this rank's compute-dtype shard lives between uses. ``DISK`` (read
-            for each gather, rewritten by each step) needs a sharded chunk whose optimizer state
-            is on disk too: the step that rewrites the shard then has its master staged.
-        optim_placement: where the fp32 master shard and optimizer state live.
+        sharding: what is split across ranks (:class:`Sharding`); the older boolean ``sharded``
+            (True: ``SHARDED``, False: ``REPLICATED``) and the sharding's name are accepted too.
+        shard_placement: where this rank's compute-dtype shard lives between uses (a sharded
+            chunk's; the others keep their parameters whole on the device). ``DISK`` (read for
+            each gather, rewritten by each step) needs a sharded chunk whose optimizer state is
+            on disk too: the step that rewrites the shard then has its master staged.
+        optim_placement: where the fp32 master (this rank's part) and optimizer state live.
     """
 
     params: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     chunk_size: int
     dtype: str = "float32"
-    sharded: bool = True
+    sharding: Sharding = Sharding.SHARDED
     shard_placement: Placement = Placement.DEVICE
     optim_placement: Placement = Placement.DEVICE
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sharding", Sharding.of(self.sharding))
+        object.__setattr__(self, "shard_placement", Placement(self.shard_placement))
+        object.__setattr__(self, "optim_placement", Placement(self.optim_placement))
         if self.shard_placement == Placement.DISK and not (self.sharded and self.optim_placement == Placement.DISK):
             raise ValueError(
                 f"chunk of {self.params[:1]}...: a disk shard_placement needs sharded=True and optim_placement "
                 f"'disk' (got sharded={self.sharded}, optim_placement {Placement(self.optim_placement).value!r}); put the "
                 "optimizer state on disk too, or the shard on the host"
             )
+        if self.sharding in (Sharding.ZERO2, Sharding.ZERO1) and self.shard_placement is not Placement.DEVICE:
+            raise ValueError(
+                f"a {self.sharding.value} chunk keeps its parameters whole on the device: shard_placement "
+                f"must be 'device', got {self.shard_placement.value!r} (use sharding 'sharded' to place "
+                "parameter shards on the host)"
+            )
+
+    @property
+    def sharded(self) -> bool:
+        """The parameters are split across ranks and gathered for use (ZeRO-3)."""
+        return self.sharding.params_sharded
+
+    @property
+    def state_sharded(self) -> bool:
+        """The fp32 master, gradient and optimizer state are split across ranks."""
+        return self.sharding.state_sharded
 
     @property
     def numels(self) -> tuple[int, ...]:
@@ -128,10 +208,27 @@ class ChunkPlan:
         return sum(self.numels)
 
     def shard_size(self, world_size: int) -> int:
+        """Elements of this rank's compute-dtype parameters (a shard, or the whole chunk)."""
         return self.chunk_size // world_size if self.sharded else self.chunk_size
+
+    def state_size(self, world_size: int) -> int:
+        """Elements of this rank's fp32 master, gradient and optimizer state."""
+        return self.chunk_size // world_size if self.state_sharded else self.chunk_size
+
+    def with_sharding(self, sharding: Sharding | str, world_size: int) -> ChunkPlan:
+        """This chunk with ``sharding``: capacity rounded up to a multiple of ``world_size`` when
+        it splits state, the shard placement reset to the device when it keeps parameters whole."""
+        sharding = Sharding.of(sharding)
+        size = self.chunk_size
+        if sharding.state_sharded and size % world_size:
+            size += world_size - size % world_size
+        place = self.shard_placement if sharding.params_sharded else Placement.DEVICE
+        return dataclasses.replace(self, sharding=sharding, chunk_size=size, shard_placement=place)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
+        d["sharding"] = self.sharding.value
+        d["sharded"] = self.sharded  # for readers of plans written before per-chunk sharding
         d["shard_placement"] = self.shard_placement.value
         d["optim_placement"] = self.optim_placement.value
         d["params"] = list(self.params)
@@ -145,7 +242,7 @@ class ChunkPlan:
             shapes=tuple(tuple(int(x) for x in s) for s in d["shapes"]),
             chunk_size=int(d["chunk_size"]),
             dtype=d.get("dtype", "float32"),
-            sharded=bool(d.get("sharded", True)),
+            sharding=Sharding.of(d["sharding"] if "sharding" in d else bool(d.get("sharded", True))),
             shard_placement=Placement(d.get("shard_placement", "device")),
             optim_placement=Placement(d.get("optim_placement", "device")),
         )
@@ -224,6 +321,14 @@ class SearchResult:
         return max((c.chunk_size for c in self.all_chunks if c.sharded), default=0)
 
     @property
+    def sharding_counts(self) -> dict[str, int]:
+        """How many chunks of each sharding (``{"sharded": 5, "zero2": 3}``), for reports."""
+        out: dict[str, int] = {}
+        for c in self.chunks:
+            out[c.sharding.value] = out.get(c.sharding.value, 0) + 1
+        return out
+
+    @property
     def param_names(self) -> list[str]:
         return [n for c in self.chunks for n in c.params]
 
@@ -233,8 +338,8 @@ class SearchResult:
         return 0.0 if cap == 0 else 1.0 - sum(c.used for c in self.chunks) / cap
 
     def shard_bytes_per_rank(self, element_size: int) -> int:
-        """Bytes of this rank's compute-dtype shards, trainable and frozen (replicated chunks
-        count whole)."""
+        """Bytes of this rank's compute-dtype shards, trainable and frozen (chunks whose parameters
+        are whole count whole)."""
         return sum(c.shard_size(self.world_size) for c in self.all_chunks) * element_size
 
     def frozen_shard_bytes_per_rank(self, element_size: int) -> int:

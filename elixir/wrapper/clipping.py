@@ -50,7 +50,7 @@ def global_grad_norm(em: ElixirModule, norm_type: float = 2.0) -> GradNorm:
     for c in em.chunks:
         if not c.grad_valid or c.shard_grad is None:
             continue
-        if not c.spec.sharded and not is_inf and em.rank != 0:
+        if not c.spec.state_sharded and not is_inf and em.rank != 0:
             continue
         g = c.shard_grad
         if g.numel() == 0:

@@ -34,7 +34,7 @@ from elixir import distributed as edist
 from elixir.chunk import BlockCache, Chunk, ChunkKind, ChunkSpec, GradState, MemoryLedger, Schedule
 from elixir.offload.for_plan import shard_store_for_plan, store_for_plan
 from elixir.offload.store import DiskStore
-from elixir.search.plan import Placement, dtype_from_name
+from elixir.search.plan import Placement, Sharding, dtype_from_name
 from elixir.tracer.hooks import (
     StepKind,
     borrowed_children,
@@ -274,13 +274,16 @@ class ElixirModule(nn.Module):
                     "or the host for now; re-plan with host placement (shard_placement='host')"
                 )
             # At world size 1 a device shard is the whole chunk: keep it resident (gathering would
-            # only copy it), exactly like a replicated chunk.
-            sharded = cp.sharded and not (self.world_size == 1 and cp.shard_placement is Placement.DEVICE)
+            # only copy it), exactly like a replicated chunk; so is a ZeRO-1/2 chunk's state.
+            sharding = cp.sharding
+            if self.world_size == 1 and not (sharding is Sharding.SHARDED and cp.shard_placement is Placement.HOST):
+                sharding = Sharding.REPLICATED
+            sharded = sharding.params_sharded
             spec = ChunkSpec(
                 kind=kind,
                 index=ci,
                 capacity=cp.chunk_size,
-                sharded=sharded,
+                sharding=sharding,
                 world_size=self.world_size,
                 rank=self.rank,
                 dtype=self.dtype,
@@ -673,11 +676,20 @@ class ElixirModule(nn.Module):
             hook(self)
 
     def after_optimizer_step(self) -> None:
-        """The masters changed: refresh compute shards and drop every gathered (now stale) payload."""
+        """The masters changed: refresh compute shards, publish the ZeRO-1/2 chunks' updated
+        slices and drop every gathered (now stale) payload. Collective when any chunk publishes."""
         for c in self.chunks:
             c.refresh_from_master()  # on the copy stream
+        self.publish_updates()
         self.streams.join()  # the next forward's compute waits for the refreshed shards
         self.cache.release_all()
+
+    def publish_updates(self, chunks: Optional[list[int]] = None) -> None:
+        """All-gather the updated slices of every ZeRO-1/2 chunk (of ``chunks`` when given) into
+        its resident payload (:meth:`Chunk.publish`): after a step, or after a load wrote this
+        rank's slices. Collective (a no-op without such chunks)."""
+        for c in self.chunks if chunks is None else [self.chunks[i] for i in chunks]:
+            c.publish()
 
     def drain(self) -> None:
         """Wait for the prefetch gathers still in flight (after a forward without backward, or
@@ -701,11 +713,11 @@ class ElixirModule(nn.Module):
         for c in self.chunks:
             full = torch.zeros(c.spec.capacity, dtype=torch.float32, device=self.device)
             if c.grad_valid:
-                if c.spec.sharded:
+                if c.spec.state_sharded:
                     edist.all_gather_into(full, c.shard_grad.to(self.device, torch.float32), self.group)
                 else:
                     full.copy_(c.shard_grad)
-            elif c.spec.sharded:
+            elif c.spec.state_sharded:
                 edist.all_gather_into(full, torch.zeros(c.spec.shard_numel, device=self.device), self.group)
             for i in self._chunk_params[c.index]:
                 s = self.slots[i]
@@ -804,9 +816,12 @@ class ElixirModule(nn.Module):
         return load_full_state_dict(self, state_dict, strict=strict)
 
     def extra_repr(self) -> str:
-        sharded = sum(c.spec.sharded for c in self.chunks)
+        kinds: dict[str, int] = {}
+        for c in self.chunks:
+            kinds[c.spec.sharding.value] = kinds.get(c.spec.sharding.value, 0) + 1
         return (
-            f"chunks={len(self.chunks)} ({sharded} sharded), frozen_chunks={len(self.frozen_chunks)}, cache_blocks={self.cache.capacity}, "
+            f"chunks={len(self.chunks)} ({', '.join(f'{v} {k}' for k, v in kinds.items())}), "
+            f"frozen_chunks={len(self.frozen_chunks)}, cache_blocks={self.cache.capacity}, "
             f"world_size={self.world_size}, dtype={self.dtype}"
         )
 

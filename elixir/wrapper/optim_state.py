@@ -130,7 +130,7 @@ def gather_full_state(eo: ElixirOptimizer, rank0_only: bool = False) -> dict:
                         shard[f.lo : f.hi].copy_(st[k].reshape(-1))
         for k, dtype in elem_keys.items():
             shard = shards.pop(k)
-            if c.spec.sharded and em.world_size > 1:
+            if c.spec.state_sharded and em.world_size > 1:
                 buf = torch.empty(c.spec.capacity, dtype=dtype, device=em.device)
                 edist.all_gather_into(buf, shard, em.group)
             else:

@@ -220,9 +220,9 @@ class ElixirOptimizer:
         return self.optim.state
 
     def iter_master_shards(self) -> Iterator[tuple]:
-        """(chunk, fp32 master shard, fp32 shard gradient or None, sharded) on this rank."""
+        """(chunk, fp32 master shard, fp32 shard gradient or None, whether the master is split) on this rank."""
         for c, master, grad in self.module.iter_shards():
-            yield c, master, grad, c.spec.sharded
+            yield c, master, grad, c.spec.state_sharded
 
     # ---- stepping ----------------------------------------------------------------------------
 
@@ -288,7 +288,8 @@ class ElixirOptimizer:
             self._detach_grads()
         if self.kernel is UpdateKernel.FUSED and len(fresh) == len(self.module.chunks):
             # the kernel wrote every compute shard: skip the master -> shard copies of
-            # after_optimizer_step() and only drop the stale gathered payloads
+            # after_optimizer_step(), publish the ZeRO-1/2 slices and drop the stale payloads
+            self.module.publish_updates()
             self.module.cache.release_all()
         else:
             self.module.after_optimizer_step()
@@ -463,6 +464,7 @@ class ElixirOptimizer:
                         c.shard.copy_(c.master)
         finally:
             self._detach_grads(frags)
+        self.module.publish_updates([i])  # ZeRO-1/2: the other ranks' updated slices
 
     @contextlib.contextmanager
     def _only(self, keep: Callable[[torch.Tensor], bool]) -> Iterator[None]:

@@ -63,8 +63,11 @@ def validate_plan(module: nn.Module, plan: SearchResult, world_size: int) -> Non
             planned[n] = tuple(s)
         if chunk.used > chunk.chunk_size:
             raise PlanMismatch(f"plan chunk {ci} holds {chunk.used} elements but has capacity {chunk.chunk_size}")
-        if chunk.sharded and chunk.chunk_size % world_size:
-            raise PlanMismatch(f"plan chunk {ci} capacity {chunk.chunk_size} is not a multiple of world size {world_size}")
+        if chunk.state_sharded and chunk.chunk_size % world_size:
+            raise PlanMismatch(
+                f"plan chunk {ci} ({chunk.sharding.value}) capacity {chunk.chunk_size} is not a multiple of world size "
+                f"{world_size}: a chunk whose state is split needs equal parts (re-plan, or make it replicated)"
+            )
     missing = set(trainable) - set(planned)
     extra = set(planned) - set(trainable)
     problems = _frozen_chunk_problems(module, plan, world_size, set(planned))

@@ -3,7 +3,8 @@
 Saving gathers one chunk at a time (a collective) and copies its parameters to CPU. Tied
 parameters appear under every name the wrapped model's ``state_dict()`` gives them, exactly as
 ``transformers`` models produce them, so the result loads into the plain model. Loading writes
-each rank's own slice into its shards and masters; no collective is needed.
+each rank's own slice into its shards and masters; the only collective is the all-gather that
+publishes ZeRO-1/2 chunks' slices into their whole payloads.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def chunk_values(em: ElixirModule, chunk) -> torch.Tensor:
     full = torch.empty(chunk.spec.capacity, dtype=torch.float32, device=em.device)
     with staged(em.disk_store, [chunk.index], write_back=False):  # a disk master: read, not written
         mine = chunk.master.to(em.device, torch.float32, copy=True)
-    if chunk.spec.sharded:
+    if chunk.spec.state_sharded:
         edist.all_gather_into(full, mine, em.group)
     else:
         full.copy_(mine)
@@ -106,4 +107,5 @@ def load_full_state_dict(em: ElixirModule, state_dict: dict, strict: bool = True
                 v = by_param.get(id(em.frozen_map.params[piece.param_index]))
                 if v is not None:
                     chunk.shard[piece.lo : piece.hi].copy_(v.reshape(-1)[piece.start : piece.start + piece.hi - piece.lo])
+        em.publish_updates()  # ZeRO-1/2 chunks: every rank wrote its slice of the payload
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

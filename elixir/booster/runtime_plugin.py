@@ -1,0 +1,92 @@
+"""What the plugins on elixir's own runtime share: ElixirModule and ElixirOptimizer wrap the
+model and optimizer, and backward, ``no_sync``, clipping and checkpoints go through them.
+:class:`~elixir.booster.gemini.GeminiPlugin` and :class:`~elixir.booster.low_level_zero.LowLevelZeroPlugin`
+differ only in the plan they make (:meth:`ElixirRuntimePlugin.make_plan`) and their arguments."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+
+from elixir import checkpoint
+from elixir.booster.plugin import Plugin
+from elixir.search import SearchResult
+from elixir.wrapper import ElixirModule, ElixirOptimizer, LossScalePolicy
+
+PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def refuse_unsupported(plugin: str, given: dict[str, Any], table: dict[str, tuple[Any, str]]) -> None:
+    """Raise for every argument in ``given`` that ``table`` does not allow: ``TypeError`` for an
+    unknown name, ``ValueError`` naming the alternative for a value other than the one meaning "off"."""
+    for k, v in given.items():
+        if k not in table:
+            raise TypeError(f"{plugin} got an unexpected argument {k!r}")
+        off, why = table[k]
+        if v != off:
+            raise ValueError(f"{plugin}({k}={v!r}) is not supported: {why}")
+
+
+class ElixirRuntimePlugin(Plugin):
+    """A plugin that runs a plan on :class:`ElixirModule` / :class:`ElixirOptimizer` (see the
+    module docstring). Subclasses set the attributes below in ``__init__`` and define
+    :meth:`make_plan`.
+
+    Attributes:
+        dtype: the chunks' compute dtype.
+        reduce_always_fp32: reduce gradients in fp32 even when computing in low precision.
+        loss_scale: the dynamic loss scale (fp16), a :class:`~elixir.wrapper.LossScalePolicy`.
+        max_norm, norm_type: clipping inside the optimizer step (0: none).
+        enable_gradient_accumulation: whether :meth:`no_sync` is allowed.
+        max_prefetch: chunks gathered ahead (0: none).
+        offload_dir: where disk-placed state goes.
+    """
+
+    dtype: torch.dtype = torch.float32
+    reduce_always_fp32: bool = False
+    loss_scale: LossScalePolicy
+    max_norm: float = 0.0
+    norm_type: float = 2.0
+    enable_gradient_accumulation: bool = True
+    max_prefetch: int = 0
+    offload_dir: Optional[str] = None
+
+    def make_plan(self, model: torch.nn.Module) -> SearchResult:
+        raise NotImplementedError
+
+    def configure(self, model, optimizer, criterion, dataloader, lr_scheduler) -> tuple:
+        if not isinstance(model, ElixirModule):
+            model = ElixirModule(
+                model, self.make_plan(model), dtype=self.dtype, output_fp32=self.dtype != torch.float32,
+                prefetch=self.max_prefetch > 0, offload_dir=self.offload_dir, reduce_always_fp32=self.reduce_always_fp32,
+            )
+        if optimizer is not None and not isinstance(optimizer, ElixirOptimizer):
+            optimizer = ElixirOptimizer(model, optimizer, max_norm=self.max_norm, norm_type=self.norm_type,
+                                        loss_scale_policy=self.loss_scale)
+        return model, optimizer, criterion, dataloader, lr_scheduler
+
+    def backward(self, loss, optimizer) -> None:
+        optimizer.backward(loss)
+
+    def no_sync(self, model, optimizer) -> contextlib.AbstractContextManager:
+        if not self.enable_gradient_accumulation:
+            raise RuntimeError(f"no_sync needs {type(self).__name__}(enable_gradient_accumulation=True)")
+        return model.no_sync()
+
+    def clip_grad_by_norm(self, model, optimizer, max_norm, norm_type=2.0) -> torch.Tensor:
+        return optimizer.clip_grad_norm_(max_norm, norm_type)
+
+    def full_state_dict(self, model) -> dict:
+        return model.state_dict(rank0_only=True)
+
+    def load_full_state_dict(self, model, state, strict) -> None:
+        model.load_state_dict(state, strict=strict)
+
+    def save_optimizer(self, optimizer, path) -> None:
+        # elixir's sharded checkpoint: each rank writes its own fp32 master shards and optimizer state
+        checkpoint.save(path, optimizer.module, optimizer)
+
+    def load_optimizer(self, optimizer, path) -> None:
+        checkpoint.load(path, optimizer.module, optimizer)
