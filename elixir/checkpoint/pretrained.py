@@ -33,6 +33,7 @@ import copy
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
