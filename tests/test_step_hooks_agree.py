@@ -25,9 +25,9 @@ def test_runtime_fires_the_traced_steps(name):
     em = ElixirModule(model, minimum_waste_search(model, 1, cpu_offload=True))
     borrowed = borrowed_children(em.module)
 
-    def chunk_set(module) -> frozenset:
-        slots = [em.param_map.slot_of(p) for p in step_params(module, borrowed)]
-        return frozenset(s.chunk for s in slots if s is not None and em.chunks[s.chunk].spec.sharded)
+    def chunk_set(module) -> frozenset:  # trainable and frozen chunks (global indices), as the runtime records them
+        slots = [em.param_map.slot_of(p) or em.frozen_map.slot_of(p) for p in step_params(module, borrowed)]
+        return frozenset(s.chunk for s in slots if s is not None and em.all_chunks[s.chunk].spec.sharded)
 
     traced = []
     hooks = install_step_hooks(
