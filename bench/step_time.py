@@ -26,7 +26,11 @@ Systems:
   (default: ``--tight-fraction`` of the way from the least budget any plan fits in to the budget
   ``elixir-optimal``'s plan needs), enforced
   by the runtime's memory ledger (``memory_limit``: an allocation past it raises), so the plan is
-  proven to fit.
+  proven to fit. ``elixir-tight-zero3`` / ``elixir-tight-zero2``: the same budget (computed from
+  the unrestricted search, as for ``elixir-tight``), but the search keeps every body chunk
+  sharded (ZeRO-3) / ZeRO-1/2 (``body_sharding``): with ``elixir-tight`` they show whether the
+  mixed plan the search picks beats both pure plans on one budget (a line whose pure plan does
+  not fit fails and says so).
 - ``elixir`` / ``elixir-hybrid`` / ``elixir-bf16``: ``minimum_waste_search``'s plan, with torch
   AdamW / HybridAdam / bf16 chunks and HybridAdam.
 - ``elixir-zero2`` / ``elixir-zero1``: the same chunks as ZeRO-2 / ZeRO-1 chunks (what
@@ -64,7 +68,7 @@ GiB = 2**30
 
 ELIXIR_SYSTEMS = (
     "elixir-optimal", "elixir-optimal-bf16", "elixir-optimal-fused", "elixir-tight", "elixir", "elixir-hybrid", "elixir-bf16",
-    "elixir-zero2", "elixir-zero1",
+    "elixir-zero2", "elixir-zero1", "elixir-tight-zero3", "elixir-tight-zero2",
 )
 PEER_SYSTEMS = (
     "ddp", "ddp-fused", "ddp-bf16", "fsdp2", "fsdp2-fused", "fsdp2-bf16", "fsdp2-offload",
@@ -84,7 +88,7 @@ DEFAULT_LINES = (
     "elixir-optimal-bf16:2", "fsdp2-bf16:2", "ddp-bf16:2", "deepspeed-bf16:2",
     "elixir-tight:2", "fsdp2-offload:2", "deepspeed-offload:2",
     "elixir-optimal:2@medium", "fsdp2-fused:2@medium", "deepspeed:2@medium",
-    "elixir-zero2:2", "elixir-zero1:2",
+    "elixir-zero2:2", "elixir-zero1:2", "elixir-tight-zero3:2", "elixir-tight-zero2:2",
 )
 # (numerator, denominator, step-time target, memory target): the issue's targets. The memory
 # target compares per-rank peak RSS.
@@ -110,6 +114,8 @@ RATIOS = (
     ("elixir-optimal:2@medium", "fsdp2:2@medium", 1.0, None),
     ("elixir-optimal:2@medium", "deepspeed:2@medium", 1.0, None),
     ("elixir-zero2:2", "ddp-fused:2", None, None),
+    ("elixir-tight:2", "elixir-tight-zero3:2", 1.0, None),
+    ("elixir-tight:2", "elixir-tight-zero2:2", 1.0, None),
     ("elixir-zero2:2", "elixir-hybrid:2", None, None),
 )
 
@@ -236,15 +242,15 @@ def _optimal_plan(system: str, model, cfg: BenchConfig, world: int, dtype, extra
 
     unified = unified_memory(default_profile())
 
-    def search(memory: int):
+    def search(memory: int, body_sharding: str = "mixed"):
         # on a CPU-only profile device and host are one pool: the budget bounds both together
         return optimal_search(model, world, unified_dtype=dtype, overlap=True, inp=inp, step_fn=_train_step,
-                              device_memory=memory, host_memory=memory if unified else host)
+                              device_memory=memory, host_memory=memory if unified else host, body_sharding=body_sharding)
 
     t0 = time.perf_counter()
     sr = search(budget)
     limit = None
-    if system == "elixir-tight":
+    if system.startswith("elixir-tight"):
         if cfg.tight_budget:
             budget = cfg.tight_budget
         else:  # between the least budget any plan fits in and what the unconstrained plan needs
@@ -259,7 +265,7 @@ def _optimal_plan(system: str, model, cfg: BenchConfig, world: int, dtype, extra
             need = int(peak / (1 - sr.info["margins"]["device"])) + 1
             budget = least + int(cfg.tight_fraction * max(0, need - least))
         extra["least_budget"] = least if not cfg.tight_budget else None
-        sr = search(budget)
+        sr = search(budget, {"elixir-tight-zero3": "sharded", "elixir-tight-zero2": "zero"}.get(system, "mixed"))
         # the ledger enforces what the plan may use of the budget: after the safety margin, less
         # what the runtime does not account (activations, buffers, device optimizer moments)
         limit = max(1, sr.info["usable_after_margins"]["device"] - _runtime_share(sr))
@@ -304,7 +310,8 @@ def wrap(system: str, model, cfg: BenchConfig, world: int):
 
             # before the search, so that it traces the fused step
             extra["fused_kernels"] = apply_fused_kernels(model)
-        if system in ("elixir-optimal", "elixir-optimal-bf16", "elixir-optimal-fused", "elixir-tight"):
+        if system in ("elixir-optimal", "elixir-optimal-bf16", "elixir-optimal-fused", "elixir-tight",
+                      "elixir-tight-zero3", "elixir-tight-zero2"):
             sr, limit = _optimal_plan(system, model, cfg, world, dtype, extra)
         else:
             t0 = time.perf_counter()

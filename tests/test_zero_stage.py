@@ -350,12 +350,13 @@ def test_search_mixes_kinds_and_prices_given_plans_alike():
     model = build_model("gpt2", n_layer=6, n_embd=128, vocab=2048)
     prof = profile_step(model, zc.make_batch(BATCH, 0), zc.step_fn)
     hw = load_profile("cpu-box")
-    free = search_profile(prof, 2, hardware=hw, host_memory=1 << 40, device_memory=1 << 40)
+    fixed = dict(grad_dtype=torch.float32, fused_step=False)  # no second, leaner search: like against like
+    free = search_profile(prof, 2, hardware=hw, host_memory=1 << 40, device_memory=1 << 40, **fixed)
     budget, seen = free.prediction.peak_device_bytes, []
     while True:
         budget = int(budget * 0.93)
         try:
-            plan = search_profile(prof, 2, hardware=hw, host_memory=budget, device_memory=budget)
+            plan = search_profile(prof, 2, hardware=hw, host_memory=budget, device_memory=budget, **fixed)
         except DoesNotFitError:
             break
         s = _Searcher(prof, 2, hw, Budgets(budget, budget), "adam", False, MemoryPolicy(), None, plan.grad_dtype, plan.fused_step)
@@ -364,6 +365,19 @@ def test_search_mixes_kinds_and_prices_given_plans_alike():
         assert ev.step_time == pytest.approx(plan.prediction.step_time_s, rel=1e-9)
         assert (ev.device_bytes, ev.host_bytes) == (plan.prediction.peak_device_bytes, plan.prediction.peak_host_bytes)
         seen.append(plan.sharding_counts)
+        # the pure plans on the same budget (body chunks all ZeRO-3, or all ZeRO-1/2) are never
+        # faster than what the unrestricted search picked: it scores them too
+        for body in ("sharded", "zero"):
+            try:
+                pure = search_profile(prof, 2, hardware=hw, host_memory=budget, device_memory=budget, body_sharding=body,
+                                      **fixed)
+            except DoesNotFitError:
+                continue
+            assert pure.prediction.step_time_s >= plan.prediction.step_time_s * (1 - 1e-9), (body, budget)
+            body_kinds = {c.sharding for c in pure.chunks if not set(c.params) & set(prof.shared)}
+            assert body_kinds <= ({Sharding.SHARDED} if body == "sharded" else {Sharding.ZERO1, Sharding.ZERO2}), body_kinds
     zero = [k for k in seen if "zero1" in k or "zero2" in k]
     assert zero, seen  # some budget picks ZeRO-1/2 chunks
     assert any("sharded" in k for k in zero), seen  # and one mixes them with sharded chunks
+    with pytest.raises(ValueError, match="body_sharding"):
+        search_profile(prof, 2, hardware=hw, body_sharding="zero3")

@@ -96,13 +96,21 @@ def chunk_size_candidates(profile: StepProfile, world: int, points: int = GRID_P
     return sorted(s for s in sizes if s >= lo)
 
 
-def zero_candidates(layout: Layout, world: int) -> list[int]:
+BODY_SHARDINGS = ("mixed", "sharded", "zero")
+
+
+def zero_candidates(layout: Layout, world: int, body_sharding: str = "mixed") -> list[int]:
     """How many of ``layout``'s body chunks to try as ZeRO-1/2 (parameters whole, state split; the
     most used first, :func:`~elixir.search.cost_model.zero_order`) beside the all-sharded layout:
-    none, one, half, all (world size > 1)."""
+    none, one, half, all (world size > 1). ``body_sharding`` restricts them: ``"sharded"`` only
+    none (pure ZeRO-3), ``"zero"`` only all (pure ZeRO-1/2), ``"mixed"`` any of them."""
+    if body_sharding not in BODY_SHARDINGS:
+        raise ValueError(f"body_sharding must be one of {BODY_SHARDINGS}, got {body_sharding!r}")
     n = layout.n_sharded - layout.own
     if world == 1 or n == 0:
         return [0]
+    if body_sharding != "mixed":
+        return [0 if body_sharding == "sharded" else n]
     return sorted({0, 1, n // 2, n})
 
 
@@ -127,7 +135,8 @@ def _block_candidates(layout: Layout, world: int = 2) -> list[int]:
 class _Searcher:
     def __init__(self, profile: StepProfile, world: int, hardware: HardwareProfile, budgets: Budgets,
                  optimizer_type: str, overlap: bool, policy: MemoryPolicy, reduce_dtype: Optional[str],
-                 grad_dtype: str = "float32", fused_step: bool = False, process_bytes: int = 0) -> None:
+                 grad_dtype: str = "float32", fused_step: bool = False, process_bytes: int = 0,
+                 body_sharding: str = "mixed") -> None:
         key = optimizer_type.lower()
         if key not in OPTIMIZER_STATE_BYTES:
             raise ValueError(f"optimizer_type {optimizer_type!r} not known; use one of {sorted(OPTIMIZER_STATE_BYTES)}")
@@ -148,6 +157,7 @@ class _Searcher:
         self.reduce_dtype = reduce_dtype
         self.grad_dtype = grad_dtype
         self.fused_step = fused_step
+        self.body_sharding = body_sharding
         self.usable = policy.usable(budgets.device, budgets.host, budgets.disk)
         self._layouts: dict[tuple[int, bool, int], Layout] = {}
 
@@ -163,7 +173,7 @@ class _Searcher:
         kw = dict(profile=self.profile, world=self.world, hardware=self.hw, budgets=self.budgets,
                   optimizer_type=self.optimizer_type, overlap=self.overlap, policy=self.policy,
                   reduce_dtype=self.reduce_dtype, grad_dtype=self.grad_dtype, fused_step=self.fused_step,
-                  process_bytes=self.setting.process_bytes)
+                  process_bytes=self.setting.process_bytes, body_sharding=self.body_sharding)
         return _Searcher(**{**kw, **changes})
 
     def layout(self, c: int, shard_shared: bool = False, zero: int = 0) -> Layout:
@@ -175,7 +185,8 @@ class _Searcher:
     def layouts(self, c: int, shard_shared: bool = False) -> list[Layout]:
         """The layouts tried for chunk size ``c``: all sharded, and with :func:`zero_candidates`
         of the body chunks ZeRO-1/2."""
-        return [self.layout(c, shard_shared, z) for z in zero_candidates(self.layout(c, shard_shared), self.world)]
+        lay = self.layout(c, shard_shared)
+        return [self.layout(c, shard_shared, z) for z in zero_candidates(lay, self.world, self.body_sharding)]
 
     def layout_of(self, ev: Evaluation) -> Layout:
         """The layout an evaluation was made on (the packed one, or its fully replicated twin)."""
@@ -403,6 +414,7 @@ def search_profile(
     ranks_per_node: Optional[int] = None,
     hardware_choice: Optional[str] = None,
     process_bytes: int = 0,
+    body_sharding: str = "mixed",
 ) -> SearchResult:
     """The search proper, on a ready :class:`StepProfile` (``optimal_search`` traces, then calls this).
 
@@ -423,6 +435,10 @@ def search_profile(
 
     ``process_bytes``: host bytes the training process holds outside elixir and the model (counted
     in the host prediction and against the host budget).
+
+    ``body_sharding``: ``"mixed"`` (default) lets each body chunk be sharded (ZeRO-3) or ZeRO-1/2;
+    ``"sharded"`` or ``"zero"`` keep them all one way (to compare a mixed plan with the pure ones
+    on the same budget).
     """
     t0 = time.perf_counter()
     policy = policy or MemoryPolicy()
@@ -438,7 +454,8 @@ def search_profile(
     budgets = Budgets(int(device_memory), int(host_memory), int(disk or 0))
     rd = None if reduce_dtype is None else dtype_name(reduce_dtype)
     g0 = "float32" if grad_dtype is None else dtype_name(grad_dtype)
-    s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, g0, bool(fused_step), process_bytes)
+    s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, g0, bool(fused_step), process_bytes,
+                  body_sharding)
     found, error = None, None
     try:
         found = s.run()
@@ -450,7 +467,7 @@ def search_profile(
                                  for p in found[0].placements)
     if binds and (lean_grad, lean_fused) != (g0, bool(fused_step)):
         lean = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, lean_grad, lean_fused,
-                         process_bytes)
+                         process_bytes, body_sharding)
         try:
             other = lean.run()
         except DoesNotFitError as e:  # the leanest configuration's suggestions are the useful ones
@@ -632,6 +649,7 @@ def optimal_search(
     grad_dtype: Optional[torch.dtype] = None,
     fused_step: Optional[bool] = None,
     process_bytes: Optional[int] = None,
+    body_sharding: str = "mixed",
 ) -> SearchResult:
     """Plan ``model`` for ``group_size`` ranks: the lowest predicted step time that fits.
 
@@ -661,6 +679,9 @@ def optimal_search(
             in the process that will train, after its imports. With a process group initialised,
             the most over its ranks (one collective: call ``optimal_search`` on every rank), so
             every rank plans on the same figure. Pass 0 to plan for another machine.
+        body_sharding: ``"mixed"`` (default): each body chunk may be sharded (ZeRO-3) or
+            ZeRO-1/2 (parameters whole, optimizer state split), chunk by chunk; ``"sharded"`` /
+            ``"zero"``: all of them one way (the pure plans, to compare on the same budget).
 
     Raises:
         DoesNotFitError: nothing fits; the message names the smallest changes that would.
@@ -675,7 +696,7 @@ def optimal_search(
         profile, group_size, hardware=hardware, device_memory=device_memory, host_memory=host_memory, disk=disk,
         optimizer_type=optimizer_type, overlap=overlap, policy=policy, reduce_dtype=reduce_dtype, verbose=verbose,
         grad_dtype=grad_dtype, fused_step=fused_step,
-        process_bytes=_process_bytes(model) if process_bytes is None else int(process_bytes),
+        process_bytes=_process_bytes(model) if process_bytes is None else int(process_bytes), body_sharding=body_sharding,
     )
 
 
