@@ -223,8 +223,13 @@ def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, ma
                     master[f.lo : f.hi].copy_(v)
                     if c.shard is not master:
                         c.shard[f.lo : f.hi].copy_(v)
+        by_chunk: dict[int, list] = {}
         for fp, v in plan["frozen"]:
-            fp.view(em).copy_(v)  # converts (a bf16 save into an fp32 chunk and back)
+            by_chunk.setdefault(fp.chunk, []).append((fp, v))
+        for ci, items in by_chunk.items():
+            with em.all_chunks[ci].shard_access(write=True) as shard:  # a disk shard: staged, written back
+                for fp, v in items:
+                    shard[fp.lo : fp.hi].copy_(v)  # converts (a bf16 save into an fp32 chunk and back)
         tensors = module_tensors(em)
         for k, v in plan["module"].items():
             tensors[k].data.copy_(v)

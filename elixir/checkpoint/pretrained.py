@@ -403,11 +403,14 @@ def _apply(em: ElixirModule, reader: Reader, source: dict, tensors: dict) -> Non
             if id(t) not in pname and id(t) not in fname_of:
                 t.copy_(reader.handle(fname).get_tensor(sk).to(t.dtype))
         for chunk in em.frozen_chunks:  # this rank's rows only, straight into the shard, in its dtype
-            for piece in fmap.shard_pieces(chunk.spec):
-                if piece.param_index in by_frozen:
+            pieces = [p for p in fmap.shard_pieces(chunk.spec) if p.param_index in by_frozen]
+            if not pieces:
+                continue
+            with chunk.shard_access(write=True) as shard:  # a disk shard: staged, written back
+                for piece in pieces:
                     fname, sk = by_frozen[piece.param_index]
                     src = _rows(reader, fname, sk, piece.start, piece.start + piece.hi - piece.lo)
-                    chunk.shard[piece.lo : piece.hi].copy_(src)
+                    shard[piece.lo : piece.hi].copy_(src)
         for chunk in em.chunks:
             spec = chunk.spec
             lo, hi = spec.shard_offset, spec.shard_offset + spec.shard_numel

@@ -121,7 +121,12 @@ def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], ext
                 scalars.setdefault(pname, {})["__order__"] = list(st.keys())
         for fp in frozen_pieces(em, writers_only=True) if frozen else ():
             key = f"frozen/{fp.name}/{fp.start}"
-            tensors[key] = fp.view(em)
+            chunk = em.all_chunks[fp.chunk]
+            if chunk.spec.shard_on_disk:  # read in and copied (a disk shard is not resident)
+                with chunk.shard_access(write=False) as shard:
+                    tensors[key] = shard[fp.lo : fp.hi].clone()
+            else:
+                tensors[key] = fp.view(em)
             entries.append(Entry("frozen", fp.name, key, tensor_files.dtype_name(tensors[key].dtype), fname, fp.start, fp.end))
         if em.rank == 0:
             for k, t in module_tensors(em).items():

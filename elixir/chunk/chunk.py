@@ -95,9 +95,9 @@ class ChunkSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharding", Sharding.of(self.sharding))
-        if self.shard_on_disk and not (self.sharded and self.shard_on_host and self.master_on_disk):
+        if self.shard_on_disk and not (self.sharded and self.shard_on_host and (self.master_on_disk or self.frozen)):
             raise ValueError(f"chunk {self.index}: a disk shard needs a sharded chunk with its shard on the host "
-                             "and its master on disk")
+                             "and (unless frozen: read-only, never rewritten) its master on disk")
 
     @property
     def sharded(self) -> bool:
@@ -185,7 +185,7 @@ class Chunk:
         src = flat[lo : lo + n]
         if spec.shard_on_disk:  # plain (resizable) host memory: the store frees it once written
             self.shard = src.to(device="cpu", dtype=spec.dtype, copy=True)
-            self.ledger.alloc("shard", "host", _nbytes(n, spec.dtype))
+            self.ledger.alloc(spec.shard_category, "host", _nbytes(n, spec.dtype))
         elif spec.sharded:
             self.shard = _copy_of(src, spec.dtype, spec.shard_on_host, spec)
             self.ledger.alloc(spec.shard_category, _loc(spec.shard_on_host), _nbytes(n, spec.dtype))

@@ -54,7 +54,7 @@ def shard_store_for_plan(
     DISK``; ``element_size``: bytes per compute element), or None when there are none. A store of
     its own: a gather reads only the shard, not the master and optimizer state beside it.
     Collective when some shard is on disk and ``world_size > 1``."""
-    on_disk = [cp for cp in plan.chunks if cp.sharded and cp.shard_placement is Placement.DISK]
+    on_disk = [cp for cp in plan.all_chunks if cp.sharded and cp.shard_placement is Placement.DISK]
     if not on_disk:
         return None
     elements = sum(cp.shard_size(world_size) for cp in on_disk)

@@ -697,16 +697,20 @@ def place(
     n_repl = len(layout.replicated_capacities)
     fbytes = frozen_shard_bytes(layout, st)
     wheres = [(r, f) for r in ((Placement.DEVICE, Placement.HOST) if n_repl else (Placement.DEVICE,))
-              for f in ((Placement.DEVICE, Placement.HOST) if layout.n_frozen else (Placement.DEVICE,))]
+              for f in ((Placement.DEVICE, Placement.HOST, Placement.DISK) if layout.n_frozen else (Placement.DEVICE,))]
     for rwhere, fwhere in wheres:
         repl_kinds = (RD if rwhere is Placement.DEVICE else RH,) * n_repl
         rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
         rh += construction_staging_bytes(layout)
         if fwhere is Placement.DEVICE:
             rd += fbytes
-        else:
+        elif fwhere is Placement.HOST:
             rh += fbytes
-        if solo and layout.n_frozen and (fwhere is Placement.HOST) != (blocks > 0) and n == 0:
+        else:  # on disk: one frozen shard staged at a time, while gathered
+            if not allow_disk or fbytes > disk_budget:
+                continue
+            rh += layout.frozen_chunk_size // st.world * st.elem
+        if solo and layout.n_frozen and (fwhere is not Placement.DEVICE) != (blocks > 0) and n == 0:
             continue  # at world size 1 blocks serve host shards only
         dev_free = dev_budget - base_dev - rd
         host_free = host_budget - rh - st.process_bytes - (base_dev + rd if unified else 0)
@@ -739,8 +743,8 @@ def place(
             ok &= z <= n - y
             ok &= z * cb[DK][2] <= disk_budget
             if solo:  # blocks only for host shards: none iff every shard is on the device
-                ok &= (x == n) if blocks == 0 else ((x < n) | (fwhere is Placement.HOST))
-                if fwhere is Placement.HOST and blocks == 0:
+                ok &= (x == n) if blocks == 0 else ((x < n) | (fwhere is not Placement.DEVICE))
+                if fwhere is not Placement.DEVICE and blocks == 0:
                     ok &= False
             if not ok.any():
                 # no plan keeps every shard resident: the whole of the least-gathered chunks on disk
@@ -866,17 +870,21 @@ def price(
              + sum(zero_chunk_optimizer_time(st, c, k.optim) for c, k in zip(layout.zero_capacities, zero)))
     h2d = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
     t_h2d = float(g[host_shard].sum() * h2d) if n else 0.0
-    if frozen_where is Placement.HOST and layout.n_frozen:
-        t_h2d += float(g_frozen.sum()) * hw.h2d_time(layout.frozen_chunk_size // st.world * st.elem, st.pin)
+    fshard = layout.frozen_chunk_size // st.world * st.elem
+    if frozen_where is not Placement.DEVICE and layout.n_frozen:
+        t_h2d += float(g_frozen.sum()) * hw.h2d_time(fshard, st.pin)
     disk_shard = np.asarray([k.shard_on_disk for k in kinds], dtype=bool)
     # a disk shard is read before each of its gathers (synchronously: nothing hides it)
     t_shard_reads = float(g[disk_shard].sum() * hw.disk_time(shard * st.elem, 0)) if n else 0.0
+    if frozen_where is Placement.DISK and layout.n_frozen:  # read for each gather, never written back
+        t_shard_reads += float(g_frozen.sum()) * hw.disk_time(fshard, 0)
     n_disk = sum(k.on_disk for k in kinds)
     fbytes = frozen_shard_bytes(layout, st)
     dev_var = rd + sum(cb[k][0] for k in kinds) + (fbytes if frozen_where is Placement.DEVICE else 0)
     host = rh + sum(cb[k][1] for k in kinds) + staging_bytes(st, shard, n_disk, int(disk_shard.sum()))
-    host += fbytes if frozen_where is not Placement.DEVICE else 0
-    disk = sum(cb[k][2] for k in kinds)
+    host += fbytes if frozen_where is Placement.HOST else 0
+    host += fshard if frozen_where is Placement.DISK and layout.n_frozen else 0  # the one being gathered
+    disk = sum(cb[k][2] for k in kinds) + (fbytes if frozen_where is Placement.DISK else 0)
     for c, k in zip(layout.zero_capacities, zero):
         zd, zh, zk = zero_chunk_bytes(st, c, k.optim)
         dev_var, host, disk = dev_var + zd, host + zh, disk + zk
@@ -917,7 +925,7 @@ def price(
         breakdown["fused_step_hidden"] = -fused_hidden
         t_opt -= fused_hidden
     memory = dict(fixed, placed_device=dev_var, process=st.process_bytes)
-    if layout.n_frozen:  # included in placed_device, or in the host bytes
+    if layout.n_frozen:  # included in placed_device, or in the host (or disk) bytes
         memory["frozen_shards"] = fbytes
     return Evaluation(
         chunk_size=layout.chunk_size, blocks=blocks, prefetch_depth=depth, placements=tuple(placements),

@@ -377,7 +377,10 @@ def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: L
                                 pl.shard, pl.optim))
     fshapes = dict(profile.frozen_shapes)
     frozen = tuple(ChunkPlan(tuple(names), tuple(fshapes[n] for n in names), layout.frozen_chunk_size, profile.dtype,
-                             True, ev.frozen_placement, Placement.DEVICE) for names in layout.frozen)
+                             True, ev.frozen_placement,
+                             # nothing lives there; a disk shard's chunk plan names disk for both
+                             Placement.DISK if ev.frozen_placement is Placement.DISK else Placement.DEVICE)
+                   for names in layout.frozen)
     in_frozen = {n for c in frozen for n in c.params}
     traced = profile.info.get("source", "").startswith("tracer")
     pred = Prediction(

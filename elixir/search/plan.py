@@ -19,8 +19,8 @@ Vocabulary:
 - a **frozen chunk** packs parameters with ``requires_grad=False`` only (never mixed with trainable
   ones): it holds the compute-dtype weights and nothing else (no gradient buffer, no fp32 master,
   no optimizer state), is gathered before use and released after like any sharded chunk, and is
-  never reduced. Frozen chunks are listed apart (``SearchResult.frozen_chunks``); their
-  ``optim_placement`` is meaningless and kept at its default.
+  never reduced; on disk its shard is read for each gather and never written back. Frozen chunks are listed apart (``SearchResult.frozen_chunks``); their
+  ``optim_placement`` holds nothing (device, or disk beside a disk shard, as every chunk plan must).
 """
 
 from __future__ import annotations

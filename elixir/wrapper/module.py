@@ -268,11 +268,6 @@ class ElixirModule(nn.Module):
         todo += [(len(plan.chunks) + j, cp, ChunkKind.FROZEN) for j, cp in enumerate(plan.frozen_chunks)]
         for ci, cp, kind in todo:
             frozen = kind is ChunkKind.FROZEN
-            if frozen and cp.shard_placement is Placement.DISK:
-                raise ValueError(
-                    f"frozen chunk {ci - len(plan.chunks)} is placed on disk: frozen shards live on the device "
-                    "or the host for now; re-plan with host placement (shard_placement='host')"
-                )
             # At world size 1 a device shard is the whole chunk: keep it resident (gathering would
             # only copy it), exactly like a replicated chunk; so is a ZeRO-1/2 chunk's state.
             sharding = cp.sharding
@@ -293,7 +288,7 @@ class ElixirModule(nn.Module):
                 shard_on_host=sharded and cp.shard_placement is not Placement.DEVICE,
                 master_on_host=not frozen and cp.optim_placement is not Placement.DEVICE,
                 master_on_disk=not frozen and cp.optim_placement is Placement.DISK,
-                shard_on_disk=sharded and not frozen and cp.shard_placement is Placement.DISK,
+                shard_on_disk=sharded and cp.shard_placement is Placement.DISK,
                 pin_memory=bool(plan.info.get("pin_memory", True)),
             )
             chunk = Chunk(spec, self.ledger, self.group, streams=self.streams)
@@ -325,7 +320,7 @@ class ElixirModule(nn.Module):
             if spec.master_on_disk:
                 self.disk_store.register(chunk)
             if spec.shard_on_disk:
-                self.shard_store.register_tensor(ci, "shard", chunk.shard, ledger_kind="shard")
+                self.shard_store.register_tensor(ci, "shard", chunk.shard, ledger_kind=spec.shard_category)
                 chunk.shard_store = self.shard_store
             (self.frozen_chunks if frozen else self.chunks).append(chunk)
             if mat is not None:  # construction stays within the shards plus the staging area

@@ -42,10 +42,12 @@ def chunk_values(em: ElixirModule, chunk) -> torch.Tensor:
 def frozen_values(em: ElixirModule, chunk) -> torch.Tensor:
     """The full values of the frozen ``chunk``, in its dtype, on CPU (one all-gather)."""
     full = torch.empty(chunk.spec.capacity, dtype=chunk.spec.dtype, device=em.device)
+    with chunk.shard_access(write=False) as shard:  # a disk shard: read in for the gather
+        mine = shard.to(em.device, copy=True)
     if chunk.spec.sharded:
-        edist.all_gather_into(full, chunk.shard.to(em.device, copy=True), em.group)
+        edist.all_gather_into(full, mine, em.group)
     else:
-        full.copy_(chunk.shard)
+        full.copy_(mine)
     return full.cpu()
 
 
@@ -103,9 +105,10 @@ def load_full_state_dict(em: ElixirModule, state_dict: dict, strict: bool = True
                     if chunk.shard is not chunk.master:
                         chunk.shard[piece.lo : piece.hi].copy_(src)
         for chunk in em.frozen_chunks:
-            for piece in em.frozen_map.shard_pieces(chunk.spec):
-                v = by_param.get(id(em.frozen_map.params[piece.param_index]))
-                if v is not None:
-                    chunk.shard[piece.lo : piece.hi].copy_(v.reshape(-1)[piece.start : piece.start + piece.hi - piece.lo])
+            with chunk.shard_access(write=True) as shard:  # a disk shard: written back
+                for piece in em.frozen_map.shard_pieces(chunk.spec):
+                    v = by_param.get(id(em.frozen_map.params[piece.param_index]))
+                    if v is not None:
+                        shard[piece.lo : piece.hi].copy_(v.reshape(-1)[piece.start : piece.start + piece.hi - piece.lo])
         em.publish_updates()  # ZeRO-1/2 chunks: every rank wrote its slice of the payload
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
