@@ -381,3 +381,27 @@ def test_search_mixes_kinds_and_prices_given_plans_alike():
     assert any("sharded" in k for k in zero), seen  # and one mixes them with sharded chunks
     with pytest.raises(ValueError, match="body_sharding"):
         search_profile(prof, 2, hardware=hw, body_sharding="zero3")
+
+
+def _fused_worker(kinds: str) -> float:
+    rank, world = edist.get_rank(), edist.get_world_size()
+    zc = ZOO["gpt2"]
+    out = {}
+    for fused in (False, True):
+        model = build_model("gpt2")
+        em = ElixirModule(model, with_kinds(minimum_waste_search(model, world), kinds))
+        eo = ElixirOptimizer(em, torch.optim.AdamW(list(em.parameters()), lr=1e-2), fused_step=fused)
+        for step in range(3):
+            eo.zero_grad()
+            zc.loss(em, shard_batch(zc.make_batch(BATCH, step), rank, world)).backward()
+            eo.step()
+        out[fused] = em.state_dict()
+    return max((out[True][k] - out[False][k]).abs().max().item() for k in out[False])
+
+
+@pytest.mark.dist
+def test_fused_backward_step_publishes_zero_chunks_during_backward():
+    # with the fused backward-and-step each ZeRO chunk is stepped and all-gathered as soon as its
+    # gradient is final (during backward): bitwise the separate step's parameters
+    for kinds in ("zero2", "mixed"):
+        assert run_distributed(_fused_worker, 2, kinds, timeout=300) == [0.0, 0.0], kinds
