@@ -6,7 +6,8 @@ cannot be built; the error is recorded), (e) elixir built on meta with ``optimal
 every chunk (disk included). The LoRA line (rank 8 on every attention and MLP projection, the base
 frozen in bf16, adapters fp32): (f) plain PEFT on torch, (g) PEFT under FSDP2 with
 ``CPUOffloadPolicy`` (bf16 all-gathers), (h) elixir: PEFT built on meta, frozen chunks in bf16 with no
-gradient, master or optimizer state, ``optimal_search`` placing them. A size passes when 3 steps finish with finite, falling losses under
+gradient, master or optimizer state, ``optimal_search`` placing them (disk included: read for
+each gather, never written back). A size passes when 3 steps finish with finite, falling losses under
 the memory cap. Sizes come from a ladder of LLaMA configs; each system's largest passing rung is
 found by bisection (training memory grows with the rung).
 
@@ -133,8 +134,10 @@ def _build_lora(system: str, cfg, offload: str, mem_cap: int):
             loss.backward()
             return loss
 
+        # the frozen shards may stream from disk (read per gather, never written back) when RAM binds
         plan = optimal_search(model, 1, unified_dtype=torch.bfloat16, optimizer_type="AdamW", inp=batch,
-                              step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap)
+                              step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap,
+                              disk=int(shutil.disk_usage(offload).free * 0.9))
         where = sorted({c.shard_placement.value for c in plan.frozen_chunks})
         print(json.dumps({"note": f"plan: {len(plan.frozen_chunks)} frozen chunks of {plan.frozen_chunks[0].chunk_size:,} "
                                   f"el on {where}, {len(plan.chunks)} trainable chunks, predicted peak "
@@ -279,7 +282,7 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-OFFLOADS_TO_DISK = {"d", "e"}
+OFFLOADS_TO_DISK = {"d", "e", "h"}
 
 
 def _exception_line(stderr: str) -> str:
