@@ -271,7 +271,7 @@ class ElixirModule(nn.Module):
             # At world size 1 a device shard is the whole chunk: keep it resident (gathering would
             # only copy it), exactly like a replicated chunk; so is a ZeRO-1/2 chunk's state.
             sharding = cp.sharding
-            if self.world_size == 1 and not (sharding is Sharding.SHARDED and cp.shard_placement is Placement.HOST):
+            if self.world_size == 1 and not (sharding is Sharding.SHARDED and cp.shard_placement is not Placement.DEVICE):
                 sharding = Sharding.REPLICATED
             sharded = sharding.params_sharded
             spec = ChunkSpec(
