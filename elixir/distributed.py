@@ -269,6 +269,18 @@ def set_where(text: str) -> None:
     _where[0] = text
 
 
+@contextlib.contextmanager
+def where(text: str) -> Iterator[None]:
+    """:func:`set_where` for the block only (a checkpoint save between steps, say); the previous
+    text is back after it."""
+    previous = _where[0]
+    _where[0] = text
+    try:
+        yield
+    finally:
+        _where[0] = previous
+
+
 def _failed(what: str, e: BaseException) -> CollectiveFailed:
     timeout = _pg_timeout_s if _pg_timeout_s is not None else pg_timeout_s()
     return CollectiveFailed(

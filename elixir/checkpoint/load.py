@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import torch
 
+from elixir import distributed as edist
 from elixir.checkpoint import atomic
 from elixir.checkpoint.errors import CheckpointError, agree
 from elixir.checkpoint.format import Reader, dtype_of
@@ -35,7 +36,8 @@ def load(path: str, model: ElixirModule, optimizer: Optional[ElixirOptimizer] = 
         raise TypeError("checkpoint.load needs the ElixirModule")
     em = model
     states = optimizer.fragment_states if optimizer is not None else None
-    with disk_mapped(em.disk_store, states, writable=True) as mapped:  # disk-placed masters: mapped, written in place
+    with edist.where(f"step {em.iteration}, checkpoint load"), \
+            disk_mapped(em.disk_store, states, writable=True) as mapped:  # disk-placed masters: mapped, written in place
         plan = _load_staged(path, em, optimizer, strict, mapped)
     return plan["extra"]
 

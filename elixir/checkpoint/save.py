@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from elixir import distributed as edist
 from elixir.checkpoint import atomic
 from elixir.checkpoint import format as tensor_files
 from elixir.checkpoint.checksum import file_checksum
@@ -51,7 +52,8 @@ def save(
         raise ValueError("the optimizer wraps another ElixirModule than the model given")
     _check_extra(extra)
     em = model
-    with atomic.collective_save(path, em.group, em.world_size, em.rank) as stage:
+    with edist.where(f"step {em.iteration}, checkpoint save"), \
+            atomic.collective_save(path, em.group, em.world_size, em.rank) as stage:
         if shard:
             states = optimizer.fragment_states if optimizer is not None else None
             # disk-placed masters and state: mapped from the file; moments the inner optimizer
