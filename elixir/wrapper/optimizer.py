@@ -505,7 +505,31 @@ class ElixirOptimizer:
                     with torch.no_grad():
                         c.shard.copy_(c.master)
 
-        self.for_each_disk_chunk(work, todo)
+        error: Optional[OSError] = None
+        try:
+            self.for_each_disk_chunk(work, todo)
+        except OSError as e:  # a disk fault: the store kept every value (in memory or on disk)
+            error = e
+        self._raise_disk_fault_on_every_rank(error)
+
+    def _raise_disk_fault_on_every_rank(self, error: Optional[OSError]) -> None:
+        """A disk fault on any rank stops every rank in this step, with that rank's message: else
+        the ranks whose disks worked would go on to the next step and wait in its collectives for
+        a rank that raised (until the process group's timeout, or forever if that rank lives on).
+        Costs one one-element all-reduce per step of a plan with disk chunks."""
+        em = self.module
+        if em.world_size > 1:
+            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+            edist.all_reduce(flag, group=em.group)
+            if int(flag.item()):
+                mine = None if error is None else (error.errno, str(error))
+                reports = edist.all_gather_object(mine, group=em.group)
+                if error is None:
+                    rank, (code, text) = next((r, x) for r, x in enumerate(reports) if x is not None)
+                    raise OSError(code, f"rank {rank}'s offload disk failed in step {em.iteration}'s optimizer step, "
+                                        f"so every rank stops here: {text}")
+        if error is not None:
+            raise error
 
     def state_dict(self, rank0_only: bool = False) -> dict[str, Any]:
         """The full (unsharded) state dict in the inner optimizer's torch format, keyed like the

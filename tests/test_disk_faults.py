@@ -1,0 +1,158 @@
+"""Disk faults during offload (issue 18 item 4): a full disk (injected ``ENOSPC``) while the
+optimizer step writes a disk chunk back, and an I/O error (injected ``EIO``) while it reads one.
+
+The faults are injected into the store's async I/O engine (every transfer of the offload file goes
+through it). Checked: the error names the offload directory and the fix; nothing is lost (a failed
+write keeps the chunk's values in memory and they reach the disk once it works again; a failed
+read leaves the disk copy as it was); no transfer is left in flight; and at world size 2, where
+only rank 1's disk fails, every rank raises at that step (none waits in the next collective)."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+
+import pytest
+import torch
+
+from elixir import distributed as edist
+from elixir.offload import DiskState
+from elixir.search import minimum_waste_search
+from elixir.search.plan import Placement
+from elixir.testing import run_distributed
+from elixir.testing.reference import default_optimizer, shard_batch
+from elixir.testing.zoo import ZOO
+from elixir.wrapper import ElixirModule, ElixirOptimizer
+
+MODEL = "gpt2"
+BATCH = 4
+
+
+class Faulty:
+    """The store's engine, with every write (or read) from the ``nth`` (1-based) after :meth:`arm`
+    on failing with ``code`` when waited on, as a failed pwrite/pread reports it (a full disk
+    stays full: the store's retries fail too, until :attr:`armed` is cleared)."""
+
+    def __init__(self, real, kind: str, code: int, nth: int = 2) -> None:
+        self.real, self.kind, self.code, self.nth = real, kind, code, nth
+        self.armed, self.seen, self.failed = False, 0, 0
+
+    def arm(self) -> None:
+        self.armed, self.seen = True, 0
+
+    def _maybe(self, kind, f, offset, t):
+        handle = getattr(self.real, kind)(f, offset, t)
+        if self.armed and kind == self.kind:
+            self.seen += 1
+            if self.seen >= self.nth:
+                self.failed += 1
+                code = self.code
+
+                class Failed:
+                    def wait(self) -> None:
+                        handle.wait()  # the transfer really ran; the engine reports it failed
+                        raise OSError(code, f"{errno.errorcode[code]}: {'No space left on device' if code == errno.ENOSPC else 'Input/output error'}")
+
+                return Failed()
+        return handle
+
+    def read(self, f, offset, t):
+        return self._maybe("read", f, offset, t)
+
+    def write(self, f, offset, t):
+        return self._maybe("write", f, offset, t)
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def _build(offload_dir: str):
+    zc = ZOO[MODEL]
+    torch.manual_seed(0)
+    model = zc.build()
+    plan = minimum_waste_search(model, edist.get_world_size())
+    chunks = [dataclasses.replace(c, optim_placement=Placement.DISK, shard_placement=Placement.HOST) for c in plan.chunks]
+    em = ElixirModule(model, dataclasses.replace(plan, chunks=tuple(chunks)), offload_dir=offload_dir)
+    em.train()
+    eo = ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]))
+    return em, eo
+
+
+def _step(em, eo, s: int) -> None:
+    zc = ZOO[MODEL]
+    eo.zero_grad()
+    zc.loss(em, shard_batch(zc.make_batch(BATCH, s), edist.get_rank(), edist.get_world_size())).backward()
+    eo.step()
+
+
+def _disk_masters(store) -> dict[int, torch.Tensor]:
+    """What the offload file holds for each chunk's master (every chunk must be offloaded)."""
+    return {i: store.mapped(i)["master"].clone() for i in store.chunks}
+
+
+@pytest.mark.parametrize("kind,code", [("write", errno.ENOSPC), ("read", errno.EIO)])
+def test_disk_fault_in_the_step_is_named_and_loses_nothing(tmp_path, kind, code):
+    em, eo = _build(str(tmp_path))
+    store = em.disk_store
+    assert len(store.chunks) >= 2
+    _step(em, eo, 0)
+    before = _disk_masters(store)
+    faulty = store.io = Faulty(store.io, kind, code)
+    faulty.arm()
+    with pytest.raises(OSError) as info:
+        _step(em, eo, 1)
+    msg = str(info.value)
+    assert faulty.failed >= 1 and info.value.errno == code
+    assert str(tmp_path) in msg  # names the offload directory
+    if code == errno.ENOSPC:
+        assert "free space in" in msg and "larger disk" in msg and "stay in memory" in msg
+    else:
+        assert "check the disk" in msg and "disk copy is unchanged" in msg
+    # nothing in flight, nothing half-moved
+    assert all(rec.state in (DiskState.OFFLOADED, DiskState.RESIDENT) and not rec.pending for rec in store.chunks.values())
+    resident = [i for i, rec in store.chunks.items() if rec.state is DiskState.RESIDENT]
+    if kind == "write":  # the chunks whose writes failed hold their masters in memory
+        kept = {i: em.chunks[i].master.clone() for i in resident}
+        assert any(not torch.equal(m, before[i]) for i, m in kept.items())  # one was stepped: newer than its disk copy
+        faulty.armed = False
+        store.settle()  # the disk works again: the values reach it
+        after = _disk_masters(store)
+        assert all(torch.equal(after[i], m) for i, m in kept.items())
+    else:  # the chunk whose read failed: dropped from memory, its disk copy as before the step
+        assert not resident
+        failed = next(i for i, rec in store.chunks.items() if rec.flats["master"].untyped_storage().nbytes() == 0
+                      and torch.equal(store.mapped(i)["master"], before[i]))
+        assert failed in before
+    store.close()
+
+
+def _two_ranks(offload_dir: str) -> dict:
+    """Rank 1's disk fills up during step 2's optimizer step; both ranks report what they raised."""
+    rank = edist.get_rank()
+    em, eo = _build(f"{offload_dir}/r{rank}")
+    out = {"rank": rank, "error": None}
+    try:
+        _step(em, eo, 0)
+        if rank == 1:
+            em.disk_store.io = Faulty(em.disk_store.io, "write", errno.ENOSPC)
+            em.disk_store.io.arm()
+        for s in range(1, 4):
+            _step(em, eo, s)
+    except Exception as e:
+        out["error"] = (type(e).__name__, str(e), em.iteration)
+    if rank == 1:
+        em.disk_store.io.armed = False
+    em.disk_store.settle()
+    em.disk_store.close()
+    return out
+
+
+@pytest.mark.dist
+def test_disk_fault_on_one_rank_stops_every_rank(tmp_path):
+    res = run_distributed(_two_ranks, 2, str(tmp_path), timeout=60)
+    for r in res:
+        assert r["error"] is not None, r
+        name, msg, step = r["error"]
+        assert name == "OSError" and step == 2, r  # at the step of the fault, not a collective later
+        assert "rank 1" in msg or r["rank"] == 1, msg
+        assert "free space in" in msg and f"{tmp_path}/r1" in msg, msg
