@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
+import sys
 
 import pytest
 import torch
 
+from elixir import checkpoint
 from elixir import distributed as edist
 from elixir.offload import DiskState
 from elixir.search import minimum_waste_search
@@ -23,6 +26,9 @@ from elixir.testing import run_distributed
 from elixir.testing.reference import default_optimizer, shard_batch
 from elixir.testing.zoo import ZOO
 from elixir.wrapper import ElixirModule, ElixirOptimizer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_checkpoint import bitwise_diff  # noqa: E402
 
 MODEL = "gpt2"
 BATCH = 4
@@ -114,6 +120,14 @@ def test_disk_fault_in_the_step_is_named_and_loses_nothing(tmp_path, kind, code)
     if kind == "write":  # the chunks whose writes failed hold their masters in memory
         kept = {i: em.chunks[i].master.clone() for i in resident}
         assert any(not torch.equal(m, before[i]) for i, m in kept.items())  # one was stepped: newer than its disk copy
+        # the offload disk is still full, yet a checkpoint to another disk saves the current
+        # values, and a fresh model resumes from it exactly
+        full = {"model": em.state_dict(), "optim": eo.state_dict()}
+        checkpoint.save(str(tmp_path / "elsewhere"), em, eo)
+        em2, eo2 = _build(str(tmp_path / "fresh"))
+        checkpoint.load(str(tmp_path / "elsewhere"), em2, eo2)
+        assert not bitwise_diff(full, {"model": em2.state_dict(), "optim": eo2.state_dict()})
+        em2.disk_store.close()
         faulty.armed = False
         store.settle()  # the disk works again: the values reach it
         after = _disk_masters(store)
@@ -156,3 +170,26 @@ def test_disk_fault_on_one_rank_stops_every_rank(tmp_path):
         assert name == "OSError" and step == 2, r  # at the step of the fault, not a collective later
         assert "rank 1" in msg or r["rank"] == 1, msg
         assert "free space in" in msg and f"{tmp_path}/r1" in msg, msg
+
+
+def test_offload_dir_vanishing_mid_run_changes_nothing(tmp_path):
+    """The offload file's name is unlinked once its descriptors are open (elixir.offload.directory),
+    so removing the whole offload directory mid-run (a cleanup job, a tmp reaper) loses nothing:
+    training goes on bit for bit as with the directory in place, and closing does not fail."""
+    import shutil
+
+    def run(vanish: bool) -> dict:
+        root = tmp_path / ("gone" if vanish else "kept")
+        em, eo = _build(str(root / "offload"))
+        _step(em, eo, 0)
+        if vanish:
+            shutil.rmtree(root)
+            assert not root.exists()
+        for s in range(1, 3):
+            _step(em, eo, s)
+        sd = em.state_dict()
+        em.disk_store.close()
+        return sd
+
+    kept, gone = run(False), run(True)
+    assert set(kept) == set(gone) and all(torch.equal(kept[k], gone[k]) for k in kept)

@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from elixir.offload.state_binding import FragmentState, bind_state, is_bound
-from elixir.offload.store import MASTER, DiskStore
+from elixir.offload.store import MASTER, DiskState, DiskStore
 from elixir.offload.stream import release_staging, run_pipelined, staged
 
 __all__ = ["disk_mapped", "run_pipelined", "staged"]
@@ -25,7 +25,8 @@ def disk_mapped(
 ) -> Iterator[dict[int, torch.Tensor]]:
     """Map every disk chunk's master through ``mmap`` (page cache, not process memory) for the
     block, for code that reads or writes masters and optimizer state directly (checkpoint save and
-    load); yields ``{chunk index: master view}`` (empty without a store).
+    load); yields ``{chunk index: master view}`` (empty without a store). Read-only, a chunk still
+    staged after a failed write yields its in-memory master instead (its disk copy is stale).
 
     ``fragment_states(i)`` gives the optimizer state of chunk ``i``'s fragments (see
     :func:`~elixir.offload.state_binding.bind_state`). Read-only (``writable=False``): the state
@@ -41,6 +42,11 @@ def disk_mapped(
     try:
         for i in sorted(store.chunks):
             rec = store.chunks[i]
+            if rec.state is DiskState.RESIDENT and not writable:
+                # still staged after a failed write (a full disk): memory holds the current values,
+                # so a checkpoint to another disk saves them (state entries are views of them already)
+                masters[i] = rec.flats[MASTER]
+                continue
             views = store.mapped(i, writable=writable)
             masters[i] = views[MASTER]
             if fragment_states is None or writable:
