@@ -10,18 +10,10 @@ from typing import Any, Optional
 import torch
 
 from elixir import distributed as edist
-from elixir.checkpoint import atomic
+from elixir.checkpoint import atomic, layout
 from elixir.checkpoint.errors import CheckpointError, agree
 from elixir.checkpoint.format import Reader, dtype_of
 from elixir.checkpoint.index import Index, decode
-from elixir.checkpoint.layout import (
-    fingerprint,
-    frag_range,
-    fragments,
-    frozen_pieces,
-    module_tensors,
-    optimizer_meta,
-)
 from elixir.offload.pipeline import disk_mapped
 from elixir.wrapper import optim_state
 from elixir.wrapper.module import ElixirModule
@@ -64,7 +56,7 @@ def _load_staged(path: str, em: ElixirModule, optimizer: Optional[ElixirOptimize
 
 
 def _check_model(index: Index, em: ElixirModule, strict: bool) -> None:
-    mine = fingerprint(em)
+    mine = layout.fingerprint(em)
     theirs = index.model
     problems = []
     if "frozen" in theirs:  # frozen weights saved (an adapter-only checkpoint has none)
@@ -95,7 +87,7 @@ def _group_check(index: Index, eo: ElixirOptimizer, em: ElixirModule) -> list[di
             "same (e.g. CPUAdam <-> AdamW)", stacklevel=4,
         )
     saved = index.optimizer["param_groups"]
-    current = optimizer_meta(eo, em)["param_groups"]
+    current = layout.optimizer_meta(eo, em)["param_groups"]
     if len(saved) != len(current):
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} param groups, this one {len(current)}")
     for gi, (s, c) in enumerate(zip(saved, current)):
@@ -137,19 +129,19 @@ def _prepare_sharded(root: str, index: Index, em: ElixirModule, eo: Optional[Eli
     module_entries = {e.name: e for e in index.entries if e.kind == "module"}
     saved_params = index.model["params"]
     values = []  # (fragment, fp32 values)
-    for f in fragments(em, eo, mapped):
-        pname, start, end = frag_range(em, f)
+    for f in layout.fragments(em, eo, mapped):
+        pname, start, end = layout.frag_range(em, f)
         if pname not in saved_params:
             continue  # strict=False
         values.append((f, reader.assemble(pieces.get(("param", pname), []), start, end, torch.float32, f"parameter {pname}")))
     frozen = []  # (frozen piece, values in the saved dtype)
-    for fp in frozen_pieces(em) if "frozen" in index.model else ():
+    for fp in layout.frozen_pieces(em) if "frozen" in index.model else ():
         found = pieces.get(("frozen", fp.name), [])
         if not found:
             continue  # strict=False, or a name the checkpoint does not hold
         frozen.append((fp, reader.assemble(found, fp.start, fp.end, dtype_of(found[0].dtype), f"frozen parameter {fp.name}")))
     module_vals = {}
-    for k, t in module_tensors(em).items():
+    for k, t in layout.module_tensors(em).items():
         e = module_entries.get(k)
         if e is None:
             continue
@@ -160,7 +152,7 @@ def _prepare_sharded(root: str, index: Index, em: ElixirModule, eo: Optional[Eli
         scalars = index.optimizer["scalars"]
         new_state = []
         for f in eo.fragments:
-            pname, start, end = frag_range(em, f)
+            pname, start, end = layout.frag_range(em, f)
             sc = scalars.get(pname)
             if sc:
                 new_state.append((f, scalar_state(reader, pieces, sc, pname, start, end)))
@@ -182,16 +174,16 @@ def _prepare_full(root: str, index: Index, em: ElixirModule, eo: Optional[Elixir
         return k
 
     values = []
-    for f in fragments(em, eo, mapped):
-        pname, start, end = frag_range(em, f)
+    for f in layout.fragments(em, eo, mapped):
+        pname, start, end = layout.frag_range(em, f)
         if pname not in index.model["params"]:
             continue  # strict=False
         values.append((f, reader.read_flat("model.safetensors", key_of(pname), torch.float32, start, end)))
     frozen = []
-    for fp in frozen_pieces(em) if "frozen" in index.model else ():
+    for fp in layout.frozen_pieces(em) if "frozen" in index.model else ():
         k = key_of(fp.name)
         frozen.append((fp, reader.read_flat("model.safetensors", k, reader.dtype("model.safetensors", k), fp.start, fp.end)))
-    module_vals = {k: reader.read("model.safetensors", key_of(k), t.dtype) for k, t in module_tensors(em).items()}
+    module_vals = {k: reader.read("model.safetensors", key_of(k), t.dtype) for k, t in layout.module_tensors(em).items()}
     opt = None
     if eo is not None:
         _group_check(index, eo, em)
@@ -232,7 +224,7 @@ def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, ma
             with em.all_chunks[ci].shard_access(write=True) as shard:  # a disk shard: staged, written back
                 for fp, v in items:
                     shard[fp.lo : fp.hi].copy_(v)  # converts (a bf16 save into an fp32 chunk and back)
-        tensors = module_tensors(em)
+        tensors = layout.module_tensors(em)
         for k, v in plan["module"].items():
             tensors[k].data.copy_(v)
         em.publish_updates()  # ZeRO-1/2 chunks: every rank wrote its slice of the payload

@@ -34,11 +34,11 @@ from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk.accounting import MemoryLedger
 from elixir.chunk.state import ChunkKind, ChunkState, GradState, check_chunk_move, check_grad_move
-from elixir.search.plan import Sharding
+from elixir.search.plan import ShardedBy, Sharding
 
 
 @dataclass(frozen=True)
-class ChunkSpec:
+class ChunkSpec(ShardedBy):
     """Static description of one chunk on one rank.
 
     Attributes:
@@ -98,16 +98,6 @@ class ChunkSpec:
         if self.shard_on_disk and not (self.sharded and self.shard_on_host and (self.master_on_disk or self.frozen)):
             raise ValueError(f"chunk {self.index}: a disk shard needs a sharded chunk with its shard on the host "
                              "and (unless frozen: read-only, never rewritten) its master on disk")
-
-    @property
-    def sharded(self) -> bool:
-        """The payload is split across ranks: gathered for use, released after (ZeRO-3)."""
-        return self.sharding.params_sharded
-
-    @property
-    def state_sharded(self) -> bool:
-        """Master, reduced gradient and optimizer state are this rank's part only."""
-        return self.sharding.state_sharded
 
     @property
     def shard_numel(self) -> int:

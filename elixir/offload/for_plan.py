@@ -8,7 +8,8 @@ collectives that follow while another has stopped.
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from elixir import distributed as edist
 from elixir.chunk import MemoryLedger
@@ -22,58 +23,53 @@ from elixir.search.plan import Placement, SearchResult, disk_bytes_per_element
 RESERVE_BYTES_PER_ELEMENT = disk_bytes_per_element()
 
 
-def store_for_plan(
-    plan: SearchResult,
-    ledger: MemoryLedger,
-    rank: int,
-    world_size: int,
-    group=None,
-    offload_dir: Optional[str] = None,
-    direct: bool = False,
-) -> Optional[DiskStore]:
-    """The rank's DiskStore for ``plan``'s disk chunks, or None when no chunk is on disk.
-    Collective when some chunk is on disk and ``world_size > 1``."""
-    on_disk = [cp for cp in plan.chunks if cp.optim_placement is Placement.DISK]
-    if not on_disk:
-        return None
-    elements = sum(cp.state_size(world_size) for cp in on_disk)
-    return _open_agreed(ledger, elements * RESERVE_BYTES_PER_ELEMENT, rank, world_size, group, offload_dir, direct)
+@dataclass(frozen=True)
+class StoreSite:
+    """Where this rank's offload stores open: its ledger, rank and group, and the directory and
+    ``O_DIRECT`` choice of the module's :class:`~elixir.wrapper.OffloadPolicy`."""
+
+    ledger: MemoryLedger
+    rank: int
+    world_size: int
+    group: Any = None
+    offload_dir: Optional[str] = None
+    direct: bool = False
+
+    def open(self, elements: list[int], bytes_per_element: int) -> Optional[DiskStore]:
+        """This rank's store for disk chunks of ``elements`` elements each (None when there are
+        none), reserving ``bytes_per_element`` per element. A failure to open it on any rank is
+        raised on every rank: collective when there is a store to open and ``world_size > 1``."""
+        if not elements:
+            return None
+        store, error = None, None
+        try:
+            store = DiskStore(self.ledger, self.offload_dir, need_bytes=sum(elements) * bytes_per_element,
+                              rank=self.rank, direct=self.direct)
+        except OffloadDirError as e:
+            error = str(e)
+        if self.world_size > 1:
+            errors = edist.all_gather_object(error, self.group)
+            bad = [(r, e) for r, e in enumerate(errors) if e]
+            if bad and error is None:
+                store.close()
+                error = f"rank {bad[0][0]}: {bad[0][1]}"
+        if error is not None:
+            raise OffloadDirError(error)
+        return store
 
 
-def shard_store_for_plan(
-    plan: SearchResult,
-    ledger: MemoryLedger,
-    rank: int,
-    world_size: int,
-    element_size: int,
-    group=None,
-    offload_dir: Optional[str] = None,
-    direct: bool = False,
-) -> Optional[DiskStore]:
+def store_for_plan(plan: SearchResult, site: StoreSite) -> Optional[DiskStore]:
+    """The rank's DiskStore for ``plan``'s disk chunks (``optim_placement == DISK``: masters and
+    optimizer state), or None when no chunk is on disk."""
+    world = site.world_size
+    return site.open([cp.state_size(world) for cp in plan.chunks if cp.optim_placement is Placement.DISK],
+                     RESERVE_BYTES_PER_ELEMENT)
+
+
+def shard_store_for_plan(plan: SearchResult, site: StoreSite, element_size: int) -> Optional[DiskStore]:
     """The rank's DiskStore for the compute shards the plan puts on disk (``shard_placement ==
     DISK``; ``element_size``: bytes per compute element), or None when there are none. A store of
-    its own: a gather reads only the shard, not the master and optimizer state beside it.
-    Collective when some shard is on disk and ``world_size > 1``."""
-    on_disk = [cp for cp in plan.all_chunks if cp.sharded and cp.shard_placement is Placement.DISK]
-    if not on_disk:
-        return None
-    elements = sum(cp.shard_size(world_size) for cp in on_disk)
-    return _open_agreed(ledger, elements * element_size, rank, world_size, group, offload_dir, direct)
-
-
-def _open_agreed(ledger, need_bytes: int, rank: int, world_size: int, group, offload_dir, direct: bool) -> DiskStore:
-    """Open this rank's store; a failure on any rank is raised on every rank (one collective)."""
-    store, error = None, None
-    try:
-        store = DiskStore(ledger, offload_dir, need_bytes=need_bytes, rank=rank, direct=direct)
-    except OffloadDirError as e:
-        error = str(e)
-    if world_size > 1:
-        errors = edist.all_gather_object(error, group)
-        bad = [(r, e) for r, e in enumerate(errors) if e]
-        if bad and error is None:
-            store.close()
-            error = f"rank {bad[0][0]}: {bad[0][1]}"
-    if error is not None:
-        raise OffloadDirError(error)
-    return store
+    its own: a gather reads only the shard, not the master and optimizer state beside it."""
+    world = site.world_size
+    return site.open([cp.shard_size(world) for cp in plan.all_chunks if cp.sharded and cp.shard_placement is Placement.DISK],
+                     element_size)

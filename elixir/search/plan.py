@@ -138,8 +138,25 @@ class Sharding(str, enum.Enum):
             raise ValueError(f"unknown chunk sharding {value!r}; expected one of {[k.value for k in cls]}") from None
 
 
+class ShardedBy:
+    """The shorthands of a chunk that has a ``sharding`` (a plan's :class:`ChunkPlan`, the
+    runtime's ``ChunkSpec``): one definition of what each sharding splits."""
+
+    sharding: Sharding
+
+    @property
+    def sharded(self) -> bool:
+        """The compute-dtype parameters are split across ranks and gathered for each use (ZeRO-3)."""
+        return self.sharding.params_sharded
+
+    @property
+    def state_sharded(self) -> bool:
+        """The fp32 master, the reduced gradient and the optimizer state are this rank's part only."""
+        return self.sharding.state_sharded
+
+
 @dataclass(frozen=True)
-class ChunkPlan:
+class ChunkPlan(ShardedBy):
     """One chunk: which parameters it packs, in order, and where its state lives.
 
     Attributes:
@@ -181,16 +198,6 @@ class ChunkPlan:
                 f"must be 'device', got {self.shard_placement.value!r} (use sharding 'sharded' to place "
                 "parameter shards on the host)"
             )
-
-    @property
-    def sharded(self) -> bool:
-        """The parameters are split across ranks and gathered for use (ZeRO-3)."""
-        return self.sharding.params_sharded
-
-    @property
-    def state_sharded(self) -> bool:
-        """The fp32 master, gradient and optimizer state are split across ranks."""
-        return self.sharding.state_sharded
 
     @property
     def numels(self) -> tuple[int, ...]:

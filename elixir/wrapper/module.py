@@ -32,7 +32,7 @@ import torch.nn as nn
 from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk import BlockCache, Chunk, ChunkKind, ChunkSpec, GradState, MemoryLedger, Schedule
-from elixir.offload.for_plan import shard_store_for_plan, store_for_plan
+from elixir.offload.for_plan import StoreSite, shard_store_for_plan, store_for_plan
 from elixir.offload.store import DiskStore
 from elixir.search.plan import Placement, Sharding, dtype_from_name
 from elixir.tracer.hooks import (
@@ -250,13 +250,9 @@ class ElixirModule(nn.Module):
 
     def _build_chunks(self, named: dict, sync: bool) -> None:
         plan = self.plan
-        self.disk_store = store_for_plan(
-            plan, self.ledger, self.rank, self.world_size, self.group, self.offload_dir, self.offload_direct
-        )
-        self.shard_store = shard_store_for_plan(
-            plan, self.ledger, self.rank, self.world_size, torch.empty((), dtype=self.dtype).element_size(),
-            self.group, self.offload_dir, self.offload_direct,
-        )
+        site = StoreSite(self.ledger, self.rank, self.world_size, self.group, self.offload_dir, self.offload_direct)
+        self.disk_store = store_for_plan(plan, site)
+        self.shard_store = shard_store_for_plan(plan, site, torch.empty((), dtype=self.dtype).element_size())
         mat = self.materializer
         on_meta: list[tuple[nn.Parameter, nn.Parameter]] = []  # (meta param, its chunk view)
         # one staging buffer for every chunk's flat values: allocated once, so the shards kept
