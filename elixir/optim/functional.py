@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import struct
 from collections import defaultdict
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
 
@@ -78,34 +78,20 @@ def adam_step(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool = True,
-    bias_correction: bool = True,
-    div_scale: float = 1.0,
     out_lowp: Optional[torch.Tensor] = None,
+    **hyper: Union[int, float, bool],
 ) -> None:
-    """One Adam (``adamw_mode=False``) or AdamW step, in place, on one tensor.
+    """One Adam (``adamw_mode=False``) or AdamW step, in place, on one tensor: :func:`adam_step_multi`
+    on one tensor, with the same keyword arguments (``step``, ``lr``, ``beta1`` ... ``div_scale``).
 
     Args:
         param: fp32 master parameter, updated in place.
         grad: gradient, fp32, fp16 or bf16, same number of elements; it is read, never written.
         exp_avg, exp_avg_sq: fp32 moments, same number of elements, updated in place.
-        step: the step number this update makes, counting from 1 (the caller increments it).
-        div_scale: the gradient is divided by this first (loss scale times the inverse clip
-            coefficient); 1.0 skips the division.
         out_lowp: optional fp16/bf16 tensor with as many elements, overwritten with the new
             ``param`` rounded to nearest even.
     """
-    adam_step_multi(
-        [param], [grad], [exp_avg], [exp_avg_sq], step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bias_correction,
-        div_scale=div_scale, out_lowps=None if out_lowp is None else [out_lowp],
-    )
+    adam_step_multi([param], [grad], [exp_avg], [exp_avg_sq], out_lowps=None if out_lowp is None else [out_lowp], **hyper)
 
 
 def adam_step_multi(
@@ -125,7 +111,17 @@ def adam_step_multi(
     div_scale: float = 1.0,
     out_lowps: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> None:
-    """:func:`adam_step` over several tensors sharing ``step`` and hyperparameters.
+    """Adam/AdamW steps over several tensors sharing ``step`` and hyperparameters (each tensor as
+    :func:`adam_step` describes its arguments).
+
+    Args:
+        step: the step number this update makes, counting from 1 (the caller increments it).
+        lr, beta1, beta2, eps, weight_decay: Adam's hyperparameters.
+        adamw_mode: decoupled weight decay (AdamW) when True, else L2 added to the gradient (Adam).
+        bias_correction: divide by ``1 - beta**step`` (see the module docstring).
+        div_scale: each gradient is divided by this first (loss scale times the inverse clip
+            coefficient); 1.0 skips the division.
+        out_lowps: per tensor, None or an fp16/bf16 tensor overwritten with the new parameter.
 
     CPU tensors go to the kernel in one call per (grad dtype, out dtype), one OpenMP region over
     all of them; tensors on other devices take torch's fused multi-tensor kernel per device.
