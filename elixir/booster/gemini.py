@@ -8,10 +8,9 @@ from typing import Any, Optional, Union
 import torch
 
 from elixir import distributed as edist
-from elixir.booster.runtime_plugin import PRECISIONS, ElixirRuntimePlugin, refuse_unsupported
+from elixir.booster.runtime_plugin import ElixirRuntimePlugin
 from elixir.search import SearchResult
 from elixir.search.placement_policy import PLACEMENT_POLICIES, StaticFractions, make_plan
-from elixir.wrapper import LossScalePolicy
 
 # GeminiPlugin arguments the runtime cannot honour: name -> (value that means "off", the alternative)
 _SHARDFORMER = "Shardformer model rewrites are out of scope for elixir (it runs the model's own modules)"
@@ -46,7 +45,8 @@ class GeminiPlugin(ElixirRuntimePlugin):
         shard_param_frac, offload_optim_frac, offload_param_frac: ``"static"`` only.
         precision: ``"fp16"``, ``"bf16"`` or ``"fp32"``: the chunks' compute dtype (fp32 masters).
         initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
-            max_scale: the dynamic loss scaler (fp16).
+            max_scale: the dynamic loss scaler (keywords: the fields of
+            :class:`~elixir.wrapper.LossScalePolicy`, ColossalAI's names; fp16).
         max_norm, norm_type: gradient clipping inside the step (0 disables).
         enable_gradient_accumulation: allow :meth:`Booster.no_sync` (accumulate without reducing).
         max_prefetch: chunks gathered ahead (0: none).
@@ -68,13 +68,7 @@ class GeminiPlugin(ElixirRuntimePlugin):
         offload_optim_frac: float = 0.0,
         offload_param_frac: float = 0.0,
         precision: str = "fp16",
-        initial_scale: float = 2.0**16,
-        min_scale: float = 1.0,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        max_scale: float = 2.0**32,
+        *,
         max_norm: float = 0.0,
         norm_type: float = 2.0,
         enable_gradient_accumulation: bool = False,
@@ -84,9 +78,9 @@ class GeminiPlugin(ElixirRuntimePlugin):
         verbose: bool = False,
         plan: Optional[Union[SearchResult, str]] = None,
         enable_async_reduce: bool = True,
-        **unsupported: Any,
+        **options: Any,
     ) -> None:
-        refuse_unsupported("GeminiPlugin", unsupported, UNSUPPORTED)
+        super().__init__(UNSUPPORTED, options, precision, max_norm, norm_type, enable_gradient_accumulation, verbose, plan)
         if placement_policy not in PLACEMENT_POLICIES:
             raise ValueError(f"placement_policy must be one of {PLACEMENT_POLICIES}, got {placement_policy!r}")
         fractions = StaticFractions(shard_param_frac, offload_param_frac, offload_optim_frac)
@@ -96,28 +90,15 @@ class GeminiPlugin(ElixirRuntimePlugin):
                 f"with {placement_policy!r} the placement is {'searched' if placement_policy == 'auto' else 'fixed'}: "
                 "drop them or use placement_policy='static'"
             )
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
         if max_prefetch < 0:
             raise ValueError(f"max_prefetch must be >= 0, got {max_prefetch}")
         if not enable_async_reduce:
             raise ValueError("enable_async_reduce=False is not supported: elixir always overlaps the reductions with backward")
         self.placement_policy = placement_policy
         self.fractions = fractions
-        self.dtype = PRECISIONS[precision]
-        self.precision = precision
-        # checked here, at the plugin's construction, not at the first boost
-        self.loss_scale = LossScalePolicy(
-            initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-            growth_interval=growth_interval, hysteresis=hysteresis, max_scale=max_scale,
-        )
-        self.max_norm, self.norm_type = max_norm, norm_type
-        self.enable_gradient_accumulation = enable_gradient_accumulation
         self.max_prefetch = max_prefetch
         self.pin_memory = pin_memory
         self.offload_dir = offload_dir
-        self.verbose = verbose
-        self.plan = plan
 
     def make_plan(self, model: torch.nn.Module) -> SearchResult:
         world = edist.get_world_size()

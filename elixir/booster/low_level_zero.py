@@ -15,10 +15,9 @@ from typing import Any, Optional
 import torch
 
 from elixir import distributed as edist
-from elixir.booster.runtime_plugin import PRECISIONS, ElixirRuntimePlugin, refuse_unsupported
+from elixir.booster.runtime_plugin import ElixirRuntimePlugin
 from elixir.search import Placement, SearchResult, Sharding, minimum_waste_search
 from elixir.search.minimum_waste import print_plan
-from elixir.wrapper import LossScalePolicy
 
 STAGES = {1: Sharding.ZERO1, 2: Sharding.ZERO2}
 
@@ -41,7 +40,8 @@ class LowLevelZeroPlugin(ElixirRuntimePlugin):
             master and optimizer state across the ranks.
         precision: ``"fp16"``, ``"bf16"`` or ``"fp32"``: the compute dtype (fp32 masters).
         initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
-            max_scale: the dynamic loss scaler (fp16 only).
+            max_scale: the dynamic loss scaler (keywords: the fields of
+            :class:`~elixir.wrapper.LossScalePolicy`, ColossalAI's names; fp16 only).
         max_norm, norm_type: gradient clipping inside the step (0 disables).
         reduce_bucket_size_in_m: the largest chunk, in millions (2**20) of elements: a chunk is
             the unit gradients are reduced in (a parameter larger than it gets a chunk of its own).
@@ -67,13 +67,7 @@ class LowLevelZeroPlugin(ElixirRuntimePlugin):
         self,
         stage: int = 1,
         precision: str = "fp16",
-        initial_scale: float = 2.0**32,
-        min_scale: float = 1.0,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        max_scale: float = 2.0**32,
+        *,
         max_norm: float = 0.0,
         norm_type: float = 2.0,
         reduce_bucket_size_in_m: Optional[float] = 12,
@@ -83,14 +77,13 @@ class LowLevelZeroPlugin(ElixirRuntimePlugin):
         enable_gradient_accumulation: bool = True,
         verbose: bool = False,
         plan: Optional[SearchResult | str] = None,
-        **unsupported: Any,
+        **options: Any,
     ) -> None:
-        refuse_unsupported("LowLevelZeroPlugin", unsupported, UNSUPPORTED)
+        super().__init__(UNSUPPORTED, options, precision, max_norm, norm_type, enable_gradient_accumulation, verbose, plan,
+                         initial_scale=2.0**32)
         if stage not in STAGES:
             raise ValueError(f"stage must be 1 or 2, got {stage!r} (for ZeRO-3 use GeminiPlugin)")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
-        dtype = PRECISIONS[precision]
+        dtype = self.dtype
         if communication_dtype not in (None, dtype, torch.float32):
             raise ValueError(
                 f"communication_dtype={communication_dtype} is not supported with precision={precision!r}: "
@@ -103,23 +96,11 @@ class LowLevelZeroPlugin(ElixirRuntimePlugin):
                 "overlap_communication=False is not supported: elixir always reduces each chunk while "
                 "backward goes on; leave it True"
             )
-        if max_norm < 0:
-            raise ValueError(f"max_norm must be >= 0 (0 disables clipping), got {max_norm}")
         self.stage = stage
         self.sharding = STAGES[stage]
-        self.precision = precision
-        self.dtype = dtype
         self.reduce_always_fp32 = communication_dtype is torch.float32 and dtype is not torch.float32
-        self.loss_scale = LossScalePolicy(
-            initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-            growth_interval=growth_interval, hysteresis=hysteresis, max_scale=max_scale,
-        )
-        self.max_norm, self.norm_type = max_norm, norm_type
         self.bucket_elements = None if reduce_bucket_size_in_m is None else max(1, int(reduce_bucket_size_in_m * 2**20))
         self.cpu_offload = cpu_offload
-        self.enable_gradient_accumulation = enable_gradient_accumulation
-        self.verbose = verbose
-        self.plan = plan
 
     def make_plan(self, model: torch.nn.Module) -> SearchResult:
         world = edist.get_world_size()

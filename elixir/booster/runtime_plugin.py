@@ -14,6 +14,7 @@ from elixir import checkpoint
 from elixir.booster.plugin import Plugin
 from elixir.search import SearchResult
 from elixir.wrapper import ElixirModule, ElixirOptimizer, LossScalePolicy
+from elixir.wrapper.policies import SCALE_KEYWORDS, loss_scale_policy
 
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -29,6 +30,16 @@ def refuse_unsupported(plugin: str, given: dict[str, Any], table: dict[str, tupl
             raise ValueError(f"{plugin}({k}={v!r}) is not supported: {why}")
 
 
+def pop_loss_scale(options: dict[str, Any], **defaults: float) -> LossScalePolicy:
+    """The plugin's fp16 loss-scale policy, from the loss-scale arguments in ``options``
+    (ColossalAI's ``initial_scale`` ... ``max_scale``, the fields of
+    :class:`~elixir.wrapper.LossScalePolicy`), which it removes from ``options``. ``defaults``:
+    the plugin's own defaults where they differ from the policy's. Checked now, at the plugin's
+    construction, not at the first boost."""
+    given = {k: options.pop(k) for k in SCALE_KEYWORDS if k in options}
+    return loss_scale_policy(None, **{**defaults, **given})
+
+
 class ElixirRuntimePlugin(Plugin):
     """A plugin that runs a plan on :class:`ElixirModule` / :class:`ElixirOptimizer` (see the
     module docstring). Subclasses set the attributes below in ``__init__`` and define
@@ -42,6 +53,7 @@ class ElixirRuntimePlugin(Plugin):
         enable_gradient_accumulation: whether :meth:`no_sync` is allowed.
         max_prefetch: chunks gathered ahead (0: none).
         offload_dir: where disk-placed state goes.
+        precision, verbose, plan: the plugin's arguments of these names.
     """
 
     dtype: torch.dtype = torch.float32
@@ -52,6 +64,34 @@ class ElixirRuntimePlugin(Plugin):
     enable_gradient_accumulation: bool = True
     max_prefetch: int = 0
     offload_dir: Optional[str] = None
+
+    def __init__(
+        self,
+        unsupported: dict[str, tuple[Any, str]],
+        options: dict[str, Any],
+        precision: str,
+        max_norm: float,
+        norm_type: float,
+        enable_gradient_accumulation: bool,
+        verbose: bool,
+        plan: Optional[SearchResult | str],
+        **scale_defaults: float,
+    ) -> None:
+        """Check and keep the arguments every runtime plugin takes. ``options``: the subclass's
+        remaining keyword arguments: the loss-scale ones (:func:`pop_loss_scale`, with the
+        subclass's ``scale_defaults``), else arguments ``unsupported`` lists
+        (:func:`refuse_unsupported`)."""
+        self.loss_scale = pop_loss_scale(options, **scale_defaults)
+        refuse_unsupported(type(self).__name__, options, unsupported)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+        if max_norm < 0:
+            raise ValueError(f"max_norm must be >= 0 (0 disables clipping), got {max_norm}")
+        self.precision, self.dtype = precision, PRECISIONS[precision]
+        self.max_norm, self.norm_type = max_norm, norm_type
+        self.enable_gradient_accumulation = enable_gradient_accumulation
+        self.verbose = verbose
+        self.plan = plan
 
     def make_plan(self, model: torch.nn.Module) -> SearchResult:
         raise NotImplementedError

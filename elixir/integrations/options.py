@@ -49,8 +49,7 @@ class ElixirOptions:
 
     def scale_policy(self) -> LossScalePolicy:
         """The loss-scale policy ``loss_scale`` spells."""
-        keywords = {k: getattr(LossScalePolicy(), k) for k in SCALE_KEYWORDS}
-        return loss_scale_policy(None, **{**keywords, **self.loss_scale})
+        return loss_scale_policy(None, **self.loss_scale)
 
     def make_plan(self, model: nn.Module, world_size: int, dtype: torch.dtype, main: bool) -> SearchResult:
         """The plan for ``model`` (``main``: this process prints the report when verbose)."""

@@ -139,16 +139,20 @@ SCALE_KEYWORDS = ("initial_scale", "min_scale", "max_scale", "growth_factor", "b
 
 
 def loss_scale_policy(policy: Optional[LossScalePolicy], **keywords: float) -> LossScalePolicy:
-    """ElixirOptimizer's loss-scale policy, from ``policy`` or from the keyword arguments of the
-    original API (``initial_scale`` ... ``hysteresis``; both raise ``ValueError``)."""
-    loose = [k for k in SCALE_KEYWORDS if keywords[k] != getattr(_SCALE_DEFAULTS, k)]
+    """The loss-scale policy of ElixirOptimizer, the plugins and the integrations, from ``policy``
+    or from the keyword arguments of the original API (``initial_scale`` ... ``hysteresis``; one
+    left out takes :class:`LossScalePolicy`'s default; both spellings raise ``ValueError``)."""
+    unknown = sorted(set(keywords) - set(SCALE_KEYWORDS))
+    if unknown:
+        raise TypeError(f"unknown loss-scale arguments {unknown}; they are {list(SCALE_KEYWORDS)}")
+    loose = [k for k in SCALE_KEYWORDS if k in keywords and keywords[k] != getattr(_SCALE_DEFAULTS, k)]
     if policy is not None:
         if loose:
             raise ValueError(f"pass loss_scale_policy or {', '.join(loose)}, not both: put them in LossScalePolicy(...)")
         if not isinstance(policy, LossScalePolicy):
             raise TypeError(f"loss_scale_policy must be a LossScalePolicy, got {type(policy).__name__}")
         return policy
-    return LossScalePolicy(**{k: keywords[k] for k in SCALE_KEYWORDS})
+    return LossScalePolicy(**keywords)
 
 
 __all__ = ["LossScalePolicy", "MixedPrecisionPolicy", "OffloadPolicy", "module_policies", "loss_scale_policy"]
