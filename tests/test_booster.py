@@ -320,3 +320,21 @@ def test_low_level_zero_plan_has_every_argument_in_it(stage):
     bf = LowLevelZeroPlugin(stage=stage, precision="bf16", communication_dtype=torch.float32)
     assert bf.dtype == torch.bfloat16 and bf.reduce_always_fp32
     assert bf.loss_scale.initial_scale == 2.0**32  # ColossalAI's default for this plugin
+
+
+def test_plugins_take_colossalai_loss_scale_keywords():
+    """Both runtime plugins build their LossScalePolicy from ColossalAI's loss-scale keywords
+    (their own default initial_scale, the policy's for the rest) and check it at construction."""
+    from elixir.booster import GeminiPlugin, LowLevelZeroPlugin
+    from elixir.wrapper import LossScalePolicy
+
+    kw = dict(min_scale=2.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7, hysteresis=3, max_scale=2.0**20)
+    assert GeminiPlugin(**kw).loss_scale == LossScalePolicy(initial_scale=2.0**16, **kw)
+    assert LowLevelZeroPlugin(**{**kw, "max_scale": 2.0**40}).loss_scale == LossScalePolicy(
+        initial_scale=2.0**32, **{**kw, "max_scale": 2.0**40})
+    assert GeminiPlugin(initial_scale=2.0**8).loss_scale == LossScalePolicy(initial_scale=2.0**8)
+    for plugin in (GeminiPlugin, LowLevelZeroPlugin):
+        with pytest.raises(ValueError, match="initial_scale"):
+            plugin(initial_scale=0.5)
+        with pytest.raises(TypeError):  # past precision, arguments are keywords: no silent shift
+            plugin(*([1, "fp16"] if plugin is LowLevelZeroPlugin else ["static", 1.0, 0.0, 0.0, "fp16"]), 2.0**16)
