@@ -109,7 +109,7 @@ def test_disk_fault_in_the_step_is_named_and_loses_nothing(tmp_path, kind, code)
         _step(em, eo, 1)
     msg = str(info.value)
     assert faulty.failed >= 1 and info.value.errno == code
-    assert str(tmp_path) in msg  # names the offload directory
+    assert str(tmp_path) in msg and "restart from the last checkpoint" in msg  # the offload dir, the way out
     if code == errno.ENOSPC:
         assert "free space in" in msg and "larger disk" in msg and "stay in memory" in msg
     else:
@@ -169,7 +169,7 @@ def test_disk_fault_on_one_rank_stops_every_rank(tmp_path):
         name, msg, step = r["error"]
         assert name == "OSError" and step == 2, r  # at the step of the fault, not a collective later
         assert "rank 1" in msg or r["rank"] == 1, msg
-        assert "free space in" in msg and f"{tmp_path}/r1" in msg, msg
+        assert "free space in" in msg and f"{tmp_path}/r1" in msg and "restart from the last checkpoint" in msg, msg
 
 
 def test_offload_dir_vanishing_mid_run_changes_nothing(tmp_path):

@@ -518,18 +518,20 @@ class ElixirOptimizer:
         a rank that raised (until the process group's timeout, or forever if that rank lives on).
         Costs one one-element all-reduce per step of a plan with disk chunks."""
         em = self.module
+        partial = ("; this step updated only some disk chunks, so restart from the last checkpoint "
+                   "(a checkpoint saved now holds the partial step)")
         if em.world_size > 1:
             flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
             edist.all_reduce(flag, group=em.group)
             if int(flag.item()):
-                mine = None if error is None else (error.errno, str(error))
+                mine = None if error is None else (error.errno, error.strerror or str(error))
                 reports = edist.all_gather_object(mine, group=em.group)
                 if error is None:
                     rank, (code, text) = next((r, x) for r, x in enumerate(reports) if x is not None)
                     raise OSError(code, f"rank {rank}'s offload disk failed in step {em.iteration}'s optimizer step, "
-                                        f"so every rank stops here: {text}")
+                                        f"so every rank stops here: {text}{partial}")
         if error is not None:
-            raise error
+            raise OSError(error.errno, f"{error.strerror or error}{partial}") from error
 
     def state_dict(self, rank0_only: bool = False) -> dict[str, Any]:
         """The full (unsharded) state dict in the inner optimizer's torch format, keyed like the
