@@ -112,7 +112,6 @@ def _host_run(steps: int = 3, dtype=torch.float32, fused=False, which="some") ->
 def _resume(shard: bool, root: str) -> dict:
     """2 steps, checkpoint, a fresh model and optimizer load it, 2 more steps (all disk)."""
     zc = ZOO[MODEL]
-    rank, world = edist.get_rank(), edist.get_world_size()
     path = os.path.join(root, f"ckpt-{'sharded' if shard else 'full'}")
     em, eo = _build(lambda p: _placed(p, "all"))
     first = train_wrapped(zc, em, eo, steps=2, batch_size=BATCH)
@@ -121,19 +120,7 @@ def _resume(shard: bool, root: str) -> dict:
     em2, eo2 = _build(lambda p: _placed(p, "all"))
     checkpoint.load(path, em2, eo2)
     resident = _resident_bytes(em2, eo2)
-    torch.manual_seed(1)
-    losses = []
-    for step in range(2, 4):
-        from elixir.testing.reference import shard_batch
-
-        batch = shard_batch(zc.make_batch(BATCH, step), rank, world)
-        eo2.zero_grad()
-        loss = zc.loss(em2, batch)
-        loss.backward()
-        eo2.step()
-        t = loss.detach().clone()
-        edist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train_wrapped(zc, em2, eo2, steps=2, batch_size=BATCH, first_step=2).losses
     out = {"losses": first.losses + losses, "state": em2.state_dict(), "optim": eo2.state_dict(), "resident_after_load": resident}
     em2.disk_store.close()
     return out

@@ -22,7 +22,7 @@ from elixir.optim import CPUAdam
 from elixir.search import minimum_waste_search
 from elixir.search.plan import ChunkPlan, Placement
 from elixir.testing import run_distributed
-from elixir.testing.reference import default_optimizer, shard_batch, train_wrapped
+from elixir.testing.reference import default_optimizer, train_wrapped
 from elixir.testing.zoo import ZOO
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
@@ -72,25 +72,14 @@ def _run(shard: Placement, steps: int = 3, **kw) -> dict:
 
 def _resume(root: str) -> dict:
     """2 steps, a sharded checkpoint, a fresh model and optimizer load it, 2 more steps."""
-    zc = ZOO[MODEL]
-    rank, world = edist.get_rank(), edist.get_world_size()
     path = os.path.join(root, "ckpt")
     em, eo = _build(Placement.DISK)
-    first = train_wrapped(zc, em, eo, steps=2, batch_size=BATCH)
+    first = train_wrapped(ZOO[MODEL], em, eo, steps=2, batch_size=BATCH)
     checkpoint.save(path, em, eo)
     _close(em)
     em2, eo2 = _build(Placement.DISK)
     checkpoint.load(path, em2, eo2)
-    losses = []
-    for step in range(2, 4):
-        batch = shard_batch(zc.make_batch(BATCH, step), rank, world)
-        eo2.zero_grad()
-        loss = zc.loss(em2, batch)
-        loss.backward()
-        eo2.step()
-        t = loss.detach().clone()
-        edist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train_wrapped(ZOO[MODEL], em2, eo2, steps=2, batch_size=BATCH, first_step=2).losses
     out = {"losses": first.losses + losses, "state": em2.state_dict(), "optim": eo2.state_dict()}
     _close(em2)
     return out

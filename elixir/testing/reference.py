@@ -94,18 +94,20 @@ class WrappedRun:
 
 
 def train_wrapped(
-    case: ZooCase | str, model, optimizer, steps: int = 3, batch_size: int = 4, seed: int = 0, device=None
+    case: ZooCase | str, model, optimizer, steps: int = 3, batch_size: int = 4, seed: int = 0, device=None,
+    first_step: int = 0,
 ) -> WrappedRun:
     """The wrapped counterpart of :func:`train_reference`: each rank trains on its slice of the same
     global batches, with the same dropout seed; warnings raised while training are collected.
-    With ``device`` the batches move there; the gradients come back on the host."""
+    With ``device`` the batches move there; the gradients come back on the host. ``first_step``:
+    continue a run (after a checkpoint load) with the batches from that step on."""
     case = get_case(case) if isinstance(case, str) else case
     rank, world = edist.get_rank(), edist.get_world_size()
     torch.manual_seed(seed + 1)  # dropout RNG stream, as in train_reference
     losses, grads = [], None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(steps):
+        for step in range(first_step, first_step + steps):
             batch = to_device(shard_batch(case.make_batch(batch_size, step), rank, world), device)
             optimizer.zero_grad()
             loss = case.loss(model, batch)
