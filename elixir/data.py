@@ -12,6 +12,7 @@ without communicating, and a world-1 run on the global batch sees exactly the sa
 
 from __future__ import annotations
 
+import math
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -157,3 +158,25 @@ def eval_batches(
         lo = (b * world_size + rank) * batch_size
         out.append(_windows(data, starts[lo : lo + batch_size], seq_len))
     return out
+
+
+def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Next-byte cross-entropy of a causal LM (a Hugging Face model: ``.logits``) on one batch."""
+    logits = model(input_ids=x).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+
+def perplexity(model, data: torch.Tensor, batch_size: int, seq_len: int, n_batches: int,
+               rank: int = 0, world_size: int = 1) -> float:
+    """Perplexity of ``model`` over :func:`eval_batches` (the same on every call), averaged over
+    the ranks (collective when ``world_size > 1``); the model is put back in training mode."""
+    total = torch.zeros(2)
+    model.eval()
+    with torch.no_grad():
+        for x, y in eval_batches(data, batch_size, seq_len, n_batches, rank, world_size):
+            total += torch.tensor([lm_loss(model, x, y).item(), 1.0])
+    model.train()
+    if world_size > 1:
+        torch.distributed.all_reduce(total)
+    return math.exp(total[0] / total[1])
+

@@ -18,19 +18,18 @@ the frozen weights (``checkpoint.save(..., frozen=False)``).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from elixir import checkpoint
 from elixir import distributed as edist
-from elixir.data import VOCAB_SIZE, eval_batches, load_corpus, sample_batch
+from elixir.data import VOCAB_SIZE, lm_loss, load_corpus, sample_batch
+from elixir.data import perplexity as data_perplexity
 from elixir.search import minimum_waste_search, optimal_search
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
@@ -46,21 +45,8 @@ def make_tiny(path: str, args) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
-def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=x).logits
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
-
-
 def perplexity(model, data: torch.Tensor, args, info) -> float:
-    total = torch.zeros(2)
-    model.eval()
-    with torch.no_grad():
-        for x, y in eval_batches(data, args.batch, args.seq, args.eval_batches, info.rank, info.world_size):
-            total += torch.tensor([lm_loss(model, x, y).item(), 1.0])
-    model.train()
-    if info.world_size > 1:
-        torch.distributed.all_reduce(total)
-    return math.exp(total[0] / total[1])
+    return data_perplexity(model, data, args.batch, args.seq, args.eval_batches, info.rank, info.world_size)
 
 
 def main(argv=None) -> None:
