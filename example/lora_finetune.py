@@ -45,6 +45,13 @@ def make_tiny(path: str, args) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
+def add_lora(model: torch.nn.Module, rank: int, alpha: float, targets: str) -> torch.nn.Module:
+    """PEFT LoRA adapters of ``rank`` on the comma-separated ``targets`` modules (no dropout: the
+    step is deterministic), over ``model``'s frozen weights; on a meta-built model too (elixir
+    materialises the adapters as PEFT initialises them). ``example/finetune_large.py --lora`` uses it."""
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets.split(",")))
+
+
 def perplexity(model, data: torch.Tensor, args, info) -> float:
     return data_perplexity(model, data, args.batch, args.seq, args.eval_batches, info.rank, info.world_size)
 
@@ -87,8 +94,7 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     with torch.device("meta"):  # no weights yet: every rank will hold only its shards
         base = AutoModelForCausalLM.from_config(config)
-    lora = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0, target_modules=args.targets.split(","))
-    model = get_peft_model(base, lora)
+    model = add_lora(base, args.rank, args.alpha, args.targets)
     if info.is_main:
         model.print_trainable_parameters()
     if args.plan == "optimal":

@@ -1,35 +1,127 @@
 """example/finetune_large.py at a tiny size: --make-checkpoint writes a bf16 HF checkpoint in
-several files from a meta-built model, and fine-tuning from it (built on meta, planned with
-optimal_search, load_pretrained) gives falling losses."""
+several files from a meta-built model; fine-tuning from it (built on meta, planned with
+optimal_search, load_pretrained) gives falling losses, every weight trained or (--lora) only
+PEFT adapters over a frozen base that the plan streams from disk."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "example", "finetune_large.py")
+STEP = re.compile(r"^step (\d+): loss (\S+)")
 
 
-def _run(*args: str) -> str:
+def _run(*args: str, code: str | None = None) -> str:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=300)
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, SCRIPT, *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
 
-def test_make_checkpoint_then_finetune(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    print(_run("--make-checkpoint", ckpt, "--hidden", "128", "--layers", "2", "--shard-size", "200KB"))
+def _losses(out: str) -> list[float]:
+    return [float(m.group(2)) for m in map(STEP.match, out.splitlines()) if m]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("finetune_large") / "ckpt")
+    # big enough that the frozen bf16 base (14 MB) is well above the search's resolution (0.4% of the
+    # budget), so the least memory that fits (--host-memory min) puts it on disk
+    print(_run("--make-checkpoint", path, "--hidden", "384", "--layers", "4", "--shard-size", "2MB"))
+    return path
+
+
+def test_make_checkpoint_then_finetune(ckpt, tmp_path):
     with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
         files = set(json.load(f)["weight_map"].values())
     assert len(files) >= 3
     with open(os.path.join(ckpt, "config.json")) as f:
         assert json.load(f)["dtype"] == "bfloat16"
     out = _run(ckpt, "--steps", "6", "--seq", "64", "--lr", "3e-3", "--offload-dir", str(tmp_path / "off"))
-    losses = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith("step ")]
+    losses = _losses(out)
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0], losses
+
+
+# Two LoRA runs in one process: the frozen base on disk (--host-memory min) and in RAM (the
+# default budget). Prints one JSON line for the test to check.
+_LORA = r"""
+import json, sys
+import torch
+from safetensors import safe_open
+sys.path.insert(0, sys.argv[1])
+import finetune_large as fl
+from elixir.search import Placement
+
+ckpt, tmp = sys.argv[2], sys.argv[3]
+common = [ckpt, "--lora", "4", "--steps", "4", "--seq", "64", "--lr", "1e-2"]
+disk = fl.finetune(fl.parse_args(common + ["--host-memory", "min", "--offload-dir", tmp + "/off-disk",
+                                            "--save", tmp + "/adapters"]))
+ram = fl.finetune(fl.parse_args(common + ["--offload-dir", tmp + "/off-ram"]))
+
+# the frozen weights after training, against the checkpoint's tensors, bit for bit
+with open(ckpt + "/model.safetensors.index.json") as f:
+    weight_map = json.load(f)["weight_map"]
+sd = disk.module.state_dict()
+frozen = {k: v for k, v in sd.items() if "lora_" not in k}
+unchanged, compared = True, 0
+for key, value in frozen.items():
+    name = key.removeprefix("base_model.model.").replace(".base_layer", "")
+    if name not in weight_map:
+        continue
+    with safe_open(ckpt + "/" + weight_map[name], "pt") as f:
+        ref = f.get_tensor(name)
+    unchanged &= torch.equal(value, ref.to(value.dtype))
+    compared += 1
+# the most a step may write for the adapters the plan put on disk: master and Adam state, shard
+trainable_disk = sum(c.chunk_size * (12 * (c.optim_placement is Placement.DISK) + 2 * (c.shard_placement is Placement.DISK))
+                     for c in disk.plan.chunks)
+print(json.dumps({
+    "disk_losses": disk.losses, "ram_losses": ram.losses,
+    "disk_frozen": sorted({c.shard_placement.value for c in disk.plan.frozen_chunks}),
+    "ram_frozen": sorted({c.shard_placement.value for c in ram.plan.frozen_chunks}),
+    "frozen_resident": disk.module.memory_report()["frozen_shard_bytes"],
+    "frozen_shard_bytes": sum(c.shard_size(1) * 2 for c in disk.plan.frozen_chunks),
+    "trainable_disk_bytes": trainable_disk,
+    "step_io": disk.step_io, "load_io": disk.load_io, "ram_step_io": ram.step_io,
+    "unchanged": bool(unchanged), "compared": compared, "n_weights": len(weight_map),
+}))
+"""
+
+
+def test_lora_frozen_base_streams_from_disk(ckpt, tmp_path):
+    """--lora with --host-memory min: the plan puts the frozen base on disk; losses fall and
+    equal, bit for bit, those of the same run with the base in RAM; the frozen weights are the
+    checkpoint's, unchanged by training; each step reads the frozen shards from disk and writes
+    none of them back; the adapters are saved alone."""
+    pytest.importorskip("peft")
+    out = _run(os.path.join(ROOT, "example"), ckpt, str(tmp_path), code=_LORA)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["disk_frozen"] == ["disk"] and got["ram_frozen"] != ["disk"], got
+    assert got["frozen_resident"] == 0, got
+    losses = got["disk_losses"]
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    assert got["disk_losses"] == got["ram_losses"], got
+    assert got["unchanged"] and got["compared"] == got["n_weights"], got
+    # loading wrote every frozen shard once; each step read them back (forward and backward)
+    assert got["load_io"][1] >= got["frozen_shard_bytes"], got
+    assert all(r >= got["frozen_shard_bytes"] for r, _ in got["step_io"]), got
+    # and writes at most the adapters' disk state: no frozen shard is written back
+    assert got["trainable_disk_bytes"] < got["frozen_shard_bytes"], got
+    assert all(w <= got["trainable_disk_bytes"] for _, w in got["step_io"]), got
+    assert all(r == w == 0 for r, w in got["ram_step_io"]), got
+    adapters = tmp_path / "adapters"
+    assert (adapters / "index.json").is_file()
+    saved = sum(f.stat().st_size for f in adapters.rglob("*") if f.is_file())
+    assert saved < got["frozen_shard_bytes"], (saved, got)  # the adapters and their state, not the base
+    assert "frozen chunks" in out and "predicted per rank" in out
