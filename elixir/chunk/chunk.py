@@ -385,7 +385,29 @@ class Chunk:
                 out = buf[spec.shard_offset : spec.shard_offset + spec.shard_numel]
             if world > 1:
                 out.div_(world)
-            self._accumulate_shard_grad(out)
+            if self._can_adopt(out, buf):
+                self._adopt_shard_grad(out)
+            else:
+                self._accumulate_shard_grad(out)
+
+    def _can_adopt(self, reduced: torch.Tensor, buf: torch.Tensor) -> bool:
+        """Whether the reduced buffer can become the shard gradient itself: it is the whole shard
+        (a replicated chunk, or any chunk at world size 1), in the shard gradient's dtype and
+        place, and there is nothing to add it to."""
+        return (
+            not self.grad_valid and reduced.numel() == buf.numel() == self.spec.shard_numel
+            and reduced.dtype == self.spec.grad_dtype and reduced.device == self.master.device
+            and not self.spec.master_on_host
+        )
+
+    def _adopt_shard_grad(self, reduced: torch.Tensor) -> None:
+        """Keep the reduced buffer as the shard gradient instead of copying it into one: saves a
+        copy of the chunk and, at the peak of backward, one chunk's gradient bytes (the buffer and
+        the shard gradient no longer coexist)."""
+        self.drop_grad()
+        self.shard_grad = reduced
+        self.ledger.alloc("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
+        self.grad_valid = True
 
     @property
     def shard_grad_bytes(self) -> int:
@@ -432,7 +454,11 @@ class Chunk:
         if self.grad_state is GradState.REDUCED:
             self._grad_move(GradState.EMPTY)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the shard gradient; with ``set_to_none`` (torch's default) also free it, so
+        that no gradient bytes are held between the step and the next backward."""
+        if set_to_none:
+            self.drop_grad()
         self.grad_valid = False
 
     def __repr__(self) -> str:

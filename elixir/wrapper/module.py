@@ -652,7 +652,7 @@ class ElixirModule(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the reduced gradients (the shard gradients), as ``optimizer.zero_grad()`` does."""
         for c in self.chunks:
-            c.zero_grad()
+            c.zero_grad(set_to_none)
         self.has_grad = [False] * len(self.slots)
         for p in self.module.parameters():
             p.grad = None

@@ -309,7 +309,7 @@ class ElixirOptimizer:
         return {"optimizer_state_bytes": total}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.module.zero_grad()
+        self.module.zero_grad(set_to_none)
         self._grad_factor = None
         self._found_inf = None
         self._detach_grads()
