@@ -11,6 +11,11 @@ parameter, and step times fused / separate.
 
     python bench/memory_predictions.py --sizes 0.1,0.2             # smoke (a few minutes)
     python bench/memory_predictions.py --sizes 0.5,1,1.5,2,2.5     # the issue's table (quiet box, long)
+    python bench/memory_predictions.py --sizes 0.5 --disk-plan state --meta   # fused vs separate, state on disk
+
+``--disk-plan state`` (or ``shards``) plans each size under the tightest one-pool budget that
+keeps every compute shard resident (or the tightest at all), so the optimizer state (and the
+least-used shards) is on disk whatever the size; the per-parameter budgets are then unused.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # (hidden, intermediate, layers) of LLaMA-style models, vocab 32000, by approximate size in billions
 SHAPES = {
-    0.1: (768, 2048, 10), 0.2: (1024, 2816, 12), 0.5: (1536, 4096, 14), 1.0: (2048, 5504, 16),
+    0.02: (256, 704, 4), 0.1: (768, 2048, 10), 0.2: (1024, 2816, 12), 0.5: (1536, 4096, 14), 1.0: (2048, 5504, 16),
     1.5: (2048, 5504, 26), 2.0: (2560, 6912, 20), 2.5: (2560, 6912, 26), 3.0: (3072, 8192, 21),
     4.0: (3072, 8192, 29),
 }
@@ -55,6 +60,10 @@ def main() -> None:
     ap.add_argument("--host-extra", type=float, default=0.5, help="GiB added to the host budget (the process)")
     ap.add_argument("--offload-dir", default=None)
     ap.add_argument("--no-separate", action="store_true", help="skip the separate-step run")
+    ap.add_argument("--disk-plan", default="none", choices=("none", "state", "shards"),
+                    help="plan under the tightest budget that keeps shards resident (state) or at all (shards): "
+                         "optimizer state on disk at any size (see bench/memory_breakdown.py)")
+    ap.add_argument("--meta", action="store_true", help="build on the meta device, as bench/capacity.py")
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -69,9 +78,13 @@ def main() -> None:
                       "--steps", str(args.steps)]
             if args.offload_dir:
                 common += ["--offload-dir", args.offload_dir]
+            if args.meta:
+                common += ["--meta"]
             plan = os.path.join(tmp, f"plan-{size}.json")
             budget = ["--device-memory", f"{n * args.device_per_param / GiB + args.device_extra:.4f}",
                       "--host-memory", f"{n * args.host_per_param / GiB + args.host_extra:.4f}"]
+            if args.disk_plan != "none":
+                budget = ["--disk-plan", args.disk_plan]
             fused = _run(common + budget + ["--save-plan", plan], os.path.join(tmp, f"a-{size}.json"))
             sep = {} if args.no_separate or "error" in fused else _run(
                 common + ["--plan", plan, "--separate-step"], os.path.join(tmp, f"b-{size}.json"))

@@ -13,13 +13,12 @@ from elixir.hardware import load_profile
 from elixir.search.cost_model import (
     MemoryPolicy,
     Setting,
-    construction_staging_bytes,
     fixed_device_bytes,
     layout_from_plan,
     pack,
     per_chunk_bytes,
     replicated_optimizer_bytes,
-    staging_bytes,
+    transient_host_bytes,
     unified_memory,
     zero_chunk_bytes,
 )
@@ -90,11 +89,12 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
                 if blocks == 0 and any(k for k, t in zip(counts, types) if t.shard is not Placement.DEVICE):
                     continue
                 d = base + rd + sum(k * cb[t][0] for k, t in zip(counts, types))
-                h = rh + construction_staging_bytes(lay) + sum(k * cb[t][1] for k, t in zip(counts, types))
+                h = rh + sum(k * cb[t][1] for k, t in zip(counts, types))
                 k_disk = sum(k * cb[t][2] for k, t in zip(counts, types))
-                if k_disk:  # masters + state (and KK shards) staged while the optimizer streams them
-                    n_disk = sum(k for k, t in zip(counts, types) if t.on_disk)
-                    h += staging_bytes(stt, c // world, n_disk, sum(k for k, t in zip(counts, types) if t.shard_on_disk))
+                # the construction's staging, or (never at once) the masters + state (and KK
+                # shards) staged while the optimizer streams them
+                n_disk = sum(k for k, t in zip(counts, types) if t.on_disk)
+                h += transient_host_bytes(lay, stt, c // world, n_disk, sum(k for k, t in zip(counts, types) if t.shard_on_disk))
                 # a CPU-only profile has one pool: the host budget holds device and host bytes
                 if d <= dev and (d + h if unified_memory(HW) else h) <= host and k_disk <= disk:
                     return True

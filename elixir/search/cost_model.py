@@ -30,8 +30,9 @@ that fits. A sharded tied chunk keeps its shard and optimizer state on the devic
   together (the runtime then uses one tensor); ``g`` is the shard gradient's element size (4 in
   fp32, 2 with bf16/fp16 ``grad_dtype``), and 0 with the fused backward-and-step, which frees each
   chunk's gradient as soon as it has stepped the chunk (:mod:`elixir.wrapper.backward_step`);
-- host, fixed: :func:`construction_staging_bytes`, the chunks staged while the model is
-  materialised from meta or loaded (:data:`CONSTRUCTION_STAGING` fp32 chunks);
+- host, transient: :func:`transient_host_bytes`, the larger of the construction's staging
+  (:func:`construction_staging_bytes`: :data:`CONSTRUCTION_STAGING` fp32 chunks while the model is
+  materialised from meta or loaded) and the disk staging above: the two never coexist;
 - host, fixed: ``process_bytes``, what the training process holds besides the model and elixir's
   own tensors (the interpreter, torch, the libraries it imported: about 0.3-0.5 GiB on a CPU box);
   :func:`~elixir.search.optimal.optimal_search` measures it as this process's RSS less the bytes
@@ -74,6 +75,21 @@ ALIGN = 16  # elements per rank a shard is aligned to (as minimum_waste_search)
 DISK_STAGING = 2  # disk chunks whose master + state are in host memory at once (offload/pipeline.py)
 DISK_SHARD_STAGING = 2  # disk shards in host memory at once: the one gathered, and the one being stepped
 CONSTRUCTION_STAGING = 2  # fp32 chunks staged while building or loading (wrapper/materialize.py, checkpoint/pretrained.py)
+# What a training process holds at the peak of a step beyond the process as measured before it
+# trains, the ledger's tensors, the optimizer's state and the traced activations, so that no other
+# term counts it: the process grows by 20-25 MiB between the search and the first step (kernels
+# and thread pools loaded on first use), and at the peak of backward 55-85 MiB more are resident
+# than the traced activation peak and autograd's parameter gradient (allocator slack around the
+# activations, temporaries the tracer does not see). Measured with bench/memory_breakdown.py at
+# each training peak (ledger, optimizer state and disk staging taken at the moment of the peak)
+# on the 24 GB CPU box, world 1, bf16, 0.12-0.44B parameters: 80-105 MiB in all, about the same
+# at every size; the construction staging, counted on top of the disk staging until then, used
+# to hide it. Counted in the measured ``process_bytes`` (optimal_search), so a plan for another
+# machine (``process_bytes=0``) carries none of this machine's figures.
+STEP_UNTRACKED_BYTES = 128 << 20
+
+# the host terms of Evaluation.memory (the rest are device terms)
+HOST_TERMS = ("process", "placed_host", "staging")
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "cpuadam": 8, "sgd": 4, "none": 0}
 
@@ -446,8 +462,7 @@ def per_chunk_bytes(st: Setting, shard: int) -> dict[ChunkPlacement, tuple[int, 
 def construction_staging_bytes(layout: Layout) -> int:
     """Host bytes staged while the model is built or loaded: :data:`CONSTRUCTION_STAGING` chunks
     of fp32 values (the flat a chunk is assembled in, and the values of one initialisation unit
-    of a meta-built model or the rows ``load_pretrained`` reads for it). Counted as held for the
-    whole run: a conservative upper bound, since the optimizer's disk staging comes later."""
+    of a meta-built model or the rows ``load_pretrained`` reads for it)."""
     return CONSTRUCTION_STAGING * max(layout.capacities, default=0) * 4
 
 
@@ -456,6 +471,23 @@ def staging_bytes(st: Setting, shard: int, disk_chunks: int, disk_shards: int = 
     of the ``disk_shards`` among them whose shard is on disk too."""
     return (min(int(disk_chunks), DISK_STAGING) * shard * st.disk_elem
             + min(int(disk_shards), DISK_SHARD_STAGING) * shard * st.elem)
+
+
+def transient_host_bytes(layout: Layout, st: Setting, shard: int, disk_chunks: int, disk_shards: int = 0) -> int:
+    """Host bytes of the two stagings, construction (:func:`construction_staging_bytes`) and disk
+    (:func:`staging_bytes`), counted as the larger of the two, not their sum.
+
+    They never coexist. Construction ends (its staging freed) before the first step stages a
+    disk chunk. Freed, it is also gone from the process where disk staging exists at all: a plan
+    with disk-placed optimizer state does not keep freed host memory
+    (:class:`~elixir.wrapper.ElixirModule` skips :func:`elixir.device.keep_host_memory` for it),
+    so malloc returns the chunk-sized staging buffer to the OS (a separate mapping; the heap is
+    trimmed after each chunk of a meta build). Without disk chunks the staging is 0 and the
+    construction's buffer is counted as held for the whole run: with ``keep_host_memory`` malloc
+    keeps it in its heap. Counting both (as before) over-predicted disk plans' peak RSS by two
+    fp32 chunks: 0.37 GiB of the 2.70 GiB predicted for a 0.44B plan with every chunk on disk,
+    1.3 GiB of 12.6 GiB at 5.2B (issue 21's measurements)."""
+    return max(construction_staging_bytes(layout), staging_bytes(st, shard, disk_chunks, disk_shards))
 
 
 def per_chunk_fixed_time(st: Setting, shard: int) -> dict[ChunkPlacement, float]:
@@ -701,7 +733,8 @@ def place(
     for rwhere, fwhere in wheres:
         repl_kinds = (RD if rwhere is Placement.DEVICE else RH,) * n_repl
         rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
-        rh += construction_staging_bytes(layout)
+        constr = construction_staging_bytes(layout)  # the transient host bytes without disk chunks
+        rh += constr
         if fwhere is Placement.DEVICE:
             rd += fbytes
         elif fwhere is Placement.HOST:
@@ -733,10 +766,12 @@ def place(
             free_per_disk = cb[DH][1] - cb[DK][1]  # equals HH - HK
             over = host_need - host_free
             if allow_disk and free_per_disk > 0:
-                stage = shard * st.disk_elem
-                # one disk chunk stages one chunk's master + state; two or more stage DISK_STAGING
-                z1 = np.where(over > 0, -(-(over + stage) // free_per_disk), 0)
-                zn = np.where(over > 0, -(-(over + DISK_STAGING * stage) // free_per_disk), 0)
+                # one disk chunk stages one chunk's master + state; two or more stage DISK_STAGING;
+                # the staging replaces the construction's in the transient bytes (transient_host_bytes)
+                extra1 = transient_host_bytes(layout, st, shard, 1) - constr
+                extra_n = transient_host_bytes(layout, st, shard, DISK_STAGING) - constr
+                z1 = np.where(over > 0, -(-(over + extra1) // free_per_disk), 0)
+                zn = np.where(over > 0, -(-(over + extra_n) // free_per_disk), 0)
                 z = np.where(z1 <= 1, z1, np.maximum(zn, 2))
             else:
                 z = np.where(over > 0, n + 1, 0)
@@ -748,7 +783,8 @@ def place(
                     ok &= False
             if not ok.any():
                 # no plan keeps every shard resident: the whole of the least-gathered chunks on disk
-                kk = _disk_shard_kinds(st, cb, shard, body_gathers, host_free, disk_budget, allow_disk and (blocks > 0 or not solo))
+                kk = _disk_shard_kinds(st, layout, cb, shard, body_gathers, host_free + constr, disk_budget,
+                                       allow_disk and (blocks > 0 or not solo))
                 if kk is None:
                     continue
                 cand = price(profile, layout, st, kk + own_kinds + repl_kinds, blocks, depth, per_chunk_gathers)
@@ -793,16 +829,16 @@ def place(
     return best
 
 
-def _disk_shard_kinds(st: Setting, cb: dict, shard: int, gathers: np.ndarray, host_free: int, disk_budget: int,
-                      allow: bool) -> Optional[tuple[ChunkPlacement, ...]]:
+def _disk_shard_kinds(st: Setting, layout: Layout, cb: dict, shard: int, gathers: np.ndarray, host_free: int,
+                      disk_budget: int, allow: bool) -> Optional[tuple[ChunkPlacement, ...]]:
     """The placement of ``len(gathers)`` sharded chunks with every optimizer state on disk and
     the fewest shards on disk too (``KK``, the least-gathered chunks; the rest ``HK``) that fits
-    ``host_free`` host bytes and the disk budget, or None."""
+    ``host_free`` host bytes (transient bytes included) and the disk budget, or None."""
     n = len(gathers)
     if not allow or n == 0:
         return None
     for v in range(n, -1, -1):  # v chunks keep a host shard (HK), n - v put it on disk (KK)
-        host = v * cb[HK][1] + (n - v) * cb[KK][1] + staging_bytes(st, shard, n, n - v)
+        host = v * cb[HK][1] + (n - v) * cb[KK][1] + transient_host_bytes(layout, st, shard, n, n - v)
         disk = v * cb[HK][2] + (n - v) * cb[KK][2]
         if host <= host_free and disk <= disk_budget:
             order = np.argsort(-gathers, kind="stable")  # most gathered first: they keep host shards
@@ -862,7 +898,6 @@ def price(
     cb, ct = per_chunk_bytes(st, shard), per_chunk_fixed_time(st, shard)
     fixed = fixed_device_bytes(profile, layout, st, blocks)
     rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
-    rh += construction_staging_bytes(layout)
     repl_numel = sum(layout.replicated_capacities)
     t_opt = (replicated_optimizer_time(st, repl_numel, rwhere)
              + sum(hw.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
@@ -881,7 +916,8 @@ def price(
     n_disk = sum(k.on_disk for k in kinds)
     fbytes = frozen_shard_bytes(layout, st)
     dev_var = rd + sum(cb[k][0] for k in kinds) + (fbytes if frozen_where is Placement.DEVICE else 0)
-    host = rh + sum(cb[k][1] for k in kinds) + staging_bytes(st, shard, n_disk, int(disk_shard.sum()))
+    transient = transient_host_bytes(layout, st, shard, n_disk, int(disk_shard.sum()))
+    host = rh + sum(cb[k][1] for k in kinds) + transient
     host += fbytes if frozen_where is Placement.HOST else 0
     host += fshard if frozen_where is Placement.DISK and layout.n_frozen else 0  # the one being gathered
     disk = sum(cb[k][2] for k in kinds) + (fbytes if frozen_where is Placement.DISK else 0)
@@ -924,7 +960,8 @@ def price(
         fused_hidden = min(t_disk - hw.disk_time(nbytes, 0), 2.0 / 3.0 * comm["compute"])
         breakdown["fused_step_hidden"] = -fused_hidden
         t_opt -= fused_hidden
-    memory = dict(fixed, placed_device=dev_var, process=st.process_bytes)
+    # every term once, device then host: they add up to device_bytes + host_bytes
+    memory = dict(fixed, placed_device=dev_var, process=st.process_bytes, placed_host=host - transient, staging=transient)
     if layout.n_frozen:  # included in placed_device, or in the host (or disk) bytes
         memory["frozen_shards"] = fbytes
     return Evaluation(

@@ -32,7 +32,9 @@ from elixir.hardware.profile import HardwareProfile
 from elixir.hardware.registry import choose_default_profile, load_profile
 from elixir.search.cost_model import (
     ALIGN,
+    HOST_TERMS,
     OPTIMIZER_STATE_BYTES,
+    STEP_UNTRACKED_BYTES,
     Evaluation,
     Layout,
     MemoryPolicy,
@@ -611,7 +613,7 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     if p.peak_disk_bytes:
         t.add_row("disk", _fmt(p.peak_disk_bytes))
     for k, v in info.get("predicted_memory", {}).items():
-        t.add_row(f"  {'host' if k == 'process' else 'device'}: {k}", _fmt(v))
+        t.add_row(f"  {'host' if k in HOST_TERMS else 'device'}: {k}", _fmt(v))
     t.add_row("predicted step time", f"{p.step_time_s:.4f} s")
     for k, v in p.breakdown.items():
         t.add_row(f"  {k}", f"{v:.4f} s")
@@ -705,15 +707,17 @@ def optimal_search(
 
 def _process_bytes(model: nn.Module) -> int:
     """This process's RSS less the bytes of ``model``'s materialised tensors (see optimal_search),
-    the most over the ranks when a process group is initialised: each rank measures its own
-    RSS, which differs by tens of MiB, and ranks that searched on different figures could pick
-    different plans (and then hang in each other's collectives)."""
+    plus :data:`~elixir.search.cost_model.STEP_UNTRACKED_BYTES` (what the process adds once it
+    trains, which no other term sees), the most over the ranks when a process group is
+    initialised: each rank measures its own RSS, which differs by tens of MiB, and ranks that
+    searched on different figures could pick different plans (and then hang in each other's
+    collectives)."""
     seen, own = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):  # host tensors only: RSS holds nothing else
         if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
             own += t.untyped_storage().nbytes()
-    mine = max(0, dev.rss_bytes() - own)
+    mine = max(0, dev.rss_bytes() - own) + STEP_UNTRACKED_BYTES
     if edist.is_initialized() and edist.get_world_size() > 1:
         return max(int(b) for b in edist.all_gather_object(mine))
     return mine
