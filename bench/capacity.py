@@ -148,6 +148,116 @@ def _build_lora(system: str, cfg, offload: str, mem_cap: int):
     raise ValueError(system)
 
 
+def deepspeed_config(cfg, offload: str, where: str = "nvme") -> dict:
+    """System (d)'s DeepSpeed config: ZeRO-3 with parameters and optimizer state on NVMe, and every
+    RAM buffer that a setting sizes fitted to this model instead of to a big GPU box.
+
+    ``largest`` (P) is the largest tensor: the embedding, vocab x hidden (the untied lm_head is as
+    large). Peak RSS measured at 165M, 438M and 651M (docs/benchmarks.md, with
+    ``DEEPSPEED_MALLOC_ENV``) is 0.33 GB + 2 B/param + 44 P bytes to within 10 MB: the whole-model
+    bf16 gradient buffer (2 B/param; no setting removes it, see ``_build_deepspeed``) plus P-sized
+    swap buffers. DeepSpeed's defaults (fp32) hold 2 GB of fixed parameter swap buffers plus about
+    36 B/param (sub-group buffers 16, first-step moments 8, weights kept in RAM 4, gradient
+    buffer 4, reduce bucket 4): over 14 GiB at 438M.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        largest = max(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    cpu = where == "cpu"
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},  # DeepSpeedCPUAdam once offloaded
+        # bf16 weights and gradients with fp32 masters and moments in the optimizer, the precision
+        # (e) trains in; in fp32 DeepSpeed would keep two fp32 copies (the "fp16" one and the master)
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            # 1: every tensor is its own optimizer tile, so the NVMe optimizer swapper's buffers (4
+            # page-locked fp32 buffers of the largest tile) are 16 P bytes. The default, 1e9
+            # elements, puts any model under 1B in one tile: 16 B/param locked, plus 8 B/param of
+            # Adam moments that the first step creates for the whole tile
+            "sub_group_size": 1,
+            # gradients are reduced through one contiguous bucket; the largest gradient sets its
+            # size (default 5e8 elements: 2 GB allocated in fp32, touched as it fills)
+            "reduce_bucket_size": largest,
+            # release a parameter right after its module runs; the default (1e9) keeps every
+            # parameter that is used again within 1e9 elements, i.e. whole models gathered from the
+            # forward until their backward, each holding a parameter swap buffer
+            "stage3_max_reuse_distance": 0,
+            # bound only the all-gather prefetch of parameters kept in RAM (norms, tensors under
+            # 1 MB); NVMe parameters are prefetched into the free parameter swap buffers below
+            "stage3_max_live_parameters": largest,
+            "stage3_prefetch_bucket_size": largest,
+            "offload_param": ({"device": "cpu", "pin_memory": False} if cpu else {
+                "device": "nvme", "nvme_path": offload,
+                # every parameter on NVMe; the default (1e9 elements) keeps the first 1e9 in RAM:
+                # "nvme" offload of any model under 1B then holds all its weights in RAM
+                "max_in_cpu": 0,
+                # a swap buffer holds one parameter partition, so it must fit the largest (the
+                # default, 1e8 elements, is too small past hidden 3125, and 5 x 1e8 x 4 B = 2 GB
+                # page-locked in fp32 at any model size)
+                "buffer_size": largest,
+                # transformers' ZeRO-3 init gathers an attention block's q, k, v and o projections
+                # together: 4 is the fewest it runs with (3: "Not enough buffers 3 for swapping 4")
+                "buffer_count": 4,
+                # no effect on the CPU accelerator (pinning is a no-op; DeepSpeed's aio op locks
+                # its own swap buffers); off, as its docs advise for small resident RAM
+                "pin_memory": False,
+            }),
+            "offload_optimizer": ({"device": "cpu", "pin_memory": False} if cpu else {
+                "device": "nvme", "nvme_path": offload,
+                # Adam swaps 4 tensors per tile (master, gradient, 2 moments): DeepSpeed's minimum
+                "buffer_count": 4,
+                "pin_memory": False,  # as above
+                # pipelined reads/writes overlap the next tile's I/O with this tile's Adam but
+                # need a second set of tile buffers; fast_init reserves every parameter buffer
+                "pipeline_read": False, "pipeline_write": False, "fast_init": False,
+            }),
+        },
+        # DeepSpeed's defaults: 1 MB blocks (also the smallest tensor it swaps; smaller ones stay in
+        # RAM), 8 requests in flight, one I/O thread per request (this box has 2 cores), events
+        # overlapped; they set speed, not RAM (a few MB)
+        "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                "overlap_events": True},
+    }
+
+
+def _build_deepspeed(cfg, offload: str):
+    """System (d). The model is built the way transformers documents for ZeRO-3: with an
+    ``HfDeepSpeedConfig`` alive, ``from_config`` constructs it under ``deepspeed.zero.Init`` (each
+    parameter partitioned and offloaded as it is created) and then runs ``_init_weights`` on each
+    module with its parameters gathered, as every other system initialises. Entering
+    ``zero.Init`` by hand instead leaves torch's default initialisation (measured: embedding std
+    1.0, projections 0.036, against 0.02 from ``initializer_range``).
+
+    Not configurable: ZeRO-3 allocates one flat gradient buffer over every parameter partition,
+    in the gradient-accumulation dtype (``grad_partitions_flat_buffer`` in
+    ``DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer``, deepspeed/runtime/zero/stage3.py,
+    0.19.8), and keeps it in RAM for the whole run whatever is offloaded: 2 B/param in bf16, the
+    term that bounds (d)'s size.
+    """
+    import deepspeed
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    where = "nvme"
+    if not AsyncIOBuilder().is_compatible():  # the op cannot build here (libaio missing): CPU offload
+        where = "cpu"
+        print(json.dumps({"note": "NVMe offload unavailable (DeepSpeed's async_io op cannot build: libaio's "
+                                  "io_submit not found); CPU offload"}), flush=True)
+    ds = deepspeed_config(cfg, offload, where)
+    hf_ds = HfDeepSpeedConfig(ds)  # transformers holds it by weakref: kept alive on the engine
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    engine.hf_deepspeed_config = hf_ds
+    print(json.dumps({"note": f"DeepSpeed ZeRO-3 bf16, parameters and optimizer offloaded to {where}"}), flush=True)
+    return engine, ("deepspeed", where)
+
+
 def _build(system: str, cfg, offload: str, mem_cap: int):
     import torch
     from transformers import AutoModelForCausalLM
@@ -174,27 +284,7 @@ def _build(system: str, cfg, offload: str, mem_cap: int):
         model.initialize_weights()
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     if system == "d":
-        import deepspeed  # noqa: F401  (raises ImportError: recorded as the reason)
-
-        deepspeed.init_distributed(dist_backend="gloo")
-        base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
-        nvme = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": offload},
-                "offload_optimizer": {"device": "nvme", "nvme_path": offload}}
-        cpu = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
-        for where, zero in (("nvme", nvme), ("cpu", cpu)):
-            ds = dict(base, zero_optimization=zero)
-            try:
-                # zero.Init partitions (and offloads) each parameter as it is created: the whole
-                # model never exists in this process, as with elixir's meta build
-                with deepspeed.zero.Init(config_dict_or_path=ds):
-                    model = AutoModelForCausalLM.from_config(cfg).train()
-                engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-                print(json.dumps({"note": f"DeepSpeed ZeRO-3, parameters and optimizer offloaded to {where}"}), flush=True)
-                return engine, ("deepspeed", where)
-            except Exception as e:  # e.g. the async-I/O op does not build here: CPU offload instead
-                if where == "cpu":
-                    raise
-                print(json.dumps({"note": f"NVMe offload failed ({type(e).__name__}: {str(e)[:300]}); CPU offload"}), flush=True)
+        return _build_deepspeed(cfg, offload)
     if system == "e":
         from elixir.optim import HybridAdam
         from elixir.search import optimal_search
@@ -234,6 +324,7 @@ def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: in
     torch.manual_seed(0)
     cfg = llama_config(hidden, layers, vocab)
     model, opt = _build(system, cfg, offload, mem_cap)
+    build_peak, step_peaks = _vm_hwm(), []  # where the peak comes from: the build or which step
     ids = torch.randint(0, vocab, (1, seq))
     losses, times, io = [], [], []
     for _ in range(steps):
@@ -253,11 +344,12 @@ def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: in
         r1, w1 = _io()
         io.append((r1 - r0, w1 - w0))
         losses.append(float(loss))
+        step_peaks.append(_vm_hwm())
     ok = all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     later = io[1:] or io
     return {
         "ok": ok, "losses": losses, "step_s": sum(times[1:]) / max(1, len(times) - 1),
-        "peak_rss": _vm_hwm(),
+        "peak_rss": _vm_hwm(), "peak_rss_build": build_peak, "peak_rss_after_step": step_peaks,
         "read_per_step": sum(r for r, _ in later) // len(later), "written_per_step": sum(w for _, w in later) // len(later),
         "reason": "" if ok else f"losses not finite and falling: {losses}",
     }
@@ -301,22 +393,33 @@ def _drop_build_locks(since: float) -> None:
             os.remove(os.path.join(dirpath, "lock"))
 
 
-def _disk_need(rung: tuple[int, int], vocab: int) -> int:
-    """The most offload space a rung can take: fp32 master + Adam moments + a compute-dtype copy."""
-    return 16 * n_params(*rung, vocab)
+def _disk_need(rung: tuple[int, int], vocab: int, system: str = "e") -> int:
+    """The most offload space a rung can take: fp32 master + Adam moments + a compute-dtype copy;
+    DeepSpeed (d) also swaps fp32 gradients out (measured: 18.0 B/param of swap files)."""
+    return (18 if system == "d" else 16) * n_params(*rung, vocab)
+
+
+# glibc raises its mmap threshold to the size of each large block freed (up to 32 MB), after which
+# such buffers come from the heap and the holes they leave stay resident. DeepSpeed's build and
+# step interleave short-lived tensor-sized buffers with long-lived ones, the pattern elixir trims
+# itself (elixir.device.trim_host_memory); a fixed threshold returns them instead: at 438M (d)'s
+# peak was 4.45 GB without it, 3.37 GB with it. Set in (d)'s trial process only.
+DEEPSPEED_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 
 def run_trial(args, system: str, rung: tuple[int, int]) -> dict:
     free = shutil.disk_usage(args.offload_dir).free
-    if system in OFFLOADS_TO_DISK and free < _disk_need(rung, args.vocab):
+    need = _disk_need(rung, args.vocab, system)
+    if system in OFFLOADS_TO_DISK and free < need:
         return {"ok": False, "peak_rss": 0, "reason": f"not run: {args.offload_dir} has {free / GIB:.1f} GiB free, "
-                f"the rung may need {_disk_need(rung, args.vocab) / GIB:.1f} GiB of offload space"}
+                f"the rung may need {need / GIB:.1f} GiB of offload space"}
     offload = tempfile.mkdtemp(prefix=f"capacity-{system}-", dir=args.offload_dir)
     cmd = [sys.executable, os.path.abspath(__file__), "--trial", system, "--rung", f"{rung[0]}x{rung[1]}",
            "--vocab", str(args.vocab), "--seq", str(args.seq), "--steps", str(args.steps),
            "--trial-dir", offload, "--mem-cap", str(args.mem_cap)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
-               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+               **(DEEPSPEED_MALLOC_ENV if system == "d" else {}))
     peak, killed = 0, False
     t0 = time.monotonic()
     log = os.path.join(args.log_dir, f"{system}-h{rung[0]}-L{rung[1]}")
@@ -407,8 +510,9 @@ def main() -> None:
     if args.tiny:
         args.vocab = min(args.vocab, 512)
     free = shutil.disk_usage(args.offload_dir).free
-    need = _disk_need(ladder[0], args.vocab)
-    if set(args.systems.split(",")) & OFFLOADS_TO_DISK and free < need:
+    to_disk = set(args.systems.split(",")) & OFFLOADS_TO_DISK
+    need = max((_disk_need(ladder[0], args.vocab, s) for s in to_disk), default=0)
+    if to_disk and free < need:
         sys.exit(f"capacity: {args.offload_dir} has {free / GIB:.1f} GiB free; the smallest rung needs up to "
                  f"{need / GIB:.1f} GiB of offload space. Free some, pass --offload-dir elsewhere, or use --tiny.")
     results = {}
