@@ -153,12 +153,14 @@ def deepspeed_config(cfg, offload: str, where: str = "nvme") -> dict:
     RAM buffer that a setting sizes fitted to this model instead of to a big GPU box.
 
     ``largest`` (P) is the largest tensor: the embedding, vocab x hidden (the untied lm_head is as
-    large). Peak RSS measured at 165M, 438M and 651M (docs/benchmarks.md, with
-    ``DEEPSPEED_MALLOC_ENV``) is 0.33 GB + 2 B/param + 44 P bytes to within 10 MB: the whole-model
-    bf16 gradient buffer (2 B/param; no setting removes it, see ``_build_deepspeed``) plus P-sized
-    swap buffers. DeepSpeed's defaults (fp32) hold 2 GB of fixed parameter swap buffers plus about
-    36 B/param (sub-group buffers 16, first-step moments 8, weights kept in RAM 4, gradient
-    buffer 4, reduce bucket 4): over 14 GiB at 438M.
+    large). Peak RSS measured at 165M, 438M, 651M and 564M (h1024 x 40 layers), with
+    ``DEEPSPEED_MALLOC_ENV``, is 0.51 GB + 2 B/param + 36 B x P + 12.4 kB x hidden x layers
+    (activations at seq 256); with the 2 B/param fixed, the fit misses no point by 0.1 MB. The
+    2 B/param is the whole-model bf16 gradient buffer (no setting removes it, see
+    ``_build_deepspeed``); the P term is the swap buffers and the first step's moments of the
+    largest tile. DeepSpeed's defaults (fp32) hold 2 GB of fixed parameter swap buffers plus about
+    36 B/param (sub-group buffers 16, first-step moments 8, weights kept in RAM 4, gradient buffer
+    4, reduce bucket 4): over 14 GiB at 438M.
     """
     import torch
     from transformers import AutoModelForCausalLM
