@@ -227,7 +227,11 @@ class Chunk:
             self._work = edist.all_gather_into(self.payload, src, self.group, async_op=True)
         self._ready = ready
         self.state = ChunkState.GATHERING
-        if not async_op:
+        if not async_op or self.spec.shard_on_disk:
+            # A disk shard's gather is finished now, even a prefetch, so that its staged copy is
+            # dropped before this returns: a prefetched chunk would otherwise hold it until used,
+            # beside the one a step stages (its read is synchronous anyway; the search prices the
+            # rest of its gather as not hidden either, search/cost_model.py:DISK_SHARD_STAGING).
             self.wait()
 
     def wait(self) -> None:

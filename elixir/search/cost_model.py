@@ -24,7 +24,7 @@ that fits. A sharded tied chunk keeps its shard and optimizer state on the devic
   (``s(4 + k)``) on disk and up to :data:`DISK_STAGING` chunks' worth staged in host memory
   while the optimizer streams them (``elixir/offload/pipeline.py`` reads one ahead);
   ``KK``: host ``s g`` only, the shard too on disk (``s(4 + k + e)``), up to
-  :data:`DISK_SHARD_STAGING` shards staged while gathered. The search turns to ``KK`` only when
+  :data:`DISK_SHARD_STAGING` shard staged while gathered or stepped. The search turns to ``KK`` only when
   no plan fits with every shard resident: the least-gathered chunks first;
   ``m`` is 4 for the fp32 master copy, 0 when the compute dtype is fp32 and shard and master live
   together (the runtime then uses one tensor); ``g`` is the shard gradient's element size (4 in
@@ -73,7 +73,13 @@ from elixir.search.step_profile import BACKWARD, StepProfile
 
 ALIGN = 16  # elements per rank a shard is aligned to (as minimum_waste_search)
 DISK_STAGING = 2  # disk chunks whose master + state are in host memory at once (offload/pipeline.py)
-DISK_SHARD_STAGING = 2  # disk shards in host memory at once: the one gathered, and the one being stepped
+# Disk shards in host memory at once: one. A gather reads its shard and drops it before it
+# returns, even when prefetching (Chunk.gather finishes a disk shard's gather at once; priced as
+# not hidden in `price`), and a step stages one shard at a time; both run on the training thread,
+# never at once. Two were counted (a prefetched chunk's shard used to stay staged until the chunk
+# was used, beside the one a step staged), one shard above what a KK plan ever held without
+# prefetching (bench/memory_breakdown.py, tests/test_disk_plan_memory.py).
+DISK_SHARD_STAGING = 1
 CONSTRUCTION_STAGING = 2  # fp32 chunks staged while building or loading (wrapper/materialize.py, checkpoint/pretrained.py)
 # What a training process holds at the peak of a step beyond the process as measured before it
 # trains, the ledger's tensors, the optimizer's state and the traced activations, so that no other
@@ -929,23 +935,33 @@ def price(
     if solo and n:
         comm["reduce_scatter"] = int(host_shard.sum()) * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1)
 
-    fb_comm = comm["all_gather"] + comm["reduce_scatter"] + comm["all_reduce"] + t_h2d
+    # A disk shard's gather is finished before Chunk.gather returns (even a prefetch), so that its
+    # staged copy is dropped at once (DISK_SHARD_STAGING): its all-gather and host-to-device copy
+    # hide under nothing, like its read.
+    n_sync = int(g[disk_shard].sum()) if n else 0
+    t_sync = n_sync * (hw.all_gather_time(layout.chunk_size * st.elem, st.world) + h2d)
+    if frozen_where is Placement.DISK and layout.n_frozen:
+        n_sync += int(g_frozen.sum())
+        t_sync += float(g_frozen.sum()) * (hw.all_gather_time(layout.frozen_chunk_size * st.elem, st.world)
+                                           + hw.h2d_time(fshard, st.pin))
+    fb_comm = comm["all_gather"] + comm["reduce_scatter"] + comm["all_reduce"] + t_h2d - t_sync
+    n_async = n_gathers - n_sync
     if hw.overlap and depth >= 1 and (n_sh or layout.n_frozen):
         first_gather = hw.all_gather_time(layout.chunk_size * st.elem, st.world)
         fb = max(comm["compute"], fb_comm) + first_gather
         hidden = comm["compute"] + fb_comm - fb
-    elif hw.overlap_fraction > 0 and depth >= 1 and (n_sh or layout.n_frozen) and n_gathers > 1:
+    elif hw.overlap_fraction > 0 and depth >= 1 and (n_sh or layout.n_frozen) and n_async > 1:
         # no copy engine, but gathers issued ahead still partly run while the rank computes; the
         # first gather of the step has nothing to hide under, nor have reduce-scatters (issued
         # synchronously by the runtime)
-        per_gather = (comm["all_gather"] + t_h2d) / n_gathers
-        hideable = per_gather * (n_gathers - 1)
+        per_gather = (comm["all_gather"] + t_h2d - t_sync) / n_async
+        hideable = per_gather * (n_async - 1)
         hidden = hw.overlap_fraction * min(comm["compute"], hideable)
         fb = comm["compute"] + fb_comm - hidden
     else:
         fb = comm["compute"] + fb_comm
         hidden = 0.0
-    fb += t_shard_reads
+    fb += t_sync + t_shard_reads
     fb += comm.get("publish", 0.0)  # the ZeRO chunks' updated parameters, after the step: nothing hides it
     breakdown = dict(comm, h2d_gather=t_h2d, optimizer=t_opt, overlap_hidden=-hidden)
     if t_shard_reads:
