@@ -107,8 +107,11 @@ def fail(message: str) -> None:
 
 
 def make_checkpoint(path: str, hidden: int, layers: int, shard_size: str, intermediate: Optional[int] = None,
-                    vocab: int = VOCAB_SIZE) -> None:
-    """Random LLaMA-style weights, materialised shard by shard and saved in bf16."""
+                    vocab: int = VOCAB_SIZE, offload_dir: Optional[str] = None, stage_on_disk: Optional[bool] = None) -> None:
+    """Random LLaMA-style weights, materialised shard by shard and saved in bf16. When the bf16
+    shards do not fit in the available RAM they are staged in an offload file under
+    ``offload_dir`` (default: the system's temporary directory) instead, and read back one chunk
+    at a time while the checkpoint is written (``stage_on_disk``: True or False forces the choice)."""
     info = edist.init_distributed()
     heads = max(1, hidden // 128)
     config = LlamaConfig(
@@ -124,11 +127,28 @@ def make_checkpoint(path: str, hidden: int, layers: int, shard_size: str, interm
     # at 0.55B: 2.30 GiB peak for 2.33 estimated), and the checkpoint needs its bf16 bytes on disk
     ranks = local_ranks(info.world_size)
     largest = max(p.numel() for p in model.parameters())
-    ram = dev.rss_bytes() + 2 * n // info.world_size + 8 * largest + parse_size(shard_size)
+    staging = 8 * largest + parse_size(shard_size)
+    ram = dev.rss_bytes() + 2 * n // info.world_size + staging
     disk, free, avail = 2 * n, shutil.disk_usage(existing_dir(path)).free, mem_available()
+    # the bf16 shards go to an offload file when they do not fit in RAM
+    on_disk = (bool(avail) and ram * ranks > avail) if stage_on_disk is None else stage_on_disk
+    if on_disk:
+        ram = dev.rss_bytes() + staging + 4 * largest  # one chunk read back at a time
+        offload_dir = tempfile.mkdtemp(prefix="elixir-make-checkpoint-", dir=offload_dir)
+        shared = os.stat(offload_dir).st_dev == os.stat(existing_dir(path)).st_dev
+        off_free = shutil.disk_usage(offload_dir).free - (disk if shared else 0)
+        need = int(2 * n * 1.3)  # the shards, with room for the chunks' padding
+        if off_free < need:
+            shutil.rmtree(offload_dir, ignore_errors=True)
+            fail(f"the bf16 shards do not fit in RAM ({_gib(avail)} available), and {offload_dir}'s disk has "
+                 f"{_gib(off_free)} free{' beside the checkpoint' if shared else ''} for about {_gib(need)} of them: "
+                 "give --offload-dir a directory on a larger disk, or make the checkpoint on a machine with more RAM")
     if info.is_main:
         print(f"making a checkpoint of {n / 1e9:.2f}B parameters: needs about {_gib(ram)} of RAM per rank "
-              f"({ranks} here; {_gib(avail)} available) and {_gib(disk)} of disk in {path} ({_gib(free)} free)", flush=True)
+              f"({ranks} here; {_gib(avail)} available) and {_gib(disk)} of disk in {path} ({_gib(free)} free)"
+              + (f"; the bf16 shards are staged on disk in {offload_dir}" + (", as they do not fit in RAM" if stage_on_disk is None else "")
+                 if on_disk else ""),
+              flush=True)
     if free < disk * 1.05:
         fail(f"{existing_dir(path)} has {_gib(free)} free, the checkpoint needs {_gib(disk * 1.05)}: free space there "
              "or give --make-checkpoint a directory on a larger disk")
@@ -139,10 +159,18 @@ def make_checkpoint(path: str, hidden: int, layers: int, shard_size: str, interm
     # bf16 shards (2 bytes per parameter over the ranks), never the model in fp32
     model.requires_grad_(False)
     plan = minimum_waste_search(model, info.world_size, cpu_offload=True)
+    if on_disk:
+        plan = dataclasses.replace(plan, frozen_chunks=tuple(
+            dataclasses.replace(c, shard_placement=Placement.DISK, optim_placement=Placement.DISK)
+            for c in plan.frozen_chunks))  # (a frozen chunk has no optimizer state: its placement names the shard's)
     t0 = time.perf_counter()
-    em = ElixirModule(model, plan, init_seed=0, dtype=torch.bfloat16)
-    t1 = time.perf_counter()
-    checkpoint.save_pretrained(path, em, max_shard_size=shard_size, dtype=torch.bfloat16)
+    try:
+        em = ElixirModule(model, plan, init_seed=0, dtype=torch.bfloat16, offload_dir=offload_dir if on_disk else None)
+        t1 = time.perf_counter()
+        checkpoint.save_pretrained(path, em, max_shard_size=shard_size, dtype=torch.bfloat16)
+    finally:
+        if on_disk:
+            shutil.rmtree(offload_dir, ignore_errors=True)
     if info.is_main:
         print(f"saved {n / 1e9:.2f}B parameters ({n * 2 / GIB:.1f} GiB in bf16, {n * 4 / GIB:.1f} GiB as fp32) to {path} "
               f"(initialised in {t1 - t0:.0f} s, written in {time.perf_counter() - t1:.0f} s; peak RSS "
@@ -323,6 +351,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, help="with --make-checkpoint: MLP size (default: 8/3 hidden, rounded to 64)")
     p.add_argument("--vocab", type=int, default=VOCAB_SIZE, help=f"with --make-checkpoint: vocabulary (default {VOCAB_SIZE})")
     p.add_argument("--shard-size", default="1GB", help="with --make-checkpoint: max bytes per file")
+    p.add_argument("--stage-on-disk", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --make-checkpoint: stage the bf16 shards in --offload-dir instead of RAM "
+                        "(default: only when they do not fit in the available RAM)")
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="train LoRA adapters of this rank on a frozen base instead of every weight (PEFT)")
     p.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: 2 x rank)")
@@ -359,7 +390,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.make_checkpoint:
-        make_checkpoint(args.make_checkpoint, args.hidden, args.layers, args.shard_size, args.intermediate, args.vocab)
+        make_checkpoint(args.make_checkpoint, args.hidden, args.layers, args.shard_size, args.intermediate, args.vocab,
+                        args.offload_dir, args.stage_on_disk)
     else:
         finetune(args)
     edist.shutdown()

@@ -53,6 +53,29 @@ def test_make_checkpoint_then_finetune(ckpt, tmp_path):
     assert losses[-1] < losses[0], losses
 
 
+def test_make_checkpoint_staged_on_disk_equals_the_one_built_in_ram(ckpt, tmp_path):
+    """--stage-on-disk (what a model whose bf16 shards exceed the RAM gets) writes the same
+    tensors as the build in RAM, and leaves no offload file behind."""
+    from safetensors.torch import load_file
+
+    path, off = str(tmp_path / "ckpt"), tmp_path / "off"
+    off.mkdir()
+    out = _run("--make-checkpoint", path, "--hidden", "384", "--layers", "4", "--shard-size", "2MB",
+               "--stage-on-disk", "--offload-dir", str(off))
+    assert "staged on disk" in out, out
+    assert not any(off.iterdir()), list(off.iterdir())
+
+    def tensors(d):
+        with open(os.path.join(d, "model.safetensors.index.json")) as f:
+            files = set(json.load(f)["weight_map"].values())
+        return {k: v for name in files for k, v in load_file(os.path.join(d, name)).items()}
+
+    a, b = tensors(ckpt), tensors(path)
+    assert a.keys() == b.keys() and len(a) > 10
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].equal(b[k]), k
+
+
 # Two LoRA runs in one process: the frozen base on disk (--host-memory min) and in RAM (the
 # default budget). Prints one JSON line for the test to check.
 _LORA = r"""
