@@ -116,13 +116,14 @@ def tightest_budget(model, inp: dict, step_fn, dtype, disk: int, keep_shards: bo
     compute shard stays resident (the optimizer state goes to disk first: ``DK``/``HK``), else the
     least at all (the least-used shards go to disk too: ``KK``)."""
     from elixir.search import DoesNotFitError
+    from elixir.search.cost_model import STEP_UNTRACKED_BYTES
     from elixir.search.optimal import search_profile
     from elixir.search.step_profile import profile_step
 
     prof = profile_step(model, inp, step_fn, dtype)
     own = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
               if t.device.type == "cpu")
-    process = max(0, rss_bytes() - own)  # as optimal_search measures it
+    process = max(0, rss_bytes() - own) + STEP_UNTRACKED_BYTES  # as optimal_search measures it
 
     def fits(budget: int) -> bool:
         try:
@@ -248,9 +249,9 @@ def main(argv: Optional[list] = None) -> dict:
 
     inp = {"input_ids": ids.to("meta"), "labels": ids.to("meta")}
     if args.disk_plan != "none" and not args.plan:
-        # 1% above the least: optimal_search measures the process again, a few MiB apart
+        # 3% above the least: optimal_search measures the process again, some MiB apart
         dev_b = host_b = int(tightest_budget(model, inp, step_fn, dtype, int(args.disk * GiB),
-                                             keep_shards=args.disk_plan == "state") * 1.01)
+                                             keep_shards=args.disk_plan == "state") * 1.03)
     if args.plan:
         plan = SearchResult.load(args.plan)
     else:  # the eager model: the search counts this process's RSS less the model as its baseline
@@ -287,7 +288,8 @@ def main(argv: Optional[list] = None) -> dict:
     pred = plan.prediction
     kinds: dict[str, int] = {}
     for c in plan.chunks:
-        k = ("S" if c.sharded else "R") + c.shard_placement.value[0] + c.optim_placement.value[0]
+        k = ("" if c.sharded else "R") + "".join({"device": "D", "host": "H", "disk": "K"}[p.value]
+                                                   for p in (c.shard_placement, c.optim_placement))
         kinds[k] = kinds.get(k, 0) + 1
     fused = opt.backward_step is not None
     print(f"model {n_params / 1e6:.1f}M params, {args.dtype}, batch {args.batch} x seq {args.seq}; "

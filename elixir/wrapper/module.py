@@ -180,6 +180,8 @@ class ElixirModule(nn.Module):
             # with disk chunks: their staging buffers churn through malloc's heap, and the holes
             # they leave made the peak RSS exceed every count of the bytes in use (issue 21).
             dev.keep_host_memory()
+        else:  # and give the larger freed blocks back at once (the search counts live bytes only)
+            dev.return_host_memory()
         self.ledger = MemoryLedger(memory_limit)
         self.streams = dev.SideStreams(self.device)  # gather / reduce / copy streams of every chunk
         dev.reset_peak_memory(self.device)  # torch's peak statistics beside the ledger's
