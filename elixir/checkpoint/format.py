@@ -8,6 +8,7 @@ slices asked for, checking each tensor's dtype against the one expected.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
@@ -59,23 +60,39 @@ class Reader:
 
     ``check(fname)``, when given, runs before a file is first opened (the index's checksum check),
     so every file read is verified before any of it is used.
+
+    At most ``max_open`` files are open at once (least recently used closed first): safetensors
+    maps each file into memory, and every page a read touches stays resident, counted in the
+    process's RSS, until the file is closed. With every file kept open, loading a 6.7B bf16
+    checkpoint into chunks that live on disk peaked at 11.2 GiB of RSS, most of it the mapped
+    checkpoint.
     """
 
-    def __init__(self, root: str, check: Optional[Callable[[str], None]] = None):
+    def __init__(self, root: str, check: Optional[Callable[[str], None]] = None, max_open: int = 2):
         self.root = root
         self._check = check
-        self._files: dict[str, Any] = {}
+        self._checked: set[str] = set()
+        self._max_open = max(1, max_open)
+        self._files: OrderedDict[str, Any] = OrderedDict()
 
     def handle(self, fname: str) -> Any:
         h = self._files.get(fname)
-        if h is None:
-            if self._check is not None:
-                self._check(fname)
-            try:
-                h = safe_open(os.path.join(self.root, fname), framework="pt")
-            except Exception as e:
-                raise CheckpointError(f"checkpoint file {fname} is corrupt or truncated: {e}") from None
-            self._files[fname] = h
+        if h is not None:
+            self._files.move_to_end(fname)
+            return h
+        if self._check is not None and fname not in self._checked:
+            self._check(fname)
+            self._checked.add(fname)
+        try:
+            h = safe_open(os.path.join(self.root, fname), framework="pt")
+        except Exception as e:
+            raise CheckpointError(f"checkpoint file {fname} is corrupt or truncated: {e}") from None
+        self._files[fname] = h
+        while len(self._files) > self._max_open:
+            _, old = self._files.popitem(last=False)
+            close = getattr(old, "__exit__", None)
+            if close is not None:
+                close(None, None, None)  # unmaps the file (its pages stop counting in RSS)
         return h
 
     def read(self, fname: str, key: str, expect: torch.dtype, lo: Optional[int] = None, hi: Optional[int] = None) -> torch.Tensor:
