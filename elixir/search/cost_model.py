@@ -94,6 +94,30 @@ CONSTRUCTION_STAGING = 2  # fp32 chunks staged while building or loading (wrappe
 # hid both.) Counted in the measured ``process_bytes`` (optimal_search), so a plan for another
 # machine (``process_bytes=0``) carries none of this machine's figures.
 STEP_UNTRACKED_BYTES = 96 << 20
+# Where activations live in host RAM (a CPU device), glibc's heap keeps a step's freed temporaries
+# resident between the saved activations (elixir stops malloc trimming within a step and trims once
+# per optimizer step), so the resident peak of a step outgrows the bytes in use in proportion to
+# the activations, not by a fixed amount. The tracer's activation peak equals malloc's in-use peak
+# exactly (mallinfo2, bf16 LLaMA with PEFT LoRA r=8 on every projection, seq 256); the resident
+# growth over it, after a warm-up step and a trim, measured 0.32x the activations for a fully
+# trainable LLaMA (hidden 1024, 8 layers) and 0.34x / 0.57x / 0.62x with LoRA at hidden 1024 / 1536
+# / 2048 (8 / 12 / 16 layers; 0.058 / 0.155 / 0.257 GiB over 0.17 / 0.27 / 0.42 GiB): LoRA's
+# transient full-width adapter outputs interleave with the saved tensors. A fixed amount
+# covered this at small activations and fell behind as they grew (issue 19: a LoRA plan whose
+# step peaked 0.1-0.3 GiB above its prediction).
+HEAP_SLACK_PER_ACTIVATION_BYTE = 0.75
+STEP_GROWTH_BYTES = 32 << 20  # kernels and thread pools loaded on the first step (20-25 MiB measured)
+
+
+def step_untracked_bytes(activation_bytes: int, activations_on_host: bool) -> int:
+    """What a training step adds to the measured process beyond every counted term: the fixed
+    :data:`STEP_UNTRACKED_BYTES`, or, where the activations are in host RAM and their heap slack is
+    larger, :data:`STEP_GROWTH_BYTES` plus :data:`HEAP_SLACK_PER_ACTIVATION_BYTE` of the traced
+    activation peak."""
+    if not activations_on_host:
+        return STEP_UNTRACKED_BYTES
+    return max(STEP_UNTRACKED_BYTES, STEP_GROWTH_BYTES + int(HEAP_SLACK_PER_ACTIVATION_BYTE * activation_bytes))
+
 
 # the host terms of Evaluation.memory (the rest are device terms)
 HOST_TERMS = ("process", "placed_host", "staging")

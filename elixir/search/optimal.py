@@ -34,7 +34,7 @@ from elixir.search.cost_model import (
     ALIGN,
     HOST_TERMS,
     OPTIMIZER_STATE_BYTES,
-    STEP_UNTRACKED_BYTES,
+    step_untracked_bytes,
     Evaluation,
     Layout,
     MemoryPolicy,
@@ -701,14 +701,16 @@ def optimal_search(
         profile, group_size, hardware=hardware, device_memory=device_memory, host_memory=host_memory, disk=disk,
         optimizer_type=optimizer_type, overlap=overlap, policy=policy, reduce_dtype=reduce_dtype, verbose=verbose,
         grad_dtype=grad_dtype, fused_step=fused_step,
-        process_bytes=_process_bytes(model) if process_bytes is None else int(process_bytes), body_sharding=body_sharding,
+        process_bytes=_process_bytes(model, profile.activation_bytes) if process_bytes is None else int(process_bytes),
+        body_sharding=body_sharding,
     )
 
 
-def _process_bytes(model: nn.Module) -> int:
+def _process_bytes(model: nn.Module, activation_bytes: int = 0) -> int:
     """This process's RSS less the bytes of ``model``'s materialised tensors (see optimal_search),
-    plus :data:`~elixir.search.cost_model.STEP_UNTRACKED_BYTES` (what the process adds once it
-    trains, which no other term sees), the most over the ranks when a process group is
+    plus :func:`~elixir.search.cost_model.step_untracked_bytes` (what the process adds once it
+    trains, which no other term sees: on a machine without an accelerator it grows with the
+    traced ``activation_bytes``, whose heap slack is host RAM), the most over the ranks when a process group is
     initialised: each rank measures its own RSS, which differs by tens of MiB, and ranks that
     searched on different figures could pick different plans (and then hang in each other's
     collectives)."""
@@ -717,7 +719,8 @@ def _process_bytes(model: nn.Module) -> int:
         if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
             own += t.untyped_storage().nbytes()
-    mine = max(0, dev.rss_bytes() - own) + STEP_UNTRACKED_BYTES
+    on_host = not dev.is_accelerator(dev.default_device())
+    mine = max(0, dev.rss_bytes() - own) + step_untracked_bytes(activation_bytes, on_host)
     if edist.is_initialized() and edist.get_world_size() > 1:
         return max(int(b) for b in edist.all_gather_object(mine))
     return mine
