@@ -34,7 +34,6 @@ from elixir.search.cost_model import (
     ALIGN,
     HOST_TERMS,
     OPTIMIZER_STATE_BYTES,
-    step_untracked_bytes,
     Evaluation,
     Layout,
     MemoryPolicy,
@@ -44,6 +43,7 @@ from elixir.search.cost_model import (
     replicate,
     round_up,
     simulate_layout,
+    step_untracked_bytes,
     unified_memory,
 )
 from elixir.search.minimum_waste import best_chunk_size
