@@ -325,7 +325,12 @@ class Chunk:
             raise RuntimeError(f"chunk {self.index} is frozen: it takes no gradients (a runtime bug)")
         if self.grad_state is not GradState.ACCUMULATING:
             self.ledger.alloc("grad_buffer", "device", _nbytes(self.spec.capacity, self.spec.reduce_dtype))
-            self.grad_buffer = torch.empty(self.spec.capacity, dtype=self.spec.reduce_dtype, device=self.spec.device)
+            if self._recycles(self.shard_grad) and not self.grad_valid:
+                # last step's shard gradient, kept by zero_grad: no allocation, no page faults
+                self.grad_buffer, self.shard_grad = self.shard_grad, None
+                self.ledger.free("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
+            else:
+                self.grad_buffer = torch.empty(self.spec.capacity, dtype=self.spec.reduce_dtype, device=self.spec.device)
             self._written: dict[int, int] = {}
             self._grad_move(GradState.ACCUMULATING)
         return self.grad_buffer
@@ -458,10 +463,23 @@ class Chunk:
         if self.grad_state is GradState.REDUCED:
             self._grad_move(GradState.EMPTY)
 
+    def _recycles(self, grad: Optional[torch.Tensor]) -> bool:
+        """Whether ``grad`` (a shard gradient) can serve as the next backward's gradient buffer:
+        it covers the whole chunk (replicated, or world size 1) in the buffer's dtype and place."""
+        spec = self.spec
+        return (
+            grad is not None and grad.numel() == spec.capacity and grad.dtype == spec.reduce_dtype
+            and not spec.master_on_host and grad.device == torch.device(spec.device)
+        )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the shard gradient; with ``set_to_none`` (torch's default) also free it, so
-        that no gradient bytes are held between the step and the next backward."""
-        if set_to_none:
+        that no gradient bytes are held between the step and the next backward. A shard gradient
+        that is the whole chunk's reduced buffer is kept instead, to be the next backward's
+        gradient buffer (as DDP keeps its buckets): freed, it came back from ``mmap`` and was
+        page-faulted in on every step (GPT-2 81.9M at world size 2, every chunk replicated: a step
+        1.2x as long for the same peak)."""
+        if set_to_none and not self._recycles(self.shard_grad):
             self.drop_grad()
         self.grad_valid = False
 
