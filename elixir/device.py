@@ -367,6 +367,12 @@ def describe(device: Optional[torch.device] = None) -> str:
 
 _HOST_ALLOCATOR_TUNED = False
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (4 MiB * sizeof(long))
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's ``mallopt``; raises OSError/AttributeError where glibc is not the allocator."""
+    return ctypes.CDLL("libc.so.6").mallopt(param, ctypes.c_int(value)) == 1
 
 
 def trim_host_memory() -> None:
@@ -390,9 +396,9 @@ def keep_host_memory() -> bool:
     from its heap, stops trimming it, and freed blocks are reused. Blocks of 32 MiB and more (whole
     chunks, their gradient buffers, the logits) still come from ``mmap`` and go back when freed:
     kept in the heap they left holes that other sizes could not fill, and the heap grew past
-    every count of the bytes in use (GPT-2 81.9M at world size 2, every chunk replicated: peak
-    RSS 2.67 GiB with every block kept, 2.14 GiB with this threshold; FSDP2 2.36 GiB in the same
-    run). Process-wide and idempotent; returns False where it does not apply (not glibc) or when
+    every count of the bytes in use (GPT-2 81.9M at world size 2, every chunk replicated, shard
+    gradients freed at ``zero_grad``: peak RSS 2.67 GiB with every block kept, 2.13 GiB with this
+    threshold; FSDP2 2.36 GiB). Process-wide and idempotent; returns False where it does not apply (not glibc) or when
     ``ELIXIR_KEEP_HOST_MEMORY=0``.
     """
     global _HOST_ALLOCATOR_TUNED
@@ -401,10 +407,7 @@ def keep_host_memory() -> bool:
     if os.environ.get("ELIXIR_KEEP_HOST_MEMORY", "1") == "0":
         return False
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        ok = (libc.mallopt(m_mmap_threshold, ctypes.c_int(MMAP_THRESHOLD_MAX)) == 1
-              and libc.mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1)) == 1)
+        ok = _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and _mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
     except (OSError, AttributeError):
         return False
     _HOST_ALLOCATOR_TUNED = ok
@@ -432,8 +435,7 @@ def return_host_memory() -> bool:
     if os.environ.get("ELIXIR_RETURN_HOST_MEMORY", "1") == "0":
         return False
     try:
-        m_mmap_threshold = -3
-        return ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, ctypes.c_int(STREAMING_MMAP_THRESHOLD)) == 1
+        return _mallopt(_M_MMAP_THRESHOLD, STREAMING_MMAP_THRESHOLD)
     except (OSError, AttributeError):
         return False
 

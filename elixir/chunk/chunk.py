@@ -325,7 +325,7 @@ class Chunk:
             raise RuntimeError(f"chunk {self.index} is frozen: it takes no gradients (a runtime bug)")
         if self.grad_state is not GradState.ACCUMULATING:
             self.ledger.alloc("grad_buffer", "device", _nbytes(self.spec.capacity, self.spec.reduce_dtype))
-            if self._recycles(self.shard_grad) and not self.grad_valid:
+            if self.shard_grad is not None and self._grad_is_whole_buffer and not self.grad_valid:
                 # last step's shard gradient, kept by zero_grad: no allocation, no page faults
                 self.grad_buffer, self.shard_grad = self.shard_grad, None
                 self.ledger.free("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
@@ -394,20 +394,20 @@ class Chunk:
                 out = buf[spec.shard_offset : spec.shard_offset + spec.shard_numel]
             if world > 1:
                 out.div_(world)
-            if self._can_adopt(out, buf):
+            if self._grad_is_whole_buffer and not self.grad_valid:
                 self._adopt_shard_grad(out)
             else:
                 self._accumulate_shard_grad(out)
 
-    def _can_adopt(self, reduced: torch.Tensor, buf: torch.Tensor) -> bool:
-        """Whether the reduced buffer can become the shard gradient itself: it is the whole shard
-        (a replicated chunk, or any chunk at world size 1), in the shard gradient's dtype and
-        place, and there is nothing to add it to."""
-        return (
-            not self.grad_valid and reduced.numel() == buf.numel() == self.spec.shard_numel
-            and reduced.dtype == self.spec.grad_dtype and reduced.device == self.master.device
-            and not self.spec.master_on_host
-        )
+    @property
+    def _grad_is_whole_buffer(self) -> bool:
+        """Whether the shard gradient can be the reduced gradient buffer itself (and back): the
+        shard is the whole chunk (a replicated chunk, or any chunk at world size 1), kept in the
+        buffer's dtype, beside a master that is not on the host."""
+        spec = self.spec
+        return (spec.shard_numel == spec.capacity and spec.grad_dtype == spec.reduce_dtype
+                and not spec.master_on_host and self.master is not None
+                and self.master.device == torch.device(spec.device))
 
     def _adopt_shard_grad(self, reduced: torch.Tensor) -> None:
         """Keep the reduced buffer as the shard gradient instead of copying it into one: saves a
@@ -463,15 +463,6 @@ class Chunk:
         if self.grad_state is GradState.REDUCED:
             self._grad_move(GradState.EMPTY)
 
-    def _recycles(self, grad: Optional[torch.Tensor]) -> bool:
-        """Whether ``grad`` (a shard gradient) can serve as the next backward's gradient buffer:
-        it covers the whole chunk (replicated, or world size 1) in the buffer's dtype and place."""
-        spec = self.spec
-        return (
-            grad is not None and grad.numel() == spec.capacity and grad.dtype == spec.reduce_dtype
-            and not spec.master_on_host and grad.device == torch.device(spec.device)
-        )
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the shard gradient; with ``set_to_none`` (torch's default) also free it, so
         that no gradient bytes are held between the step and the next backward. A shard gradient
@@ -479,7 +470,7 @@ class Chunk:
         gradient buffer (as DDP keeps its buckets): freed, it came back from ``mmap`` and was
         page-faulted in on every step (GPT-2 81.9M at world size 2, every chunk replicated: a step
         1.2x as long for the same peak)."""
-        if set_to_none and not self._recycles(self.shard_grad):
+        if set_to_none and not self._grad_is_whole_buffer:
             self.drop_grad()
         self.grad_valid = False
 
