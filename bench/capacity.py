@@ -303,9 +303,10 @@ def _build(system: str, cfg, offload: str, mem_cap: int):
 
         free = shutil.disk_usage(offload).free
         # bf16 chunks with fp32 masters (mixed precision, as (b) computes); on a CPU box device and
-        # host are one pool, so the cap budgets both; the search may put any chunk's state on disk
+        # host are one pool, so the cap budgets both; the search may put any chunk's state on disk,
+        # all the free space but its own margin (MemoryPolicy.disk_margin)
         plan = optimal_search(model, 1, unified_dtype=torch.bfloat16, optimizer_type="HybridAdam", inp=batch,
-                              step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap, disk=int(free * 0.9))
+                              step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap, disk=free)
         kinds: dict[str, int] = {}
         for c in plan.chunks:
             key = f"{'shard' if c.sharded else 'repl'}:{c.shard_placement.value}/opt:{c.optim_placement.value}"
@@ -396,11 +397,13 @@ def _drop_build_locks(since: float) -> None:
 
 
 def _disk_need(rung: tuple[int, int], vocab: int, system: str = "e") -> int:
-    """The most offload space a rung can take: fp32 master + Adam moments + a compute-dtype copy;
+    """The most offload space a rung can take: elixir (e) keeps the fp32 master and Adam moments
+    (12 B/param; a chunk whose shard is on disk too derives it from the master, so no compute-dtype
+    copy), plus 1 B/param for chunk padding and file alignment; the other systems 16 B/param;
     DeepSpeed (d) also swaps fp32 gradients out (measured: 18.0 B/param of swap files); LoRA's
     elixir (h) only its frozen bf16 weights, in chunks padded to the largest frozen tensor (the
     search planned 2.6 B/param at 20.3B)."""
-    per_param = {"d": 18, "h": 3}.get(system, 16)
+    per_param = {"d": 18, "h": 3, "e": 13}.get(system, 16)
     return per_param * n_params(*rung, vocab)
 
 

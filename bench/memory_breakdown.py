@@ -151,9 +151,9 @@ def ledger_probe(em, opt):
     def probe() -> dict:
         out = {f"{c}@{loc}": n for (c, loc), n in list(em.ledger.current.items()) if n}
         out["optimizer_state"] = opt._memory_report()["optimizer_state_bytes"]
-        store, shards = em.disk_store, em.shard_store
+        store = em.disk_store
         out["disk_staged (master+state)"] = store.staged_bytes if store is not None else 0
-        out["disk_staged_shards"] = shards.staged_bytes if shards is not None else 0
+        out["disk_staged_shards"] = sum(s.staged_bytes for s in (em.shard_store, em.derived_shards) if s is not None)
         if os.environ.get("ELIXIR_BENCH_PEAK_STACK"):  # where the main thread is at the peak
             import sys
             import traceback

@@ -196,7 +196,7 @@ class Run:
 def offload_io(em: ElixirModule) -> tuple[int, int]:
     """Bytes this rank has read from and written to its offload files (masters and optimizer
     state, and compute shards placed on disk, frozen ones included)."""
-    stores = [s for s in (em.disk_store, em.shard_store) if s is not None]
+    stores = em.offload_stores
     return sum(s.bytes_read for s in stores), sum(s.bytes_written for s in stores)
 
 

@@ -53,10 +53,13 @@ def _measure(plan, tmp_path, prefetch: bool = False) -> dict:
         eo.zero_grad()
         case.loss(em, case.make_batch(4, step)).backward()
         eo.step()
-    stores = [s for s in (em.disk_store, em.shard_store) if s is not None]
-    out = {"construction": construction, "staged": sum(s.peak_staged_bytes for s in stores),
-           "shard_staged": em.shard_store.peak_staged_bytes if em.shard_store is not None else 0,
-           "one_shard": max(c.spec.shard_numel for c in em.chunks) * 2, "prefetches": em.cache.prefetches}
+    stores = em.offload_stores
+    out = {"construction": construction,
+           "staged": sum(s.peak_staged_bytes for s in stores) + sum(getattr(s, "read_buffer_bytes", 0) for s in stores),
+           "shard_staged": sum(s.peak_staged_bytes for s in (em.shard_store, em.derived_shards) if s is not None),
+           "one_shard": max(c.spec.shard_numel for c in em.chunks) * 2, "prefetches": em.cache.prefetches,
+           # the two fp32 buffers a KK shard's derivation reads its master through, held once used
+           "read_buffers": em.derived_shards.read_buffer_bytes if em.derived_shards is not None else 0}
     for s in stores:
         s.close()
     return out
@@ -83,5 +86,5 @@ def test_disk_plan_host_prediction_is_its_staging_not_staging_plus_construction(
     if shard is Placement.DISK:
         # one disk shard staged at a time, as priced, also when chunks are gathered ahead (a
         # prefetched chunk's staged shard used to wait for its use beside the one a step staged)
-        assert got["shard_staged"] == got["one_shard"], got
+        assert got["shard_staged"] == got["one_shard"] and got["read_buffers"] > 0, got
         assert (got["prefetches"] > 0) == prefetch, got

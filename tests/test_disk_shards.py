@@ -1,11 +1,12 @@
-"""Compute shards placed on disk (``shard_placement == DISK``): the whole chunk lives in offload
-files between uses, so a rank holds none of its bytes.
+"""Compute shards placed on disk (``shard_placement == DISK``): the whole chunk lives in the offload
+file between uses, so a rank holds none of its bytes, and the file holds no shard either: the shard
+is derived from the fp32 master at each read (``elixir.offload.derived``).
 
 One spawned run per world size (1 and 2) trains a plan whose chunks keep shard, master and
 optimizer state on disk ("KK"), and the same plan with the shards on the host ("HK"): losses,
 weights and optimizer state must be bit for bit equal (fp32 AdamW, bf16 fused CPUAdam, and the
 fused backward-and-step), a checkpoint saved and loaded mid-run must resume exactly, and between
-steps no shard byte may be resident. A plan asking for a disk shard without a disk master is refused.
+steps no shard byte may be resident, nor any shard byte stored. A plan asking for a disk shard without a disk master is refused.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _build(shard: Placement, dtype=torch.float32, fused=False, fused_step=False)
 
 
 def _close(em) -> None:
-    for store in (em.disk_store, em.shard_store):
+    for store in (em.disk_store, em.shard_store, em.derived_shards):
         if store is not None:
             store.close()
 
@@ -58,13 +59,18 @@ def _run(shard: Placement, steps: int = 3, **kw) -> dict:
     em, eo = _build(shard, **kw)
     run = train_wrapped(ZOO[MODEL], em, eo, steps=steps, batch_size=BATCH)
     rep = em.memory_report()
-    store = em.shard_store
+    store = em.derived_shards
+    masters = em.disk_store
     out = {
         "losses": run.losses, "state": em.state_dict(), "optim": eo.state_dict(),
         "shard_host_bytes": rep["shard_host_bytes"],
         "disk_shards": len(store.chunks) if store is not None else 0,
         "shard_store": store.report() if store is not None else {},
         "shard_states": sorted({r.state.value for r in store.chunks.values()}) if store is not None else [],
+        "separate_shard_file": em.shard_store is not None,
+        # the offload file holds master and optimizer state only: 4 + 8 bytes per element (AdamW)
+        "file_bytes_per_element": (sum(r.staged_bytes for r in masters.chunks.values()) / sum(r.numel for r in masters.chunks.values())
+                                   if masters is not None else 0.0),
     }
     _close(em)
     return out
@@ -126,7 +132,9 @@ def test_disk_shards_step_like_host_shards_and_resume(world, tmp_path):
             # between steps a disk shard holds no host bytes; the ledger agrees with the store
             assert res["shard_host_bytes"] == 0 and res["shard_store"]["staged_bytes"] == 0, res
             assert res["shard_states"] == ["offloaded"]
-            assert res["shard_store"]["bytes_read"] > 0 and res["shard_store"]["bytes_written"] > 0
+            assert res["shard_store"]["bytes_read"] > 0 and res["shard_store"]["bytes_written"] == 0
+            assert not res["separate_shard_file"]
+            assert res["file_bytes_per_element"] == 12, res["file_bytes_per_element"]
         assert r["host"]["shard_host_bytes"] > 0  # the twin does keep its shards resident
 
 

@@ -67,9 +67,10 @@ def store_for_plan(plan: SearchResult, site: StoreSite) -> Optional[DiskStore]:
 
 
 def shard_store_for_plan(plan: SearchResult, site: StoreSite, element_size: int) -> Optional[DiskStore]:
-    """The rank's DiskStore for the compute shards the plan puts on disk (``shard_placement ==
-    DISK``; ``element_size``: bytes per compute element), or None when there are none. A store of
-    its own: a gather reads only the shard, not the master and optimizer state beside it."""
+    """The rank's DiskStore for the frozen compute shards the plan puts on disk (``shard_placement
+    == DISK``; ``element_size``: bytes per compute element), or None when there are none. A store
+    of its own: a gather reads only the shard. (A trainable chunk's disk shard is not stored: it is
+    its master cast down, :mod:`elixir.offload.derived`.)"""
     world = site.world_size
-    return site.open([cp.shard_size(world) for cp in plan.all_chunks if cp.sharded and cp.shard_placement is Placement.DISK],
+    return site.open([cp.shard_size(world) for cp in plan.frozen_chunks if cp.sharded and cp.shard_placement is Placement.DISK],
                      element_size)

@@ -312,6 +312,40 @@ class DiskStore:
             out[key] = torch.frombuffer(mm, dtype=flat.dtype, count=rec.numel)
         return out
 
+    def read_converted(self, index: int, key: str, out: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """Fill ``out`` (1-D, the record's length, any dtype) with flat ``key`` of chunk ``index``,
+        converted to ``out``'s dtype; the record's state is left as it is. Staged, the flat is
+        converted in memory; else its region is read through the two ``pieces`` (1-D buffers of
+        the flat's dtype, equal lengths) in turn, the next read queued before the last piece is
+        converted. Returns the bytes read from the file (0 when staged)."""
+        rec = self.chunks[index]
+        if rec.state in (DiskState.READING, DiskState.WRITING):
+            self.finish(index)
+        flat = rec.flats[key]
+        if rec.state is DiskState.RESIDENT:
+            out.copy_(flat)
+            return 0
+        region, f, step = rec.regions[key], self.location.file, pieces[0].numel()
+        item = flat.element_size()
+        spans = [(lo, min(lo + step, rec.numel)) for lo in range(0, rec.numel, step)]
+
+        def queue(k: int):
+            lo, hi = spans[k]
+            return self.io.read(f, region.offset + lo * item, pieces[k % 2][: hi - lo])
+
+        handle = queue(0)
+        for k, (lo, hi) in enumerate(spans):
+            try:
+                handle.wait()
+            except OSError as e:
+                message = (f"offload file {self.path!r}: reading {key} of chunk {index} failed ({e}); "
+                           "the disk copy is unchanged; check the disk holding the offload directory")
+                raise (OSError(e.errno, message) if e.errno is not None else OSError(message)) from e
+            if k + 1 < len(spans):
+                handle = queue(k + 1)
+            out[lo:hi].copy_(pieces[k % 2][: hi - lo])
+        return rec.numel * item
+
     def discard(self, index: int) -> None:
         """RESIDENT -> OFFLOADED without writing (the disk copy is current)."""
         self._drop(self.chunks[index], DiskState.OFFLOADED)

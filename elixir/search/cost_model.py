@@ -23,8 +23,10 @@ that fits. A sharded tied chunk keeps its shard and optimizer state on the devic
   ``HH``: host ``s(e + m + g + k)``; ``DK``/``HK``: as ``DH``/``HH`` with master and state
   (``s(4 + k)``) on disk and up to :data:`DISK_STAGING` chunks' worth staged in host memory
   while the optimizer streams them (``elixir/offload/pipeline.py`` reads one ahead);
-  ``KK``: host ``s g`` only, the shard too on disk (``s(4 + k + e)``), up to
-  :data:`DISK_SHARD_STAGING` shard staged while gathered or stepped. The search turns to ``KK`` only when
+  ``KK``: host ``s g`` only, the shard too on disk, but derived from the master at each read
+  (``s(4 + k)`` on disk: :mod:`elixir.offload.derived`), up to :data:`DISK_SHARD_STAGING` shard
+  staged while gathered or stepped, plus two fp32 read buffers of up to
+  :data:`~elixir.search.plan.DERIVED_SHARD_PIECE_ELEMENTS` each. The search turns to ``KK`` only when
   no plan fits with every shard resident: the least-gathered chunks first;
   ``m`` is 4 for the fp32 master copy, 0 when the compute dtype is fp32 and shard and master live
   together (the runtime then uses one tensor); ``g`` is the shard gradient's element size (4 in
@@ -48,8 +50,8 @@ throughput at that size, or its matmul throughput) + all-gathers (one per simula
 gather, ``all_gather_time(C e)``) + reduce-scatters (one per sharded chunk) + all-reduces of
 replicated chunks + host->device copies of host shards at each gather + per-placement optimizer
 phase (device Adam; or grad shard device->host, host Adam, updated shard host->device; plus disk
-read and write of master and state, and of a ``KK`` shard, which is also read at each of its
-gathers, before the gather and not overlapped). With ``overlap`` hardware and a prefetch depth >= 1,
+read and write of master and state; a ``KK`` chunk's fp32 master is also read at each of its
+gathers, before the gather and not overlapped, to derive its shard). With ``overlap`` hardware and a prefetch depth >= 1,
 communication during forward/backward hides under compute: ``max(compute, comm) + one gather``.
 With the fused backward-and-step the disk transfers run on the I/O threads while backward
 computes (two thirds of the compute: backward costs twice the forward's FLOPs), so up to that much
@@ -67,7 +69,13 @@ import numpy as np
 
 from elixir.hardware.profile import HardwareProfile
 from elixir.search.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
-from elixir.search.plan import Placement, Sharding, disk_bytes_per_element
+from elixir.search.plan import (
+    DERIVED_SHARD_PIECE_ELEMENTS,
+    MASTER_BYTES,
+    Placement,
+    Sharding,
+    disk_bytes_per_element,
+)
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 
@@ -485,7 +493,7 @@ def per_chunk_bytes(st: Setting, shard: int) -> dict[ChunkPlacement, tuple[int, 
         HH: (0, shard * (e + m_same + g + k), 0),
         DK: (shard * e, shard * g, shard * st.disk_elem),
         HK: (0, shard * (e + g), shard * st.disk_elem),
-        KK: (0, shard * g, shard * (st.disk_elem + e)),
+        KK: (0, shard * g, shard * st.disk_elem),  # the shard is the master cast down: not stored
         HD: (shard * (4 + g + k), shard * e, 0),  # only priced for given plans
     }
 
@@ -501,7 +509,8 @@ def staging_bytes(st: Setting, shard: int, disk_chunks: int, disk_shards: int = 
     """Host bytes that stream the optimizer state of ``disk_chunks`` disk chunks, and the shards
     of the ``disk_shards`` among them whose shard is on disk too."""
     return (min(int(disk_chunks), DISK_STAGING) * shard * st.disk_elem
-            + min(int(disk_shards), DISK_SHARD_STAGING) * shard * st.elem)
+            + min(int(disk_shards), DISK_SHARD_STAGING) * shard * st.elem
+            + (2 * min(DERIVED_SHARD_PIECE_ELEMENTS, shard) * MASTER_BYTES if disk_shards else 0))
 
 
 def transient_host_bytes(layout: Layout, st: Setting, shard: int, disk_chunks: int, disk_shards: int = 0) -> int:
@@ -535,7 +544,7 @@ def per_chunk_fixed_time(st: Setting, shard: int) -> dict[ChunkPlacement, float]
         HH: grad_d2h + host,
         DK: grad_d2h + host + param_h2d + disk,
         HK: grad_d2h + host + disk,
-        KK: grad_d2h + host + hw.disk_time(shard * (st.disk_elem + st.elem), shard * (st.disk_elem + st.elem)),
+        KK: grad_d2h + host + disk,  # as HK: the step writes no shard (derived at each read)
         HD: dev + hw.d2h_time(shard * st.elem, st.pin),
     }
 
@@ -940,8 +949,9 @@ def price(
     if frozen_where is not Placement.DEVICE and layout.n_frozen:
         t_h2d += float(g_frozen.sum()) * hw.h2d_time(fshard, st.pin)
     disk_shard = np.asarray([k.shard_on_disk for k in kinds], dtype=bool)
-    # a disk shard is read before each of its gathers (synchronously: nothing hides it)
-    t_shard_reads = float(g[disk_shard].sum() * hw.disk_time(shard * st.elem, 0)) if n else 0.0
+    # a disk shard is derived from its fp32 master, read before each of its gathers
+    # (synchronously: nothing hides it)
+    t_shard_reads = float(g[disk_shard].sum() * hw.disk_time(shard * MASTER_BYTES, 0)) if n else 0.0
     if frozen_where is Placement.DISK and layout.n_frozen:  # read for each gather, never written back
         t_shard_reads += float(g_frozen.sum()) * hw.disk_time(fshard, 0)
     n_disk = sum(k.on_disk for k in kinds)
@@ -995,9 +1005,7 @@ def price(
         # the backward stager reads and writes disk chunks while backward computes (2/3 of the
         # compute); the first chunk's read has nothing before it to hide under
         nbytes = layout.chunk_size // st.world * st.disk_elem
-        n_kk = int(disk_shard.sum())
-        kk_bytes = nbytes + layout.chunk_size // st.world * st.elem
-        t_disk = (n_disk - n_kk) * hw.disk_time(nbytes, nbytes) + n_kk * hw.disk_time(kk_bytes, kk_bytes)
+        t_disk = n_disk * hw.disk_time(nbytes, nbytes)  # a KK chunk's step moves no shard either
         fused_hidden = min(t_disk - hw.disk_time(nbytes, 0), 2.0 / 3.0 * comm["compute"])
         breakdown["fused_step_hidden"] = -fused_hidden
         t_opt -= fused_hidden

@@ -48,6 +48,10 @@ class Placement(str, enum.Enum):
 
 MASTER_BYTES = 4  # the fp32 master copy of one element
 ADAM_STATE_BYTES = 8  # Adam's two fp32 moments per element
+# A trainable chunk with shard and state on disk (KK) stores no shard: each read derives it from the
+# fp32 master, streamed through two read buffers of this many elements (elixir/offload/derived.py;
+# the cost model counts their bytes in the disk staging)
+DERIVED_SHARD_PIECE_ELEMENTS = 2 << 20
 
 
 def disk_bytes_per_element(optimizer_state_bytes: int = ADAM_STATE_BYTES) -> int:

@@ -32,6 +32,7 @@ import torch.nn as nn
 from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk import BlockCache, Chunk, ChunkKind, ChunkSpec, GradState, MemoryLedger, Schedule
+from elixir.offload.derived import DerivedShards
 from elixir.offload.for_plan import StoreSite, shard_store_for_plan, store_for_plan
 from elixir.offload.store import DiskStore
 from elixir.search.plan import Placement, Sharding, dtype_from_name
@@ -110,10 +111,12 @@ class ElixirModule(nn.Module):
             ``tempfile.gettempdir()``. The file is unlinked as soon as it is open (nothing is left
             behind, even by a killed process). A directory that does not exist is created and
             removed again (if empty) when the file is closed; an existing one is left as it was.
-            Unused (never created) when no chunk is on disk. Compute shards the plan puts on disk
-            (``shard_placement == DISK``) go to a second file there, ``self.shard_store``, read
-            only for a gather or a write. See :mod:`elixir.offload`; ``self.disk_store`` is the
-            :class:`~elixir.offload.DiskStore`.
+            Unused (never created) when no chunk is on disk. A trainable chunk with its compute
+            shard on disk too (``KK``) keeps no shard there: the shard is its master cast down,
+            read from the master at each gather (``self.derived_shards``,
+            :mod:`elixir.offload.derived`). Frozen shards the plan puts on disk go to a second file
+            there, ``self.shard_store``, read only for a gather or a write. See
+            :mod:`elixir.offload`; ``self.disk_store`` is the :class:`~elixir.offload.DiskStore`.
         offload_direct: also open the offload file with ``O_DIRECT`` (bypassing the page cache)
             for transfers whose buffers are page-aligned (torch aligns large host tensors when
             ``THP_MEM_ALLOC_ENABLE=1``); everything else stays buffered.
@@ -204,7 +207,8 @@ class ElixirModule(nn.Module):
         self.offload_dir = offload_policy.offload_dir
         self.offload_direct = offload_policy.direct
         self.disk_store: Optional[DiskStore] = None
-        self.shard_store: Optional[DiskStore] = None  # compute shards placed on disk
+        self.shard_store: Optional[DiskStore] = None  # frozen compute shards placed on disk
+        self.derived_shards: Optional[DerivedShards] = None  # trainable ones: their masters cast down
         self._build_chunks(named, sync_module_states)
         guard_save_pretrained(self)  # the HF model's own save_pretrained would read released payloads
         self._chunk_params: list[list[int]] = self.param_map.by_chunk
@@ -255,6 +259,8 @@ class ElixirModule(nn.Module):
         site = StoreSite(self.ledger, self.rank, self.world_size, self.group, self.offload_dir, self.offload_direct)
         self.disk_store = store_for_plan(plan, site)
         self.shard_store = shard_store_for_plan(plan, site, torch.empty((), dtype=self.dtype).element_size())
+        if self.disk_store is not None and any(cp.sharded and cp.shard_placement is Placement.DISK for cp in plan.chunks):
+            self.derived_shards = DerivedShards(self.disk_store, self.ledger)
         mat = self.materializer
         on_meta: list[tuple[nn.Parameter, nn.Parameter]] = []  # (meta param, its chunk view)
         # one staging buffer for every chunk's flat values: allocated once, so the shards kept
@@ -317,7 +323,10 @@ class ElixirModule(nn.Module):
                 chunk.release()
             if spec.master_on_disk:
                 self.disk_store.register(chunk)
-            if spec.shard_on_disk:
+            if spec.shard_on_disk and spec.master_on_disk:  # KK: the shard is the master cast down
+                self.derived_shards.register(ci, chunk.shard, ledger_kind=spec.shard_category)
+                chunk.shard_store = self.derived_shards
+            elif spec.shard_on_disk:
                 self.shard_store.register_tensor(ci, "shard", chunk.shard, ledger_kind=spec.shard_category)
                 chunk.shard_store = self.shard_store
             (self.frozen_chunks if frozen else self.chunks).append(chunk)
@@ -785,10 +794,16 @@ class ElixirModule(nn.Module):
             "device_reserved_bytes": dev.memory_reserved(self.device),
         }
 
+    @property
+    def offload_stores(self) -> list:
+        """This rank's offload stores that exist: masters and state (``disk_store``), frozen disk
+        shards (``shard_store``), and the derived shards of ``KK`` chunks (``derived_shards``)."""
+        return [s for s in (self.disk_store, self.shard_store, self.derived_shards) if s is not None]
+
     def reset_peak_memory(self) -> None:
         self.ledger.reset_peaks()
-        if self.disk_store is not None:
-            self.disk_store.reset_peak()
+        for store in self.offload_stores:
+            store.reset_peak()
 
     def register_memory_reporter(self, fn) -> None:
         """``fn()`` returns a dict of byte counts merged into :meth:`memory_report`."""

@@ -1,0 +1,148 @@
+"""Compute shards derived from their fp32 masters on disk (``KK`` chunks: shard and state on disk).
+
+A trainable chunk whose compute shard and fp32 master are both on disk keeps one copy of its
+values there, the master: its compute shard (bf16, fp16 or fp32) is the master cast down, so it is
+derived on each read instead of being stored beside it. That saves the shard's bytes on disk
+(12 instead of 14 bytes per element in bf16 with Adam; 12 instead of 16 in fp32) and the shard's
+write after every step, at the cost of reading 4 bytes per element at each gather instead of the
+compute dtype's 2. Casting is round-to-nearest-even, as the optimizer's own refresh of the shard
+(torch's ``copy_`` and the fused CPU Adam kernel both round so), so a derived shard is bit for bit
+the shard a step would have written.
+
+:class:`DerivedShards` has the part of :class:`~elixir.offload.DiskStore`'s interface that a
+:class:`~elixir.chunk.Chunk` uses for its ``shard_store`` (``stage``, ``discard``, ``offload``), so
+the chunk does not know which kind of store holds its shard. Writing a derived shard back is a
+no-op: whoever changes a chunk's values changes its master (the optimizer, checkpoint and
+pretrained loading all do), and the next read derives the new shard from it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from elixir.offload.store import MASTER, DiskState, DiskStore, Ledger
+from elixir.search.plan import DERIVED_SHARD_PIECE_ELEMENTS as PIECE_ELEMENTS
+
+
+class _DerivedShard:
+    """One chunk's compute shard: a 1-D tensor whose storage is resized to 0 bytes when offloaded."""
+
+    def __init__(self, index: int, shard: torch.Tensor, ledger_kind: str) -> None:
+        self.index = index
+        self.shard = shard
+        self.ledger_kind = ledger_kind
+        self.state = DiskState.RESIDENT
+
+    @property
+    def nbytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size()
+
+
+class DerivedShards:
+    """The compute shards of this rank's ``KK`` chunks, each read as its master cast down (see the
+    module docstring). ``masters``: the :class:`DiskStore` holding the chunks' fp32 masters."""
+
+    def __init__(self, masters: DiskStore, ledger: Optional[Ledger]) -> None:
+        self.masters = masters
+        self.ledger = ledger
+        self.chunks: dict[int, _DerivedShard] = {}
+        self._pieces: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.staged_bytes = 0
+        self.peak_staged_bytes = 0
+        self.bytes_read = 0
+        self.bytes_written = 0  # always 0: nothing is written, kept for DiskStore's report shape
+
+    def register(self, index: int, shard: torch.Tensor, ledger_kind: str) -> None:
+        """Take over chunk ``index``'s resident shard (resizable, owning its storage; booked in the
+        ledger as ``ledger_kind`` on host) once its master is in ``masters``: free its bytes."""
+        if index not in self.masters.chunks:
+            raise ValueError(f"chunk {index}: a derived shard needs its master on disk first")
+        if shard.numel() != self.masters.chunks[index].numel:
+            raise ValueError(f"chunk {index}: shard of {shard.numel()} elements, master of {self.masters.chunks[index].numel}")
+        rec = _DerivedShard(index, shard, ledger_kind)
+        self.chunks[index] = rec
+        self._book(rec.nbytes)
+        self.discard(index)
+
+    def _book(self, nbytes: int) -> None:
+        self.staged_bytes += nbytes
+        self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
+
+    def stage(self, index: int) -> None:
+        """Make chunk ``index``'s shard resident: its master cast down, from memory when the master
+        is staged, else read from the offload file through two small buffers."""
+        rec = self.chunks[index]
+        if rec.state is DiskState.RESIDENT:
+            return
+        rec.shard.untyped_storage().resize_(rec.nbytes)
+        if self.ledger is not None:
+            self.ledger.alloc(rec.ledger_kind, "host", rec.nbytes)
+        rec.state = DiskState.RESIDENT
+        self._book(rec.nbytes)
+        if self._pieces is None:  # sized for the largest shard, held from now on (read_buffer_bytes)
+            n = min(PIECE_ELEMENTS, max(r.shard.numel() for r in self.chunks.values()))
+            self._pieces = (torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32))
+        try:
+            with torch.no_grad():
+                self.bytes_read += self.masters.read_converted(index, MASTER, rec.shard, self._pieces)
+        except BaseException:
+            self.discard(index)
+            raise
+
+    def discard(self, index: int) -> None:
+        """Free chunk ``index``'s shard (its master stays the truth)."""
+        rec = self.chunks[index]
+        if rec.state is DiskState.OFFLOADED:
+            return
+        if not rec.shard.untyped_storage().resizable():
+            raise RuntimeError(
+                f"disk chunk {index}: the host buffer of its shard was exported (e.g. with .numpy()) and "
+                "cannot be freed; copy disk-resident tensors (.clone()) before exporting them"
+            )
+        rec.shard.untyped_storage().resize_(0)
+        rec.state = DiskState.OFFLOADED
+        self._book(-rec.nbytes)
+        if self.ledger is not None:
+            self.ledger.free(rec.ledger_kind, "host", rec.nbytes)
+
+    def offload(self, index: int, write: bool = True) -> None:
+        """Free chunk ``index``'s shard; ``write`` changes nothing (the master holds the values)."""
+        self.discard(index)
+
+    def settle(self) -> None:
+        for index in self.chunks:
+            self.discard(index)
+
+    def is_resident(self, index: int) -> bool:
+        return self.chunks[index].state is DiskState.RESIDENT
+
+    @property
+    def read_buffer_bytes(self) -> int:
+        """Host bytes of the two read buffers (allocated at the first read, then held)."""
+        return 0 if self._pieces is None else sum(p.numel() * p.element_size() for p in self._pieces)
+
+    def report(self) -> dict[str, int]:
+        """Host bytes staged now and at peak, and bytes read so far (as :meth:`DiskStore.report`;
+        no file of its own: ``file_bytes`` and ``bytes_written`` are 0), and the read buffers'."""
+        return {
+            "read_buffer_bytes": self.read_buffer_bytes,
+            "disk_chunks": len(self.chunks),
+            "file_bytes": 0,
+            "staged_bytes": self.staged_bytes,
+            "peak_staged_bytes": self.peak_staged_bytes,
+            "max_chunk_staged_bytes": max((r.nbytes for r in self.chunks.values()), default=0),
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+        }
+
+    def page_cache_bytes(self) -> int:
+        return 0  # reads go through the masters' file, counted there
+
+    def reset_peak(self) -> None:
+        self.peak_staged_bytes = self.staged_bytes
+
+    def close(self) -> None:
+        """Free the read buffers; the masters' store owns the file."""
+        self._pieces = None
