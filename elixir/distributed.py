@@ -483,3 +483,49 @@ def broadcast_object(obj, src: int = 0, group: ProcessGroup = None):
     global_src = dist.get_global_rank(group, src) if group is not None else src
     dist.broadcast_object_list(box, src=global_src, group=group)
     return box[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# disk faults agreed across ranks
+
+
+class DiskFault(OSError):
+    """A disk fault that every rank raises at the same point (:func:`agree_on_disk_fault`):
+    ``rank`` is the rank whose disk failed (this one or another); ``errno`` is its error code."""
+
+    def __init__(self, code: Optional[int], message: str, rank: int) -> None:
+        super().__init__(*((code, message) if code is not None else (message,)))
+        self.rank = rank
+
+
+def agree_on_disk_fault(error: Optional[OSError], group: ProcessGroup = None, during: str = "", then: str = "") -> None:
+    """Raise :class:`DiskFault` on every rank if ``error`` is set on any rank; else return.
+
+    Collective: every rank calls it at the same point with its own outcome (``None``: its disk
+    worked). Without it the ranks whose disks worked would go on into the next collective and wait
+    there for the rank that raised, until the process group's timeout (or for ever, if that rank
+    catches the error and lives on). ``during`` says where ("step 3, forward: reading chunk 5's
+    compute shard"); ``then`` is appended to every rank's message (what state is current, what to
+    do). The faulty rank's message is its own error's; the others' name it. Costs one one-element
+    all-reduce (and an object gather only when a rank failed); nothing at world size 1."""
+    world = get_world_size(group)
+    rank = get_rank(group) if world > 1 else 0
+    faulty = rank if error is not None else None
+    if world > 1:
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        all_reduce(flag, group=group)
+        if int(flag.item()):
+            mine = None if error is None else (error.errno, error.strerror or str(error))
+            reports = all_gather_object(mine, group=group)
+            if error is None:
+                faulty, (code, text) = next((r, x) for r, x in enumerate(reports) if x is not None)
+                raise DiskFault(code, f"rank {faulty}'s offload disk failed ({during}), so every rank stops here: "
+                                      f"{text}{then}", faulty)
+    if error is not None:
+        text = error.strerror or str(error)
+        raise DiskFault(error.errno, f"rank {faulty}'s offload disk failed ({during}): {text}{then}", faulty) from error
+
+
+def where_now() -> str:
+    """What this rank is doing, as last recorded by :func:`set_where` ("step 3, forward")."""
+    return _where[0]

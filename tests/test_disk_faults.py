@@ -151,9 +151,13 @@ def _two_ranks(offload_dir: str) -> dict:
             em.disk_store.io = Faulty(em.disk_store.io, "write", errno.ENOSPC)
             em.disk_store.io.arm()
         for s in range(1, 4):
+            masters = _disk_masters(em.disk_store)
             _step(em, eo, s)
     except Exception as e:
         out["error"] = (type(e).__name__, str(e), em.iteration)
+        out["stepped"] = _stepped_chunks(em, masters)
+        out["disk_chunks"] = sorted(em.disk_store.chunks)
+        out["step_again"] = _outcome(lambda: _step(em, eo, 9))[:2]
     if rank == 1:
         em.disk_store.io.armed = False
     em.disk_store.settle()
@@ -167,9 +171,15 @@ def test_disk_fault_on_one_rank_stops_every_rank(tmp_path):
     for r in res:
         assert r["error"] is not None, r
         name, msg, step = r["error"]
-        assert name == "OSError" and step == 2, r  # at the step of the fault, not a collective later
-        assert "rank 1" in msg or r["rank"] == 1, msg
+        assert name == "DiskFault" and step == 2, r  # at the step of the fault, not a collective later
+        assert "rank 1's offload disk failed (step 2, optimizer step" in msg, msg
         assert "free space in" in msg and f"{tmp_path}/r1" in msg and "restart from the last checkpoint" in msg, msg
+        assert "partly applied" in msg, msg
+        # training on from the partial step is refused, on every rank alike
+        assert r["step_again"][0] == "RuntimeError" and "Load a checkpoint" in r["step_again"][1], r
+    # the same disk chunks were stepped on every rank, and the step stopped partway
+    assert res[0]["stepped"] == res[1]["stepped"], res
+    assert 0 < len(res[0]["stepped"]) < len(res[0]["disk_chunks"]), res
 
 
 def test_offload_dir_vanishing_mid_run_changes_nothing(tmp_path):
@@ -193,3 +203,128 @@ def test_offload_dir_vanishing_mid_run_changes_nothing(tmp_path):
 
     kept, gone = run(False), run(True)
     assert set(kept) == set(gone) and all(torch.equal(kept[k], gone[k]) for k in kept)
+
+
+def _stepped_chunks(em, before: dict[int, torch.Tensor]) -> list[int]:
+    """The disk chunks whose master differs from ``before`` (a chunk still staged after a failed
+    write is read from memory)."""
+    from elixir.offload.pipeline import disk_mapped
+
+    with disk_mapped(em.disk_store) as masters:
+        return sorted(i for i, m in masters.items() if not torch.equal(m, before[i]))
+
+
+def _arm_rank1(em, kind: str, code: int, nth: int) -> list[Faulty]:
+    """Rank 1's transfers of every store the module has fail from the ``nth`` ``kind`` on."""
+    if edist.get_rank() != 1:
+        return []
+    armed = []
+    for store in {id(s): s for s in (em.disk_store, em.shard_store) if s is not None}.values():
+        store.io = Faulty(store.io, kind, code, nth)
+        store.io.arm()
+        armed.append(store.io)
+    return armed
+
+
+def _outcome(fn) -> tuple:
+    """``fn()``'s error (type name, message, the faulty rank it names) and the seconds it took."""
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e), getattr(e, "rank", None), time.perf_counter() - t0
+    return None, None, None, time.perf_counter() - t0
+
+
+def _faults_outside_the_step(offload_dir: str) -> dict:
+    """Rank 1's disk fails (1) reading a KK chunk's compute shard in step 2's forward, (2) writing
+    a chunk back in step 2's fused backward-and-step. Every rank reports what it raised."""
+    rank = edist.get_rank()
+    zc = ZOO[MODEL]
+    out: dict = {"rank": rank}
+
+    # (1) forward: every chunk's shard, master and state on disk (KK)
+    torch.manual_seed(0)
+    model = zc.build()
+    plan = minimum_waste_search(model, edist.get_world_size())
+    kk = [dataclasses.replace(c, optim_placement=Placement.DISK, shard_placement=Placement.DISK) if c.sharded else c
+          for c in plan.chunks]
+    em = ElixirModule(model, dataclasses.replace(plan, chunks=tuple(kk)), offload_dir=f"{offload_dir}/kk{rank}")
+    em.train()
+    eo = ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]))
+    _step(em, eo, 0)
+    before = {k: v.clone() for k, v in em.state_dict().items()}
+    faulty = _arm_rank1(em, "read", errno.EIO, 1)
+    batch = shard_batch(zc.make_batch(BATCH, 1), rank, edist.get_world_size())
+    eo.zero_grad()
+    out["forward"] = _outcome(lambda: zc.loss(em, batch))
+    out["forward_failed"] = sum(f.failed for f in faulty)
+    for f in faulty:
+        f.armed = False
+    after = em.state_dict()
+    out["forward_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    _step(em, eo, 1)  # the disk works again: training goes on, every rank in step
+    out["forward_then_step"] = em.iteration
+    for store in (em.disk_store, em.shard_store):
+        if store is not None:
+            store.close()
+
+    # (2) the fused backward-and-step: optimizer state on disk, written back during backward
+    torch.manual_seed(0)
+    model = zc.build()
+    plan = minimum_waste_search(model, edist.get_world_size())
+    chunks = [dataclasses.replace(c, optim_placement=Placement.DISK) for c in plan.chunks]
+    em = ElixirModule(model, dataclasses.replace(plan, chunks=tuple(chunks)), offload_dir=f"{offload_dir}/fs{rank}")
+    em.train()
+    eo = ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]), fused_step=True)
+    _step(em, eo, 0)
+    masters = _disk_masters(em.disk_store)
+    faulty = _arm_rank1(em, "write", errno.ENOSPC, 2)
+    batch = shard_batch(zc.make_batch(BATCH, 1), rank, edist.get_world_size())
+    eo.zero_grad()
+    loss = zc.loss(em, batch)
+    out["fused"] = _outcome(loss.backward)
+    out["fused_stepped"] = _stepped_chunks(em, masters)
+    out["disk_chunks"] = sorted(em.disk_store.chunks)
+    out["torn_step"] = eo.torn_step
+    out["step_again"] = _outcome(eo.step)[:2]
+    for f in faulty:
+        f.armed = False
+    em.disk_store.settle()
+    # a checkpoint saved now holds the partial step; loading it lets training go on
+    ckpt = f"{offload_dir}/ckpt"
+    checkpoint.save(ckpt, em, eo)
+    checkpoint.load(ckpt, em, eo)
+    _step(em, eo, 2)
+    out["after_load"] = eo.torn_step, em.iteration
+    em.disk_store.close()
+    return out
+
+
+@pytest.mark.dist
+def test_disk_faults_outside_the_step_stop_every_rank(tmp_path):
+    """A disk fault in forward (a KK chunk's compute-shard read) or in the fused backward-and-step
+    (a write) on rank 1 only: every rank raises DiskFault naming rank 1 at that point, at once (before
+    the fix rank 0 waited in the next collective until the process group's timeout)."""
+    res = run_distributed(_faults_outside_the_step, 2, str(tmp_path), timeout=60)
+    for r in res:
+        # (1) forward: every rank stops in the gather, names rank 1; nothing changed; training goes on
+        name, msg, faulty, seconds = r["forward"]
+        assert name == "DiskFault" and faulty == 1, r
+        assert "rank 1's offload disk failed (step 2, forward: reading chunk" in msg and "restart from the last checkpoint" in msg, msg
+        assert seconds < 10, r
+        assert r["forward_unchanged"] and r["forward_then_step"] == 3, r
+        # (2) the fused step: every rank stops in backward at the same point, names rank 1
+        name, msg, faulty, seconds = r["fused"]
+        assert name == "DiskFault" and faulty == 1 and "fused backward-and-step" in msg, r
+        assert "free space in" in msg and f"{tmp_path}/fs1" in msg and "partly applied" in msg, msg
+        assert seconds < 30, r
+        assert r["torn_step"] == 2 and r["step_again"][0] == "RuntimeError" and "Load a checkpoint" in r["step_again"][1], r
+        assert r["after_load"] == (None, 3), r
+    assert res[1]["forward_failed"] >= 1
+    # the same chunks were stepped on every rank (a sharded chunk is never stepped on only some
+    # ranks), and the step stopped partway: some stepped, some not
+    assert res[0]["fused_stepped"] == res[1]["fused_stepped"], res
+    assert 0 < len(res[0]["fused_stepped"]) < len(res[0]["disk_chunks"]), res

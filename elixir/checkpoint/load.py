@@ -240,4 +240,5 @@ def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, ma
             optim_state.install_state(eo, new_state, plan["opt"]["groups"])
         if eo.scaler is not None and plan["scaler"] is not None:
             eo.scaler.load_state_dict(plan["scaler"])
+        eo.forget_torn_step()  # a step a disk fault left partly applied is behind us
         eo.zero_grad()

@@ -215,7 +215,7 @@ class Chunk:
         self.payload.untyped_storage().resize_(self.payload_bytes)
         streams = self.streams
         if self.spec.shard_on_disk:
-            self.shard_store.stage(self.index)  # read it in; dropped once the gather is done (wait)
+            self._stage_shard_on_every_rank()  # read it in; dropped once the gather is done (wait)
         with streams.issue(streams.gather) as ready:
             src = self.shard
             if self.spec.shard_on_host:
@@ -233,6 +233,28 @@ class Chunk:
             # beside the one a step stages (its read is synchronous anyway; the search prices the
             # rest of its gather as not hidden either, search/cost_model.py:DISK_SHARD_STAGING).
             self.wait()
+
+    def _stage_shard_on_every_rank(self) -> None:
+        """Read the disk shard in for a gather; if any rank's read failed, every rank raises
+        :class:`~elixir.distributed.DiskFault` here (one one-element all-reduce per disk-shard
+        gather at world size > 1), not only the rank whose disk failed while the others wait in
+        the gather. The payload allocated for the gather is given back first."""
+        error = None
+        try:
+            self.shard_store.stage(self.index)
+        except OSError as e:
+            error = e
+        try:
+            edist.agree_on_disk_fault(
+                error, self.group, f"{edist.where_now() or 'a gather'}: reading chunk {self.index}'s compute shard",
+                "; the read changed nothing. Fix the disk, then restart from the last checkpoint (in "
+                "forward, or in backward without fused_step, the model and optimizer are as after the "
+                "last step, so a checkpoint saved now resumes exactly)")
+        except OSError:
+            self.shard_store.offload(self.index, write=False)  # staged on a rank whose read worked
+            self.payload.untyped_storage().resize_(0)
+            self.ledger.free("gathered", "device", self.payload_bytes)
+            raise
 
     def wait(self) -> None:
         """Finish an asynchronous gather (GATHERING -> HOLD); no-op otherwise."""
@@ -455,6 +477,15 @@ class Chunk:
             self.shard_grad = None
             self.ledger.free("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
         self.grad_valid = False
+
+    def abandon_grad(self) -> None:
+        """Forget a gradient still accumulating when its backward raised (ACCUMULATING -> EMPTY)."""
+        if self.grad_state is GradState.ACCUMULATING:
+            if self.grad_buffer is not None:
+                self.grad_buffer = None
+                self.ledger.free("grad_buffer", "device", _nbytes(self.spec.capacity, self.spec.reduce_dtype))
+            self._grad_move(GradState.EMPTY)
+        self.zero_grad()
 
     def end_backward(self) -> None:
         """Reset the per-backward gradient state (after finalisation)."""

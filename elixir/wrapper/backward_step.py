@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 from elixir.offload.pipeline import BackwardStager
 from elixir.offload.state_binding import bind_state
+from elixir.wrapper.disk_faults import StepFaultPoints
 
 if TYPE_CHECKING:
     from elixir.chunk import Chunk
@@ -51,22 +52,38 @@ class BackwardStep:
         store = em.disk_store
         self.stager = BackwardStager(store, sorted(store.chunks, reverse=True)) if store is not None else None
         self.stepped: set[int] = set()
+        self.points: Optional[StepFaultPoints] = None  # this backward's disk-fault agreement points
+        self.step_of, self.ended = 0, True  # the step the chunks in `stepped` belong to; its backward ended
         em.register_grad_ready_hook(self._on_ready)
         em.register_backward_end_hook(self._on_backward_end)
 
     def _on_ready(self, chunk: Chunk) -> None:
         i = chunk.index
+        eo = self.eo
+        if self.stepped and not self.ended and self.step_of != eo.module.iteration:
+            # the last backward stopped (an error: a disk fault, a lost rank) after it had stepped
+            # some chunks: that step is partly applied
+            eo.torn_step = self.step_of
+            self.finish_step()
         if i in self.stepped:
             raise RuntimeError(
                 "elixir: a second backward ran before optimizer.step(), but with fused_step every "
                 "backward outside module.no_sync() already is an optimizer step. Accumulate gradients "
                 "inside `with model.no_sync():`, or use ElixirOptimizer(..., fused_step=False)."
             )
+        if not self.stepped:
+            eo.refuse_torn_step()
+            self.step_of, self.ended = eo.module.iteration, False
+            if self.stager is not None:
+                self.points = StepFaultPoints(eo.module.group, eo.module.iteration, "fused backward-and-step")
         self.stepped.add(i)
-        eo = self.eo
         eo.module.settle_chunk(chunk)  # the reduction may still run on its side stream
         if self.stager is not None and i in self.stager.store.chunks:
-            self.stager.run(i, self._step_disk_chunk)
+            with eo.marking_torn_step():
+                try:
+                    self.stager.run(i, self.points.guard(self._step_disk_chunk))
+                except OSError as e:  # reported on every rank here, or at the next point
+                    self.points.failed(e, i, defer=True)
         else:
             eo.step_chunk(i)
         chunk.drop_grad()
@@ -76,11 +93,20 @@ class BackwardStep:
         bind_state(self.eo.disk_store, i, self.eo.fragment_states(i))
 
     def _on_backward_end(self, module) -> None:
-        if self.stager is not None:
+        if self.stager is not None and self.points is None:
             self.stager.drain()
+        elif self.stager is not None:
+            with self.eo.marking_torn_step():
+                try:
+                    self.stager.drain()  # the last write
+                except OSError as e:
+                    self.points.failed(e, None, defer=True)
+                self.points.point(None)
+        self.ended = True
         # step() was not called for these updates: tell an LR scheduler that the optimizer stepped
         self.eo.optim._opt_called = True
 
     def finish_step(self) -> None:
         """``optimizer.step()`` after a fused backward: the chunks are stepped already."""
         self.stepped.clear()
+        self.points = None

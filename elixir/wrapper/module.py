@@ -589,11 +589,33 @@ class ElixirModule(nn.Module):
         finally:
             tracker.move(TrainingState.IDLE)
 
+    def _abandon_backward(self) -> None:
+        """A backward raised (a disk fault, a lost rank) before its end-of-backward callback: forget
+        its gradients, pins and arrivals, so the next step starts as after ``zero_grad``. (With
+        the fused backward-and-step, chunks it stepped stay stepped: the optimizer refuses to go
+        on from that partial step, :attr:`ElixirOptimizer.torn_step`.)"""
+        self.cache.drain()  # prefetches in flight
+        self._settle_reductions()
+        self._bwd_stack.clear()
+        self._fwd_stack.clear()
+        for c in self.all_chunks:
+            c.unpin(all_pins=True)
+        for c in self.chunks:
+            c.abandon_grad()
+        self.cache.release_all()
+        self.tracker.reset()
+        self.tracker.local_arrived = [False] * len(self.slots)
+        self.has_grad = [False] * len(self.slots)
+        self.tracker.move(TrainingState.FINALIZING)
+        self.tracker.move(TrainingState.IDLE)
+
     # ------------------------------------------------------------------------------------------
     # forward
 
     def forward(self, *args, **kwargs):
         tracker = self.tracker
+        if tracker.in_backward and torch._C._current_graph_task_id() == -1:
+            self._abandon_backward()  # not a recomputation: the last backward raised midway
         outermost = tracker.state is TrainingState.IDLE  # not nested, not a recomputation in backward
         if not tracker.in_backward:
             if torch.is_grad_enabled():

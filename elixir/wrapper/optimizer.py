@@ -28,6 +28,7 @@ from elixir.optim.nvme import materialized
 from elixir.wrapper import optim_state
 from elixir.wrapper.backward_step import BackwardStep, fallback_reason
 from elixir.wrapper.clipping import clip_coefficient, global_grad_norm
+from elixir.wrapper.disk_faults import StepFaultPoints
 from elixir.wrapper.fused_step import fused_step, lowp_target, uses_fused_path
 from elixir.wrapper.loss_scaling import scale_outputs
 from elixir.wrapper.module import ElixirModule
@@ -148,6 +149,7 @@ class ElixirOptimizer:
         self._lowp_grads: dict[int, torch.Tensor] = {}  # id(fragment tensor) -> its bf16/fp16 gradient
         self._init_precision(scale_policy, max_norm, norm_type)
         module.register_memory_reporter(self._memory_report)
+        self.torn_step: Optional[int] = None  # a step a disk fault left partly applied
         self.backward_step: Optional[BackwardStep] = None
         self.fused_step_fallback: Optional[str] = None
         self.timing = StepTiming.AFTER_BACKWARD
@@ -258,6 +260,7 @@ class ElixirOptimizer:
         if closure is not None:
             raise NotImplementedError("ElixirOptimizer.step does not take a closure")
         edist.set_where(f"step {self.module.iteration}, optimizer step")
+        self.refuse_torn_step()
         # The host is about to write masters and host shards that side-stream copies may still
         # read (gathers of host shards, last step's refreshes): let those finish first.
         self.module.streams.synchronize()
@@ -505,33 +508,39 @@ class ElixirOptimizer:
                     with torch.no_grad():
                         c.shard.copy_(c.master)
 
-        error: Optional[OSError] = None
-        try:
-            self.for_each_disk_chunk(work, todo)
-        except OSError as e:  # a disk fault: the store kept every value (in memory or on disk)
-            error = e
-        self._raise_disk_fault_on_every_rank(error)
+        points = StepFaultPoints(self.module.group, self.module.iteration, "optimizer step", todo)
+        with self.marking_torn_step():
+            try:
+                self.for_each_disk_chunk(points.guard(work), todo)
+            except OSError as e:  # a disk fault: the store kept every value (in memory or on disk)
+                points.failed(e)
+            points.point(None)
 
-    def _raise_disk_fault_on_every_rank(self, error: Optional[OSError]) -> None:
-        """A disk fault on any rank stops every rank in this step, with that rank's message: else
-        the ranks whose disks worked would go on to the next step and wait in its collectives for
-        a rank that raised (until the process group's timeout, or forever if that rank lives on).
-        Costs one one-element all-reduce per step of a plan with disk chunks."""
-        em = self.module
-        partial = ("; this step updated only some disk chunks, so restart from the last checkpoint "
-                   "(a checkpoint saved now holds the partial step)")
-        if em.world_size > 1:
-            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-            edist.all_reduce(flag, group=em.group)
-            if int(flag.item()):
-                mine = None if error is None else (error.errno, error.strerror or str(error))
-                reports = edist.all_gather_object(mine, group=em.group)
-                if error is None:
-                    rank, (code, text) = next((r, x) for r, x in enumerate(reports) if x is not None)
-                    raise OSError(code, f"rank {rank}'s offload disk failed in step {em.iteration}'s optimizer step, "
-                                        f"so every rank stops here: {text}{partial}")
-        if error is not None:
-            raise OSError(error.errno, f"{error.strerror or error}{partial}") from error
+    @contextlib.contextmanager
+    def marking_torn_step(self) -> Iterator[None]:
+        """Record a step that a disk fault left partly applied (:attr:`torn_step`, see
+        :mod:`elixir.wrapper.disk_faults`): the block raised :class:`~elixir.distributed.DiskFault`
+        (on every rank alike)."""
+        try:
+            yield
+        except edist.DiskFault:
+            self.torn_step = self.module.iteration
+            raise
+
+    def forget_torn_step(self) -> None:
+        """A checkpoint was loaded: a step a disk fault left partly applied is behind us."""
+        self.torn_step = None
+        if self.backward_step is not None:
+            self.backward_step.finish_step()
+
+    def refuse_torn_step(self) -> None:
+        """Raise (on every rank alike) if a disk fault left the last step partly applied."""
+        if self.torn_step is not None:
+            raise RuntimeError(
+                f"elixir: step {self.torn_step} was applied to only some chunks when a disk fault stopped it "
+                "(see that error), so training on would mix two steps. Load a checkpoint "
+                "(checkpoint.load(path, model, optimizer), or optimizer.load_state_dict) before stepping again"
+            )
 
     def state_dict(self, rank0_only: bool = False) -> dict[str, Any]:
         """The full (unsharded) state dict in the inner optimizer's torch format, keyed like the
@@ -548,6 +557,7 @@ class ElixirOptimizer:
         optimizer on the unwrapped model). Every rank needs the whole dict; no collective."""
         optim_state.scatter_full_state(self, state_dict)
         self.bind_disk_state()
+        self.forget_torn_step()
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
 
