@@ -14,6 +14,7 @@ import sys
 from typing import Optional, Sequence
 
 from elixir import __version__
+from elixir.models import UnknownModel
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -60,7 +61,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 0
     module = importlib.import_module(args._module)
-    rc = module.main(args)
+    try:
+        rc = module.main(args)
+    except (UnknownModel, FileNotFoundError) as e:  # a name or path the user gave: the message, no traceback
+        print(f"elixir {command}: {e}", file=sys.stderr)
+        return 2
     return int(rc or 0)
 
 

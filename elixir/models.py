@@ -97,6 +97,13 @@ SMALL_OVERRIDES: dict[str, dict[str, int]] = {
 }
 
 
+class UnknownModel(KeyError):
+    """A model name that is neither in the registry nor a path to a ``config.json``."""
+
+    def __str__(self) -> str:  # KeyError quotes its message
+        return str(self.args[0]) if self.args else ""
+
+
 def model_names() -> list[str]:
     return list(REGISTRY)
 
@@ -112,7 +119,8 @@ def load_config(name_or_path: Union[str, os.PathLike], **overrides: Any):
         return AutoConfig.for_model(spec.model_type, **{**spec.fields, **overrides})
     path = os.path.join(key, "config.json") if os.path.isdir(key) else key
     if not os.path.isfile(path):
-        raise KeyError(f"unknown model {key!r}: not a registry name ({', '.join(REGISTRY)}) nor a config.json path")
+        raise UnknownModel(f"unknown model {key!r}: not a registry name ({', '.join(REGISTRY)}) nor a config.json path "
+                           "(or a folder holding one); `elixir profile --list` lists the names")
     with open(path) as f:
         d = json.load(f)
     if "model_type" not in d:

@@ -77,6 +77,22 @@ def _map_floats(obj: Any, dtype: torch.dtype) -> Any:
     return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
 
 
+def _check_input_devices(args, kwargs, device: torch.device) -> None:
+    """Raise for an input tensor on the meta device, or on an accelerator other than the module's
+    (host inputs to an accelerator module are left to the model, as index tensors may stay there)."""
+    values = list(args) + list(kwargs.values())
+    for v in list(values):
+        if isinstance(v, dict):
+            values.extend(v.values())
+    for v in values:
+        if isinstance(v, torch.Tensor) and (v.device.type == "meta" or (v.device.type != "cpu" and v.device != device)):
+            raise ValueError(
+                f"elixir: an input tensor {tuple(v.shape)} is on {v.device}, but the model computes on {device}: "
+                f"move the batch there first (tensor.to({str(device)!r}))"
+                + ("; a meta tensor holds no data (build inputs with real values)" if v.device.type == "meta" else "")
+            )
+
+
 class ElixirModule(nn.Module):
     """Wrap ``module`` so it runs sharded across ``process_group`` following ``search_result``.
 
@@ -228,9 +244,16 @@ class ElixirModule(nn.Module):
         self._drift_warned = False
         self.observed_order: list[frozenset] = []  # sharded chunk sets of the last iteration
         self.schedule = self._build_schedule() if prefetch else None
+        if prefetch and self.schedule is None:
+            warnings.warn(
+                "elixir: prefetch=True, but the plan has no traced parameter order (param_order), so nothing "
+                "is prefetched. Make the plan with a traced step (minimum_waste_search(..., inp=, step_fn=), "
+                "optimal_search, or `elixir plan`), or pass prefetch=False", stacklevel=2,
+            )
         self._hook_handles: list = []
         self._mod_info: dict[nn.Module, _ModInfo] = {}
         self._register_hooks()
+        self._wrapped_params = [id(p) for p in self.module.parameters()]  # see _check_unchanged
 
     # ------------------------------------------------------------------------------------------
     # construction
@@ -589,6 +612,26 @@ class ElixirModule(nn.Module):
         finally:
             tracker.move(TrainingState.IDLE)
 
+    def _check_unchanged(self) -> None:
+        """Raise if a parameter was added, removed or replaced since wrapping: chunks were built
+        from the parameters then, so a new one would never be gathered, reduced or stepped (it
+        would train silently wrong). A walk over the parameters per forward (tens of microseconds)."""
+        now = [id(p) for p in self.module.parameters()]
+        if now == self._wrapped_params:
+            return
+        was = set(self._wrapped_params)
+        new = [n for n, p in self.module.named_parameters() if id(p) not in was]
+        kept = {id(p) for p in self.module.parameters()}
+        gone = len(was - kept)
+        raise RuntimeError(
+            f"elixir: the model's parameters changed after it was wrapped: {len(new)} new or replaced "
+            f"({', '.join(new[:5])}{' ...' if len(new) > 5 else ''}), {gone} gone. ElixirModule packed the "
+            "parameters into chunks when it was built, so a parameter added or replaced since is never "
+            "gathered, reduced or stepped. Make every change to the model before wrapping it (and re-run "
+            "the search for the changed model); to load new values, copy them in (checkpoint.load, "
+            "load_state_dict)"
+        )
+
     def _abandon_backward(self) -> None:
         """A backward raised (a disk fault, a lost rank) before its end-of-backward callback: forget
         its gradients, pins and arrivals, so the next step starts as after ``zero_grad``. (With
@@ -618,6 +661,8 @@ class ElixirModule(nn.Module):
             self._abandon_backward()  # not a recomputation: the last backward raised midway
         outermost = tracker.state is TrainingState.IDLE  # not nested, not a recomputation in backward
         if not tracker.in_backward:
+            self._check_unchanged()
+            _check_input_devices(args, kwargs, self.device)
             if torch.is_grad_enabled():
                 self.iteration += 1
             edist.set_where(f"step {self.iteration}, forward")

@@ -62,6 +62,26 @@ class Fragment:
     tensor: torch.Tensor  # the optimizer's param (a view of the master shard)
 
 
+def check_learning_rates(optimizer: torch.optim.Optimizer, at_construction: bool = False) -> None:
+    """Refuse a negative learning rate (some inner optimizers do not check; a scheduler may set one)
+    and warn when every group's is 0 at construction (an LR scheduler scales the initial lr, so a
+    run built with lr=0 never trains)."""
+    lrs = [float(g["lr"]) for g in optimizer.param_groups if "lr" in g and not isinstance(g["lr"], torch.Tensor)]
+    bad = [(k, lr) for k, lr in enumerate(lrs) if lr < 0 or lr != lr]
+    if bad:
+        k, lr = bad[0]
+        raise ValueError(
+            f"elixir: param group {k} has learning rate {lr}: it must be >= 0. Pass a positive lr to the "
+            "optimizer (and check the LR scheduler's schedule)"
+        )
+    if at_construction and lrs and all(lr == 0 for lr in lrs):
+        warnings.warn(
+            "elixir: every param group has lr=0, so no parameter will change (an LR scheduler scales this "
+            "initial lr, so it stays 0 too). Pass the peak lr to the optimizer; a warm-up scheduler starts "
+            "from it", stacklevel=3,
+        )
+
+
 class ElixirOptimizer:
     """Step ``optimizer`` (built on ``module``'s original parameters) on this rank's shards.
 
@@ -134,7 +154,13 @@ class ElixirOptimizer:
             growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
             hysteresis=hysteresis,
         )
+        check_learning_rates(optimizer, at_construction=True)
         pre_state = optimizer.state_dict() if any(len(s) for s in optimizer.state.values()) else None
+        previous = getattr(module, "elixir_optimizer", None)
+        if previous is not None:
+            previous.retire()  # one optimizer per module: the newest takes over
+        module.elixir_optimizer = self
+        self.retired = False
         self.module = module
         self.optim = optimizer
         self.fragments: list[Fragment] = []
@@ -260,7 +286,9 @@ class ElixirOptimizer:
         if closure is not None:
             raise NotImplementedError("ElixirOptimizer.step does not take a closure")
         edist.set_where(f"step {self.module.iteration}, optimizer step")
+        self.refuse_retired()
         self.refuse_torn_step()
+        check_learning_rates(self.optim)
         # The host is about to write masters and host shards that side-stream copies may still
         # read (gathers of host shards, last step's refreshes): let those finish first.
         self.module.streams.synchronize()
@@ -311,7 +339,29 @@ class ElixirOptimizer:
                         total += v.untyped_storage().nbytes()
         return {"optimizer_state_bytes": total}
 
+    def retire(self) -> None:
+        """A newer ElixirOptimizer was built on this module: take this one's hooks off the module
+        (with the fused backward-and-step both would step every chunk) and refuse to step."""
+        em = self.module
+        self.retired = True
+        if self.backward_step is not None:
+            em._grad_ready_hooks.remove(self.backward_step._on_ready)
+            em._backward_end_hooks.remove(self.backward_step._on_backward_end)
+        em._memory_reporters.remove(self._memory_report)
+        if self._scale_hook is not None:
+            self._scale_hook.remove()
+            self._scale_hook = None
+
+    def refuse_retired(self) -> None:
+        if self.retired:
+            raise RuntimeError(
+                "elixir: this ElixirOptimizer was replaced by a newer one built on the same ElixirModule "
+                "(one optimizer per module: it steps the module's chunks). Step the newest one, or build a "
+                "single ElixirOptimizer whose inner optimizer holds every param group"
+            )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.refuse_retired()
         self.module.zero_grad(set_to_none)
         self._grad_factor = None
         self._found_inf = None
