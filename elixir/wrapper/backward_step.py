@@ -57,6 +57,11 @@ class BackwardStep:
         em.register_grad_ready_hook(self._on_ready)
         em.register_backward_end_hook(self._on_backward_end)
 
+    def detach(self) -> None:
+        """Stop stepping from the module's hooks (a newer optimizer took over the module)."""
+        self.eo.module.remove_hook(self._on_ready)
+        self.eo.module.remove_hook(self._on_backward_end)
+
     def _on_ready(self, chunk: Chunk) -> None:
         i = chunk.index
         eo = self.eo

@@ -548,6 +548,13 @@ class ElixirModule(nn.Module):
         undone. ``fn`` may free the shard gradient (:meth:`Chunk.drop_grad`)."""
         self._grad_ready_hooks.append(fn)
 
+    def remove_hook(self, fn) -> None:
+        """Take ``fn`` off every hook list it was registered on (grad-ready, backward-end, memory
+        reporter): an optimizer replaced by a newer one on this module."""
+        for hooks in (self._grad_ready_hooks, self._backward_end_hooks, self._memory_reporters):
+            while fn in hooks:
+                hooks.remove(fn)
+
     def register_backward_end_hook(self, fn) -> None:
         """``fn(module)`` runs at the end of every backward outside ``no_sync``, after the last
         grad-ready hook."""

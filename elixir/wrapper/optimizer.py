@@ -345,9 +345,8 @@ class ElixirOptimizer:
         em = self.module
         self.retired = True
         if self.backward_step is not None:
-            em._grad_ready_hooks.remove(self.backward_step._on_ready)
-            em._backward_end_hooks.remove(self.backward_step._on_backward_end)
-        em._memory_reporters.remove(self._memory_report)
+            self.backward_step.detach()
+        em.remove_hook(self._memory_report)
         if self._scale_hook is not None:
             self._scale_hook.remove()
             self._scale_hook = None
