@@ -90,6 +90,20 @@ def pg_timeout_s(timeout_s: Optional[float] = None) -> float:
     return DEFAULT_PG_TIMEOUT_S
 
 
+def _restart_store(timeout: datetime.timedelta):
+    """Under torchrun, after a restart (``TORCHELASTIC_RESTART_COUNT`` > 0) with the agent's store
+    (``TORCHELASTIC_USE_AGENT_STORE``): that store, with this generation's keys under a prefix of
+    their own; else None (``init_process_group`` makes its own). The agent keeps one store across
+    restarts, so without the prefix a new generation could read the killed generation's gloo
+    addresses (measured: a restarted rank failed in ``connectFullMesh`` with "Connection refused"
+    to an address of the old generation, in about one restart out of two here)."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"elixir/restart-{restart}", client)
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> DistInfo:
     """Initialise from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
     run as a single process when those are absent. Safe to call twice.
@@ -102,9 +116,13 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         _pg_timeout_s = pg_timeout_s(timeout_s)
-        dist.init_process_group(
-            backend=backend or default_backend(), timeout=datetime.timedelta(seconds=_pg_timeout_s)
-        )
+        timeout = datetime.timedelta(seconds=_pg_timeout_s)
+        store = _restart_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend or default_backend(), timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend or default_backend(), timeout=timeout, store=store,
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         _register_exit_drain()
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), default_device())

@@ -43,6 +43,7 @@ anything in the model or optimizer is modified.
 from elixir.checkpoint.consolidate import consolidate
 from elixir.checkpoint.errors import CheckpointError
 from elixir.checkpoint.index import FORMAT, VERSION, Entry, Index
+from elixir.checkpoint.latest import latest, step_path
 from elixir.checkpoint.load import load
 from elixir.checkpoint.pretrained import (
            LoadReport,
@@ -53,5 +54,5 @@ from elixir.checkpoint.pretrained import (
 from elixir.checkpoint.save import save
 from elixir.checkpoint.verify import Verified, verify
 
-__all__ = ["CheckpointError", "save", "load", "consolidate", "verify", "Verified", "load_pretrained", "save_pretrained",
+__all__ = ["CheckpointError", "save", "load", "consolidate", "verify", "Verified", "latest", "step_path", "load_pretrained", "save_pretrained",
            "save_state_dict_pretrained", "LoadReport", "FORMAT", "VERSION", "Index", "Entry"]
