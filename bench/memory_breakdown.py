@@ -115,15 +115,17 @@ def tightest_budget(model, inp: dict, step_fn, dtype, disk: int, keep_shards: bo
     plans ``model`` (to 0.5%), traced once: with ``keep_shards`` the least under which every
     compute shard stays resident (the optimizer state goes to disk first: ``DK``/``HK``), else the
     least at all (the least-used shards go to disk too: ``KK``)."""
+    from elixir import device as dev
     from elixir.search import DoesNotFitError
-    from elixir.search.cost_model import STEP_UNTRACKED_BYTES
+    from elixir.search.cost_model import step_untracked_bytes
     from elixir.search.optimal import search_profile
     from elixir.search.step_profile import profile_step
 
     prof = profile_step(model, inp, step_fn, dtype)
     own = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
               if t.device.type == "cpu")
-    process = max(0, rss_bytes() - own) + STEP_UNTRACKED_BYTES  # as optimal_search measures it
+    on_host = not dev.is_accelerator(dev.default_device())  # as optimal_search measures it
+    process = max(0, rss_bytes() - own) + step_untracked_bytes(prof.activation_bytes, on_host)
 
     def fits(budget: int) -> bool:
         try:

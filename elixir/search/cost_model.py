@@ -128,7 +128,7 @@ def step_untracked_bytes(activation_bytes: int, activations_on_host: bool) -> in
 
 
 # the host terms of Evaluation.memory (the rest are device terms)
-HOST_TERMS = ("process", "placed_host", "staging")
+HOST_TERMS = ("process", "placed_host", "staging", "not_at_once")
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "cpuadam": 8, "sgd": 4, "none": 0}
 
@@ -470,6 +470,10 @@ class Setting:
     pin: bool = True
     grad_elem: int = 4  # shard-gradient element size (grad_dtype)
     process_bytes: int = 0  # host bytes the process holds outside elixir (interpreter, libraries)
+    # the part of process_bytes that is the activations' heap slack under keep_host_memory
+    # (step_untracked_bytes beyond STEP_UNTRACKED_BYTES): a plan with disk chunks gives larger
+    # freed blocks back at once instead (device.return_host_memory), so it does not hold it
+    heap_slack_bytes: int = 0
     fused_step: bool = False  # the fused backward-and-step (no persistent shard gradients)
 
     @property
@@ -528,6 +532,126 @@ def transient_host_bytes(layout: Layout, st: Setting, shard: int, disk_chunks: i
     fp32 chunks: 0.37 GiB of the 2.70 GiB predicted for a 0.44B plan with every chunk on disk,
     1.3 GiB of 12.6 GiB at 5.2B (issue 21's measurements)."""
     return max(construction_staging_bytes(layout), staging_bytes(st, shard, disk_chunks, disk_shards))
+
+
+_STEP_TABLES: dict[int, tuple[StepProfile, np.ndarray, np.ndarray]] = {}
+
+
+def _step_tables(profile: StepProfile, st_elem: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per traced step: the activation bytes live at most in it (``profile.step_activations``,
+    else the activation peak) and the elements of the largest parameter it uses (whose
+    gradient autograd holds until the runtime has added it into its chunk), remembered per
+    profile: the search prices many candidates of one profile."""
+    hit = _STEP_TABLES.get(id(profile))
+    if hit is None or hit[0] is not profile:
+        n = len(profile.steps)
+        act = (np.asarray(profile.step_activations, dtype=np.int64) if profile.step_activations
+               else np.full(n, int(profile.activation_bytes), dtype=np.int64))
+        numel = profile.numel
+        largest = np.asarray([max((numel.get(x, 0) for x in names), default=0) for names in profile.steps],
+                             dtype=np.int64)
+        if len(_STEP_TABLES) > 16:
+            _STEP_TABLES.clear()
+        hit = _STEP_TABLES[id(profile)] = (profile, act, largest)
+    return hit[1], hit[2]
+
+
+def _backward_spans(profile: StepProfile, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """First and last backward step of each body sharded chunk (``layout.trace`` ids
+    ``0 .. n_sharded - 1``; -1 for a chunk backward never touches): a chunk's gradient buffer
+    is open from the first to the last, and the last is when its gradient is final (the fused
+    backward-and-step steps it then)."""
+    n = layout.n_sharded
+    first = np.full(n, -1, dtype=np.int64)
+    last = np.full(n, -1, dtype=np.int64)
+    tr = layout.trace
+    kinds = profile.step_kinds
+    if not n or tr.n_steps != len(kinds):
+        return first, last
+    step_of = np.repeat(np.arange(tr.n_steps, dtype=np.int64), np.diff(tr.offsets))
+    ids = tr.chunks.astype(np.int64)
+    bw = np.asarray([k == BACKWARD for k in kinds], dtype=bool)[step_of] & (ids < n)
+    if bw.any():
+        big = np.iinfo(np.int64).max
+        lo = np.full(n, big, dtype=np.int64)
+        np.minimum.at(lo, ids[bw], step_of[bw])
+        np.maximum.at(last, ids[bw], step_of[bw])
+        first = np.where(lo == big, -1, lo)
+    return first, last
+
+
+def timeline_peak(profile: StepProfile, layout: Layout, st: Setting, kinds: Sequence[ChunkPlacement],
+                  memory: dict[str, int]) -> int:
+    """The most bytes live at one moment of a step in one memory pool (device and host together,
+    as on a CPU box), over a timeline of the moments whose terms differ, instead of the sum of
+    every term at its own peak (which counted, e.g., the activation peak of the start of
+    backward together with disk staging that begins only once a disk chunk's gradient is final).
+
+    ``memory`` holds the terms at their own peaks (:func:`price`); ``kinds`` the body sharded
+    chunks' placements. Live at every moment (``K``): the process, the placed shards, masters,
+    kept gradients and optimizer state, buffers, replicated payloads, the rCache, and with ``KK``
+    chunks their two read buffers (held once used). Then, the most of:
+
+    - **construction**: ``K`` + the construction's staging;
+    - **forward step t**: ``K`` + the activations live in step ``t`` + one ``KK`` shard (read
+      for a gather);
+    - **backward step t**: ``K`` + the activations live in step ``t`` + the gradient of the
+      largest parameter step ``t`` uses + the gradient buffers of the chunks whose backward is in
+      progress at ``t`` (first to last backward use; the ZeRO and tied chunks' at their peak) +
+      one ``KK`` shard + with the fused step one shard gradient in flight and, from the first
+      step at which a disk chunk's gradient is final (the backward stager's first stage) to the
+      end of backward, :data:`DISK_STAGING` disk chunks' masters + state;
+    - **after backward** (the separate step; with the fused step, chunks stepped at the end of
+      backward): ``K`` + the last step's activations + the disk staging + one ``KK`` shard +
+      the shard gradient in flight.
+
+    Activations per step come from the tracer's per-op timeline (``profile.step_activations``);
+    without it every step is priced at the activation peak. Never more than the sum of the terms."""
+    total = sum(v for k, v in memory.items() if k != "frozen_shards")  # that one is inside placed_*
+    n = layout.n_sharded - layout.own
+    shard = layout.chunk_size // st.world if n else 0
+    n_disk = sum(k.on_disk for k in kinds)
+    n_kk = sum(k.shard_on_disk for k in kinds)
+    masters = min(n_disk, DISK_STAGING) * shard * st.disk_elem
+    pieces = 2 * min(DERIVED_SHARD_PIECE_ELEMENTS, shard) * MASTER_BYTES if n_kk else 0
+    kk = min(n_kk, DISK_SHARD_STAGING) * shard * st.elem
+    always = (total - memory["activations"] - memory["grad_buffers"] - memory["param_grad"]
+              - memory["grad_in_flight"] - memory["staging"] - memory.get("frozen_shards", 0) + pieces)
+    gif = memory["grad_in_flight"]
+    moments = [always + construction_staging_bytes(layout)]
+    act, largest = _step_tables(profile, st.elem)
+    n_steps = len(profile.steps)
+    bw = np.asarray([k == BACKWARD for k in profile.step_kinds], dtype=bool)
+    if not bw.any():
+        return total  # no traced backward: no timeline to place the terms on
+    first_bw = int(np.argmax(bw)) if bw.any() else n_steps
+    moments.append(always + int(act[:first_bw].max(initial=0)) + kk)  # forward
+    # gradient buffers open per step: the body chunks' spans, the rest (tied, ZeRO, replicated) at their peak
+    r, C = st.reduce_elem, layout.chunk_size
+    first, last = _backward_spans(profile, layout)
+    if layout.zero or layout.own:
+        open_bufs = np.full(n_steps, layout.grad_buffers, dtype=np.int64)
+    else:
+        delta = np.zeros(n_steps + 1, dtype=np.int64)
+        has = last >= 0
+        np.add.at(delta, first[has], 1)
+        np.add.at(delta, last[has] + 1, -1)
+        open_bufs = np.minimum(np.cumsum(delta)[:n_steps], layout.grad_buffers)
+    other_bufs = memory["grad_buffers"] - layout.grad_buffers * C * r
+    staged = np.zeros(n_steps, dtype=np.int64)
+    if n_disk and st.fused_step:
+        ready = [int(last[c]) for c, k in enumerate(kinds[: len(last)]) if k.on_disk and last[c] >= 0]
+        staged[min(ready) if ready else first_bw:] = masters
+    if first_bw < n_steps:
+        t = np.arange(first_bw, n_steps)
+        # a parameter's gradient is in the tracer's activations until AccumulateGrad takes it,
+        # and the runtime's hook (the reduction, the fused step) runs just before, so with the
+        # per-step timeline it is counted already; without it, the largest one the step uses
+        grads = 0 if profile.step_activations else np.minimum(largest[t] * st.elem, memory["param_grad"])
+        during = act[t] + grads + open_bufs[t] * C * r + other_bufs + staged[t]
+        moments.append(always + int(during.max()) + kk + gif)
+    moments.append(always + int(act[-1]) + masters + kk + gif)  # after backward
+    return min(total, max(moments))
 
 
 def per_chunk_fixed_time(st: Setting, shard: int) -> dict[ChunkPlacement, float]:
@@ -1010,12 +1134,22 @@ def price(
         breakdown["fused_step_hidden"] = -fused_hidden
         t_opt -= fused_hidden
     # every term once, device then host: they add up to device_bytes + host_bytes
-    memory = dict(fixed, placed_device=dev_var, process=st.process_bytes, placed_host=host - transient, staging=transient)
+    process = st.process_bytes - (st.heap_slack_bytes if any(k.on_disk for k in kinds + zero) else 0)
+    memory = dict(fixed, placed_device=dev_var, process=process, placed_host=host - transient, staging=transient)
     if layout.n_frozen:  # included in placed_device, or in the host (or disk) bytes
         memory["frozen_shards"] = fbytes
+    if unified_memory(hw):
+        # one pool: the terms peak at different moments of the step, so the pool's peak is the
+        # most live at once (timeline_peak), less than their sum; the difference is a host term
+        # of its own, so that the terms still add up to device_bytes + host_bytes
+        # (at most the host terms themselves, so that host_bytes stays a byte count)
+        apart = max(timeline_peak(profile, layout, st, kinds, memory) - sum(
+            v for k, v in memory.items() if k != "frozen_shards"), -(host + process))
+        memory["not_at_once"] = apart
+        host += apart
     return Evaluation(
         chunk_size=layout.chunk_size, blocks=blocks, prefetch_depth=depth, placements=tuple(placements),
-        device_bytes=sum(fixed.values()) + dev_var, host_bytes=host + st.process_bytes, disk_bytes=disk,
+        device_bytes=sum(fixed.values()) + dev_var, host_bytes=host + process, disk_bytes=disk,
         step_time=fb + t_opt, breakdown=breakdown, memory=memory, gathers=n_gathers, shard_shared=layout.own > 0,
         frozen_placement=frozen_where, zero=layout.zero,
     )

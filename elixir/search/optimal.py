@@ -34,6 +34,7 @@ from elixir.search.cost_model import (
     ALIGN,
     HOST_TERMS,
     OPTIMIZER_STATE_BYTES,
+    STEP_UNTRACKED_BYTES,
     Evaluation,
     Layout,
     MemoryPolicy,
@@ -138,7 +139,7 @@ class _Searcher:
     def __init__(self, profile: StepProfile, world: int, hardware: HardwareProfile, budgets: Budgets,
                  optimizer_type: str, overlap: bool, policy: MemoryPolicy, reduce_dtype: Optional[str],
                  grad_dtype: str = "float32", fused_step: bool = False, process_bytes: int = 0,
-                 body_sharding: str = "mixed") -> None:
+                 body_sharding: str = "mixed", heap_slack_bytes: int = 0) -> None:
         key = optimizer_type.lower()
         if key not in OPTIMIZER_STATE_BYTES:
             raise ValueError(f"optimizer_type {optimizer_type!r} not known; use one of {sorted(OPTIMIZER_STATE_BYTES)}")
@@ -154,6 +155,7 @@ class _Searcher:
             world=world, elem=_elem(profile.dtype), reduce_elem=_elem(reduce_dtype or profile.dtype),
             opt_bytes=OPTIMIZER_STATE_BYTES[key], hardware=hardware.per_rank(hardware.ranks_per_node(world)),
             dtype=profile.dtype, grad_elem=_elem(grad_dtype), fused_step=fused_step, process_bytes=int(process_bytes),
+            heap_slack_bytes=min(int(heap_slack_bytes), int(process_bytes)),
         )
         self.optimizer_type = optimizer_type
         self.reduce_dtype = reduce_dtype
@@ -175,7 +177,8 @@ class _Searcher:
         kw = dict(profile=self.profile, world=self.world, hardware=self.hw, budgets=self.budgets,
                   optimizer_type=self.optimizer_type, overlap=self.overlap, policy=self.policy,
                   reduce_dtype=self.reduce_dtype, grad_dtype=self.grad_dtype, fused_step=self.fused_step,
-                  process_bytes=self.setting.process_bytes, body_sharding=self.body_sharding)
+                  process_bytes=self.setting.process_bytes, body_sharding=self.body_sharding,
+                  heap_slack_bytes=self.setting.heap_slack_bytes)
         return _Searcher(**{**kw, **changes})
 
     def layout(self, c: int, shard_shared: bool = False, zero: int = 0) -> Layout:
@@ -420,6 +423,7 @@ def search_profile(
     hardware_choice: Optional[str] = None,
     process_bytes: int = 0,
     body_sharding: str = "mixed",
+    heap_slack_bytes: int = 0,
 ) -> SearchResult:
     """The search proper, on a ready :class:`StepProfile` (``optimal_search`` traces, then calls this).
 
@@ -439,7 +443,9 @@ def search_profile(
     with ``fused_step`` assumes no ``max_norm`` clipping: pass ``fused_step=False`` if you clip.
 
     ``process_bytes``: host bytes the training process holds outside elixir and the model (counted
-    in the host prediction and against the host budget).
+    in the host prediction and against the host budget). ``heap_slack_bytes``: the part of it that
+    is the activations' heap slack of a step under :func:`elixir.device.keep_host_memory`, which a
+    plan with disk chunks (run under :func:`elixir.device.return_host_memory`) does not hold.
 
     ``body_sharding``: ``"mixed"`` (default) lets each body chunk be sharded (ZeRO-3) or ZeRO-1/2;
     ``"sharded"`` or ``"zero"`` keep them all one way (to compare a mixed plan with the pure ones
@@ -460,7 +466,7 @@ def search_profile(
     rd = None if reduce_dtype is None else dtype_name(reduce_dtype)
     g0 = "float32" if grad_dtype is None else dtype_name(grad_dtype)
     s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, g0, bool(fused_step), process_bytes,
-                  body_sharding)
+                  body_sharding, heap_slack_bytes)
     found, error = None, None
     try:
         found = s.run()
@@ -472,7 +478,7 @@ def search_profile(
                                  for p in found[0].placements)
     if binds and (lean_grad, lean_fused) != (g0, bool(fused_step)):
         lean = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, lean_grad, lean_fused,
-                         process_bytes, body_sharding)
+                         process_bytes, body_sharding, heap_slack_bytes)
         try:
             other = lean.run()
         except DoesNotFitError as e:  # the leanest configuration's suggestions are the useful ones
@@ -703,7 +709,19 @@ def optimal_search(
         grad_dtype=grad_dtype, fused_step=fused_step,
         process_bytes=_process_bytes(model, profile.activation_bytes) if process_bytes is None else int(process_bytes),
         body_sharding=body_sharding,
+        heap_slack_bytes=activation_heap_slack(profile.activation_bytes) if process_bytes is None else 0,
     )
+
+
+def activation_heap_slack(activation_bytes: int) -> int:
+    """The part of :func:`_process_bytes`'s step term that is the activations' heap slack under
+    :func:`elixir.device.keep_host_memory` (where activations are in host RAM): what a plan that
+    streams chunks from disk, run under :func:`elixir.device.return_host_memory` (blocks of 4 MiB
+    and more mapped on their own and given back when freed), does not hold. Measured there with
+    bench/memory_breakdown.py at each training peak: at most 50 MiB beyond the live bytes at
+    0.12-0.44B, within :data:`~elixir.search.cost_model.STEP_UNTRACKED_BYTES`."""
+    on_host = not dev.is_accelerator(dev.default_device())
+    return step_untracked_bytes(activation_bytes, on_host) - STEP_UNTRACKED_BYTES
 
 
 def _process_bytes(model: nn.Module, activation_bytes: int = 0) -> int:

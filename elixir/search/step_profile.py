@@ -49,6 +49,12 @@ class StepProfile:
         op_costs: the tracer's per-op FLOP/byte/op-count histograms (None without the tracer);
             the cost model's compute time comes from these when present.
         info: how it was made (traced layers, checkpointing, ...).
+        step_activations: per step, the most activation bytes live from the op before its hook
+            fired to the op before the next step's (the tracer's per-op timeline, so the peak of
+            each stretch of the step); empty when unknown (then every step is priced at
+            ``activation_bytes``). The cost model's timeline (:func:`~elixir.search.cost_model.
+            timeline_peak`) uses it to tell which activations are still live while disk chunks
+            stage during backward.
     """
 
     params: tuple[tuple[str, tuple[int, ...]], ...]
@@ -64,10 +70,13 @@ class StepProfile:
     dtype: str = "float32"
     op_costs: Optional[OpCosts] = None
     info: dict[str, Any] = field(default_factory=dict)
+    step_activations: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.steps) != len(self.step_kinds):
             raise ValueError("steps and step_kinds must have the same length")
+        if self.step_activations and len(self.step_activations) != len(self.steps):
+            raise ValueError("step_activations must have one entry per step (or none)")
 
     @property
     def numel(self) -> dict[str, int]:
@@ -216,7 +225,22 @@ def profile_step(
         buffer_bytes=int(occ["buffer_occ"]), matmul_param_numel=_matmul_numel(model, alias),
         tokens=_tokens(inp), dtype=dtype_name(dtype), op_costs=prof.op_costs,
         info={"source": "tracer", "phase_peaks": occ.get("phase_peaks", {})},
+        step_activations=_step_activations([s.op_index for s in prof.order.steps], prof.timeline_activation),
     )
+
+
+def _step_activations(starts: Sequence[int], act: Sequence[int]) -> tuple[int, ...]:
+    """Per step (its hook fired before op ``starts[t]``), the most activation bytes of the ops
+    from the one before the hook to the one before the next step's hook (the last step runs to the
+    end of the timeline; the ops before the first hook count with the first step)."""
+    if not starts or not act:
+        return ()
+    n, out = len(act), []
+    for t, lo in enumerate(starts):
+        lo = 0 if t == 0 else max(0, min(lo, n) - 1)
+        hi = n if t + 1 == len(starts) else min(max(starts[t + 1], lo + 1), n)
+        out.append(int(max(act[lo:hi], default=0)))
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
