@@ -164,6 +164,7 @@ class _Searcher:
         self.body_sharding = body_sharding
         self.usable = policy.usable(budgets.device, budgets.host, budgets.disk)
         self._layouts: dict[tuple[int, bool, int], Layout] = {}
+        self.rejected = 0  # candidates the budgets ruled out in the last run
 
     @property
     def tied_modes(self) -> tuple[bool, ...]:
@@ -219,8 +220,11 @@ class _Searcher:
         return False
 
     def run(self) -> tuple[Evaluation, list[Evaluation], int]:
+        """Score every candidate; return the fastest that fits, all that fit, and how many were
+        scored. ``self.rejected`` counts the candidates the budgets ruled out."""
         results: list[Evaluation] = []
         scored = 0
+        self.rejected = 0
         for c in chunk_size_candidates(self.profile, self.world):
             for tied in self.tied_modes:
                 for lay in self.layouts(c, tied):
@@ -235,6 +239,8 @@ class _Searcher:
                             if ev is not None:
                                 results.append(ev)
                                 ev_any = ev
+                            else:
+                                self.rejected += 1
                         if ev_any is None and b > 0:
                             break  # more blocks only need more memory
         if self.world > 1:  # every chunk replicated (data parallel), where the memory allows it
@@ -244,6 +250,8 @@ class _Searcher:
                 ev = self.evaluate(twin, twin.min_blocks if twin.n_frozen else 0, 0)  # frozen chunks stay sharded
                 if ev is not None:
                     results.append(ev)
+                else:
+                    self.rejected += 1
         if not results:
             raise self.no_fit_error()
         results.sort(key=lambda e: (e.step_time, e.device_bytes))
@@ -474,8 +482,13 @@ def search_profile(
         error = e
     lean_grad = profile.dtype if grad_dtype is None and profile.dtype in ("bfloat16", "float16") else g0
     lean_fused = profile.dtype != "float16" if fused_step is None else fused_step
-    binds = found is None or any(p not in (DD, RD) and not (p.zero and p.optim is Placement.DEVICE)
-                                 for p in found[0].placements)
+    # Memory binds when the budgets ruled out any candidate: the plan found may then shard or
+    # offload what a larger budget would not, and the leaner configuration may be faster. (Only
+    # offloading placements in the plan found used to count: a budget that made the search shard
+    # chunks it would have replicated, all still on the device, never tried the fused step, and
+    # the mixed search came out slower than the pure ZeRO-1/2 one on the same budget, which did.)
+    binds = found is None or s.rejected > 0 or any(p not in (DD, RD) and not (p.zero and p.optim is Placement.DEVICE)
+                                                   for p in found[0].placements)
     if binds and (lean_grad, lean_fused) != (g0, bool(fused_step)):
         lean = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, lean_grad, lean_fused,
                          process_bytes, body_sharding, heap_slack_bytes)
