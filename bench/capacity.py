@@ -143,6 +143,7 @@ def _build_lora(system: str, cfg, offload: str, mem_cap: int):
                                   f"el on {where}, {len(plan.chunks)} trainable chunks, predicted peak "
                                   f"{(plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes) / GIB:.2f} GiB"}),
               flush=True)
+        _print_predicted_peak(plan)
         em = ElixirModule(model, plan, dtype=torch.bfloat16, offload_dir=offload)
         return em, ElixirOptimizer(em, torch.optim.AdamW([p for p in em.parameters() if p.requires_grad], lr=lr))
     raise ValueError(system)
@@ -316,9 +317,16 @@ def _build(system: str, cfg, offload: str, mem_cap: int):
                                   f"{(plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes) / GIB:.2f} GiB "
                                   f"(+{plan.prediction.peak_disk_bytes / GIB:.1f} GiB disk), step "
                                   f"{plan.prediction.step_time_s:.1f} s"}), flush=True)
+        _print_predicted_peak(plan)
         em = ElixirModule(model, plan, dtype=torch.bfloat16, offload_dir=offload)
         return em, ElixirOptimizer(em, HybridAdam(em.parameters(), lr=1e-4))
     raise ValueError(system)
+
+
+def _print_predicted_peak(plan) -> None:
+    """The plan's predicted peak (device + host: one pool on a CPU box), for the driver to set
+    beside the trial's measured peak (issue 21: measured <= predicted, within 10%)."""
+    print(json.dumps({"predicted_peak": plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes}), flush=True)
 
 
 def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: int, offload: str, mem_cap: int) -> dict:
@@ -448,22 +456,35 @@ def run_trial(args, system: str, rung: tuple[int, int]) -> dict:
         shutil.rmtree(offload, ignore_errors=True)
     with open(log + ".out") as fo, open(log + ".err") as fe:
         out, err = fo.read(), fe.read()
-    if killed:
-        _drop_build_locks(since=t0)
-        return {"ok": False, "reason": (f"killed: RSS passed the {args.mem_cap:g} GiB cap" if killed == "memory"
-                else f"killed after {args.timeout:g} s") + f" (log: {log}.err)", "peak_rss": peak}
-    result, notes = None, []
+    result, notes, predicted = None, [], None
     for line in out.splitlines():
         if line.startswith("{"):
             d = json.loads(line)
             if "note" in d:
                 notes.append(d["note"])
+            elif "predicted_peak" in d:
+                predicted = d["predicted_peak"]
             else:
                 result = d
+    if killed:
+        _drop_build_locks(since=t0)
+        return {"ok": False, "reason": (f"killed: RSS passed the {args.mem_cap:g} GiB cap" if killed == "memory"
+                else f"killed after {args.timeout:g} s") + f" (log: {log}.err)", "peak_rss": peak,
+                "predicted_peak": predicted, "notes": notes}
     if result is None:
-        return {"ok": False, "reason": _exception_line(err)[:300] + f" (log: {log}.err)", "peak_rss": peak, "notes": notes}
+        return {"ok": False, "reason": _exception_line(err)[:300] + f" (log: {log}.err)", "peak_rss": peak, "notes": notes,
+                "predicted_peak": predicted}
     result["notes"] = notes
+    result["predicted_peak"] = predicted
     return result
+
+
+def _against_prediction(r: dict) -> str:
+    """``measured / predicted`` peak of a trial whose plan predicted one (elixir's), else ""."""
+    pred, peak = r.get("predicted_peak"), r.get("peak_rss", 0)
+    if not pred or not peak:
+        return ""
+    return f"{peak / GIB:.2f} / {pred / GIB:.2f} GiB = {peak / pred:.3f}"
 
 
 def search(args, system: str, ladder: list) -> dict:
@@ -472,7 +493,9 @@ def search(args, system: str, ladder: list) -> dict:
         mid = (lo + hi) // 2
         r = run_trial(args, system, ladder[mid])
         r["rung"] = ladder[mid]
-        print(f"  {SYSTEMS[system]}: {ladder[mid]} -> {'ok' if r['ok'] else 'FAIL: ' + r['reason']}", flush=True)
+        vs = _against_prediction(r)
+        print(f"  {SYSTEMS[system]}: {ladder[mid]} -> {'ok' if r['ok'] else 'FAIL: ' + r['reason']}"
+              + (f" (peak RSS measured / predicted: {vs})" if vs else ""), flush=True)
         if r["ok"]:
             best, lo = r, mid + 1
         else:
@@ -542,17 +565,18 @@ def _report(results: dict, args) -> None:
     from rich.table import Table
 
     t = Table(title=f"Largest LLaMA-style model trained (batch 1, seq {args.seq}, {args.steps} steps, cap {args.mem_cap:.1f} GiB)")
-    for col in ("system", "largest", "params", "step (s)", "peak RSS", "disk read/step", "disk written/step", "stopped by"):
+    for col in ("system", "largest", "params", "step (s)", "peak RSS", "measured / predicted", "disk read/step",
+                "disk written/step", "stopped by"):
         t.add_column(col)
     for s, r in results.items():
         b, f = r["best"], r["first_fail"]
         why = (f or {}).get("reason", "the ladder's top") if f else "the ladder's top"
         if b is None:
-            t.add_row(SYSTEMS[s], "none", "", "", "", "", "", why)
+            t.add_row(SYSTEMS[s], "none", "", "", "", "", "", "", why)
             continue
         h, layers = b["rung"]
         t.add_row(SYSTEMS[s], f"h{h} L{layers}", _count(n_params(h, layers, args.vocab)), f"{b['step_s']:.2f}",
-                  f"{b['peak_rss'] / GIB:.2f} GiB", f"{b['read_per_step'] / GIB:.2f} GiB",
+                  f"{b['peak_rss'] / GIB:.2f} GiB", _against_prediction(b), f"{b['read_per_step'] / GIB:.2f} GiB",
                   f"{b['written_per_step'] / GIB:.2f} GiB", why)
     console = Console(width=max(140, Console().width))
     console.print(t)
