@@ -267,6 +267,12 @@ def _faults_outside_the_step(offload_dir: str) -> dict:
     out["forward_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
     _step(em, eo, 1)  # the disk works again: training goes on, every rank in step
     out["forward_then_step"] = em.iteration
+    for f in faulty:  # a state dict (a checkpoint's gather) reading a disk chunk
+        f.arm()
+    out["state_dict"] = _outcome(em.state_dict)
+    for f in faulty:
+        f.armed = False
+    out["state_dict_after"] = len(em.state_dict())
     for store in (em.disk_store, em.shard_store):
         if store is not None:
             store.close()
@@ -316,6 +322,9 @@ def test_disk_faults_outside_the_step_stop_every_rank(tmp_path):
         assert "rank 1's offload disk failed (step 2, forward: reading chunk" in msg and "restart from the last checkpoint" in msg, msg
         assert seconds < 10, r
         assert r["forward_unchanged"] and r["forward_then_step"] == 3, r
+        name, msg, faulty, seconds = r["state_dict"]  # every rank stops before the gather, names rank 1
+        assert name == "DiskFault" and faulty == 1 and "for a state dict after step 3" in msg and seconds < 10, r
+        assert r["state_dict_after"] > 0, r
         # (2) the fused step: every rank stops in backward at the same point, names rank 1
         name, msg, faulty, seconds = r["fused"]
         assert name == "DiskFault" and faulty == 1 and "fused backward-and-step" in msg, r

@@ -9,7 +9,7 @@ publishes ZeRO-1/2 chunks' slices into their whole payloads.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -24,14 +24,34 @@ class StateDictMismatch(RuntimeError):
     """A state dict's keys or shapes do not match the wrapped model."""
 
 
+def _read_on_every_rank(em: ElixirModule, chunk, read: Callable[[], torch.Tensor], on_disk: bool) -> torch.Tensor:
+    """``read()`` this rank's part of ``chunk``; where it comes from disk, every rank raises
+    :class:`~elixir.distributed.DiskFault` if any rank's read failed (else the others would wait
+    in the gather that follows). Nothing changes on a failed read."""
+    if not on_disk:
+        return read()
+    error, mine = None, None
+    try:
+        mine = read()
+    except OSError as e:
+        error = e
+    edist.agree_on_disk_fault(error, em.group, f"reading chunk {chunk.index} for a state dict after step {em.iteration}",
+                              "; nothing changed: fix the disk and try again")
+    return mine
+
+
 def chunk_values(em: ElixirModule, chunk) -> torch.Tensor:
     """The full fp32 values of ``chunk`` (gathered from the masters), on CPU; a frozen chunk's
     values in its own (compute) dtype, gathered from its shards."""
     if chunk.spec.frozen:
         return frozen_values(em, chunk)
     full = torch.empty(chunk.spec.capacity, dtype=torch.float32, device=em.device)
-    with staged(em.disk_store, [chunk.index], write_back=False):  # a disk master: read, not written
-        mine = chunk.master.to(em.device, torch.float32, copy=True)
+
+    def read() -> torch.Tensor:
+        with staged(em.disk_store, [chunk.index], write_back=False):  # a disk master: read, not written
+            return chunk.master.to(em.device, torch.float32, copy=True)
+
+    mine = _read_on_every_rank(em, chunk, read, chunk.spec.master_on_disk)
     if chunk.spec.state_sharded:
         edist.all_gather_into(full, mine, em.group)
     else:
@@ -42,8 +62,12 @@ def chunk_values(em: ElixirModule, chunk) -> torch.Tensor:
 def frozen_values(em: ElixirModule, chunk) -> torch.Tensor:
     """The full values of the frozen ``chunk``, in its dtype, on CPU (one all-gather)."""
     full = torch.empty(chunk.spec.capacity, dtype=chunk.spec.dtype, device=em.device)
-    with chunk.shard_access(write=False) as shard:  # a disk shard: read in for the gather
-        mine = shard.to(em.device, copy=True)
+
+    def read() -> torch.Tensor:
+        with chunk.shard_access(write=False) as shard:  # a disk shard: read in for the gather
+            return shard.to(em.device, copy=True)
+
+    mine = _read_on_every_rank(em, chunk, read, chunk.spec.shard_on_disk)
     if chunk.spec.sharded:
         edist.all_gather_into(full, mine, em.group)
     else:
