@@ -414,11 +414,11 @@ def keep_host_memory() -> bool:
     return ok
 
 
-STREAMING_MMAP_THRESHOLD = 4 << 20  # blocks from this size on are mapped on their own (return_host_memory)
+STREAMING_MMAP_THRESHOLD = 1 << 20  # blocks from this size on are mapped on their own (return_host_memory)
 
 
 def return_host_memory() -> bool:
-    """Ask glibc's malloc to give blocks of :data:`STREAMING_MMAP_THRESHOLD` (4 MiB) and more
+    """Ask glibc's malloc to give blocks of :data:`STREAMING_MMAP_THRESHOLD` (1 MiB) and more
     back to the OS as soon as they are freed: the policy for a process that streams chunks
     from disk, the opposite of :func:`keep_host_memory`.
 
@@ -428,7 +428,12 @@ def return_host_memory() -> bool:
     the heap, and the holes their churn leaves beside longer-lived blocks stay resident. Measured
     (bench/memory_breakdown.py, 119M LLaMA, 8.7M-element chunks with optimizer state on disk,
     world 1): 0.31 GiB resident at the peak of backward beyond the live bytes against 0.16 GiB
-    with this fixed threshold (which also stops the raise); peak RSS 1.03 against 0.91 GiB.
+    with a fixed 4 MiB threshold (which also stops the raise); peak RSS 1.03 against 0.91 GiB.
+    4 MiB was not low enough once the activations themselves are a few MiB each: a bf16 hidden
+    state at hidden 6144 and sequence 256 is 3 MiB, and a LoRA step's transients of that size
+    left holes in the heap that grew with the layers (PEFT LoRA on LLaMA 6144 with frozen chunks
+    on disk, world 1: 0.105 / 0.175 GiB free in the heap at the peak with 1 / 2 layers; 0.003 /
+    0.004 GiB with 1 MiB, RSS then the live bytes: 1.59 / 1.66 GiB peak against 1.66 / 1.80).
     Costs a page fault per 4 KiB of each such block on every allocation (about 2 GB/s), small
     beside the disk transfers of these plans. Process-wide; returns False where it does not apply
     (not glibc) or when ``ELIXIR_RETURN_HOST_MEMORY=0``."""

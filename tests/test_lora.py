@@ -524,3 +524,74 @@ def test_search_counts_heap_slack_in_proportion_to_host_activations(monkeypatch)
     else:
         assert large - small >= cost_model.HEAP_SLACK_PER_ACTIVATION_BYTE * (4 << 30) - (128 << 20)
         assert large - small >= 0.6 * (4 << 30)
+
+
+def _lora_disk_step_peak(tmp: str, hidden: int, layers: int, cap: float) -> dict:
+    """Capacity system (h) in small: PEFT LoRA r=8 on every projection of a bf16 LLaMA built on
+    meta, planned by optimal_search under a one-pool RAM cap that puts every frozen chunk on disk,
+    three steps of AdamW; the step's peak RSS (VmHWM, reset after the build) beside the plan's
+    prediction, and the ledger's peaks beside the predicted terms."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from elixir import device as dev
+    from elixir.search import optimal_search
+
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 64 * 64, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128, vocab_size=32000,
+                      max_position_embeddings=512, tie_word_embeddings=False)
+    with torch.device("meta"):
+        base = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).train()
+    ids = torch.randint(0, cfg.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
+
+    def step_fn(m, b):
+        m(input_ids=b["input_ids"], labels=b["input_ids"]).loss.backward()
+
+    budget = int(cap * 2**30)
+    plan = optimal_search(model, 1, unified_dtype=torch.bfloat16, optimizer_type="AdamW", inp={"input_ids": ids},
+                          step_fn=step_fn, device_memory=budget, host_memory=budget, disk=4 << 30)
+    em = ElixirModule(model, plan, dtype=torch.bfloat16, offload_dir=tmp)
+    opt = ElixirOptimizer(em, torch.optim.AdamW([p for p in em.parameters() if p.requires_grad], lr=1e-3))
+    dev.release_free_host_memory()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM back to the current RSS: the training steps' peak only
+    em.reset_peak_memory()
+    losses, heap_free = [], []
+    for _ in range(3):
+        loss = em(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        heap_free.append(dev.host_allocator_stats().get("heap_free_bytes", 0))
+    pred = plan.prediction
+    L = em.ledger
+    return {"peak": dev.peak_rss_bytes(), "predicted": pred.peak_device_bytes + pred.peak_host_bytes,
+            "terms": plan.info["predicted_memory"], "losses": losses, "heap_free": heap_free,
+            "frozen_where": {c.shard_placement.value for c in plan.frozen_chunks},
+            "trainable_where": {(c.shard_placement.value, c.optim_placement.value) for c in plan.chunks},
+            "blocks": plan.cache_blocks, "frozen_chunks": len(plan.frozen_chunks),
+            "ledger": {"gathered": L.bytes("gathered", peak=True), "frozen_host": L.bytes("frozen_shard", "host", peak=True),
+                       "frozen_device": L.bytes("frozen_shard", "device", peak=True), "frozen_now": L.bytes("frozen_shard")}}
+
+
+@pytest.mark.dist
+def test_lora_plan_with_the_base_on_disk_stays_under_its_predicted_peak(tmp_path):
+    # issue 19: the 20.33B LoRA capacity run (hidden 6144, every frozen chunk on disk) peaked at
+    # 11.24 GiB against 10.73 predicted. Its plan streams from disk, yet the runtime kept glibc's
+    # heap as for a plan that does not (only trainable disk chunks counted): a 32 MiB mmap
+    # threshold and no trim, so the few-MiB activation temporaries of large hidden sizes left holes
+    # in the heap (2x the activations at hidden 6144, growing step after step), beyond the heap
+    # slack the search counts. Here (hidden 4096, 1 layer) the old runtime peaked at 1.427 GiB against
+    # 1.411 predicted; now the heap holds no slack after backward and the peak is the live bytes.
+    got = run_distributed(_lora_disk_step_peak, 1, str(tmp_path), 4096, 1, 1.6, timeout=600, threads_per_rank=2)[0]
+    assert got["frozen_where"] == {"disk"} and got["trainable_where"] == {("device", "device")}, got
+    assert got["losses"][-1] < got["losses"][0], got
+    assert got["peak"] <= got["predicted"], got
+    assert max(got["heap_free"]) <= 64 << 20, got  # trimmed after each backward
+    # the search's terms are what the ledger booked at its peak: the rCache full, one frozen
+    # shard staged from disk at a time (the plan's only host bytes), nothing frozen resident
+    t, led = got["terms"], got["ledger"]
+    assert led["gathered"] == t["rcache"] > 0, got
+    assert led["frozen_host"] == t["placed_host"] > 0 and led["frozen_device"] == led["frozen_now"] == 0, got

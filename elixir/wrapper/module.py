@@ -194,12 +194,18 @@ class ElixirModule(nn.Module):
         self.fused_kernels = apply_fused_kernels(module) if use_fused_kernels else []
         self.prefetch = prefetch
         self.device = dev.default_device()
-        if not any(cp.optim_placement is Placement.DISK for cp in search_result.chunks):
+        # Streaming from disk: optimizer state, or frozen shards read at each gather (a LoRA plan
+        # whose base is on disk has no trainable disk chunk, and was kept out of this until
+        # issue 19 found its heap slack 2x the activations at hidden 6144: peak RSS above the
+        # prediction, growing step after step).
+        self.streams_from_disk = (any(cp.optim_placement is Placement.DISK for cp in search_result.chunks)
+                                  or any(cp.shard_placement is Placement.DISK for cp in search_result.frozen_chunks))
+        if not self.streams_from_disk:
             # reuse freed host memory: no page faults per gathered chunk and gradient buffer. Not
             # with disk chunks: their staging buffers churn through malloc's heap, and the holes
             # they leave made the peak RSS exceed every count of the bytes in use (issue 21).
             dev.keep_host_memory()
-        else:  # and give the larger freed blocks back at once (the search counts live bytes only)
+        else:  # give freed blocks back at once (the search counts live bytes), and trim after backward
             dev.return_host_memory()
         self.ledger = MemoryLedger(memory_limit)
         self.streams = dev.SideStreams(self.device)  # gather / reduce / copy streams of every chunk
@@ -616,6 +622,10 @@ class ElixirModule(nn.Module):
             self._unwind_forward()
             self.cache.release_all()
             self._settle_reductions()
+            if self.streams_from_disk:
+                # backward freed the activations: hand the heap's free pages back now, so the holes
+                # they leave are not resident beside the next step's (the search counts live bytes)
+                dev.release_free_host_memory()
         finally:
             tracker.move(TrainingState.IDLE)
 
