@@ -526,15 +526,10 @@ def test_search_counts_heap_slack_in_proportion_to_host_activations(monkeypatch)
         assert large - small >= 0.6 * (4 << 30)
 
 
-def _lora_disk_step_peak(tmp: str, hidden: int, layers: int, cap: float) -> dict:
-    """Capacity system (h) in small: PEFT LoRA r=8 on every projection of a bf16 LLaMA built on
-    meta, planned by optimal_search under a one-pool RAM cap that puts every frozen chunk on disk,
-    three steps of AdamW; the step's peak RSS (VmHWM, reset after the build) beside the plan's
-    prediction, and the ledger's peaks beside the predicted terms."""
+def _meta_lora_llama(hidden: int, layers: int):
+    """bench/capacity.py's LoRA model: a bf16 LLaMA (vocab 32000) built on meta, PEFT LoRA r=8 on
+    every projection; with a batch of one 256-token sequence and the step function."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from elixir import device as dev
-    from elixir.search import optimal_search
 
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 64 * 64, num_hidden_layers=layers,
                       num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128, vocab_size=32000,
@@ -548,6 +543,18 @@ def _lora_disk_step_peak(tmp: str, hidden: int, layers: int, cap: float) -> dict
     def step_fn(m, b):
         m(input_ids=b["input_ids"], labels=b["input_ids"]).loss.backward()
 
+    return model, ids, step_fn
+
+
+def _lora_disk_step_peak(tmp: str, hidden: int, layers: int, cap: float) -> dict:
+    """Capacity system (h) in small: PEFT LoRA r=8 on every projection of a bf16 LLaMA built on
+    meta, planned by optimal_search under a one-pool RAM cap that puts every frozen chunk on disk,
+    three steps of AdamW; the step's peak RSS (VmHWM, reset after the build) beside the plan's
+    prediction, and the ledger's peaks beside the predicted terms."""
+    from elixir import device as dev
+    from elixir.search import optimal_search
+
+    model, ids, step_fn = _meta_lora_llama(hidden, layers)
     budget = int(cap * 2**30)
     plan = optimal_search(model, 1, unified_dtype=torch.bfloat16, optimizer_type="AdamW", inp={"input_ids": ids},
                           step_fn=step_fn, device_memory=budget, host_memory=budget, disk=4 << 30)
@@ -595,3 +602,27 @@ def test_lora_plan_with_the_base_on_disk_stays_under_its_predicted_peak(tmp_path
     t, led = got["terms"], got["ledger"]
     assert led["gathered"] == t["rcache"] > 0, got
     assert led["frozen_host"] == t["placed_host"] > 0 and led["frozen_device"] == led["frozen_now"] == 0, got
+
+
+
+def test_predicted_peak_keeps_what_is_always_live_with_the_base_on_disk():
+    # The one-pool timeline (cost_model.timeline_peak) took the frozen shards, which its total
+    # already leaves out (they are inside placed_*, or on disk), off the bytes live at every
+    # moment a second time: a LoRA plan at hidden 6144 with its base on disk was predicted
+    # 0.90 GiB and peaked at 1.59 (its rCache and staged frozen shard alone are 1.10).
+    from elixir.hardware import load_profile
+    from elixir.search import DoesNotFitError, optimal_search
+
+    model, ids, step_fn = _meta_lora_llama(1024, 2)
+    kw = dict(hardware=load_profile("cpu-box"), unified_dtype=torch.bfloat16, optimizer_type="AdamW",
+              inp={"input_ids": ids}, step_fn=step_fn, process_bytes=256 << 20, disk=4 << 30)
+    try:  # the least one-pool budget that plans: the base goes to disk
+        optimal_search(model, 1, device_memory=1, host_memory=1, **kw)
+        raise AssertionError("a 1-byte budget fitted")
+    except DoesNotFitError as e:
+        need = e.needs.get("memory") or max(e.needs.get("host_memory", 0), e.needs.get("device_memory", 0))
+    plan = optimal_search(model, 1, device_memory=need, host_memory=need, **kw)
+    t = plan.info["predicted_memory"]
+    always = t["process"] + t["rcache"] + t["placed_device"] + t["placed_host"] + t["buffers"] + t["replicated"]
+    assert plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes >= always + t["activations"] // 2, t
+    assert {c.shard_placement.value for c in plan.frozen_chunks} == {"disk"}, plan

@@ -616,7 +616,7 @@ def timeline_peak(profile: StepProfile, layout: Layout, st: Setting, kinds: Sequ
     pieces = 2 * min(DERIVED_SHARD_PIECE_ELEMENTS, shard) * MASTER_BYTES if n_kk else 0
     kk = min(n_kk, DISK_SHARD_STAGING) * shard * st.elem
     always = (total - memory["activations"] - memory["grad_buffers"] - memory["param_grad"]
-              - memory["grad_in_flight"] - memory["staging"] - memory.get("frozen_shards", 0) + pieces)
+              - memory["grad_in_flight"] - memory["staging"] + pieces)  # frozen_shards: left out of total
     gif = memory["grad_in_flight"]
     moments = [always + construction_staging_bytes(layout)]
     act, largest = _step_tables(profile, st.elem)
@@ -1134,7 +1134,10 @@ def price(
         breakdown["fused_step_hidden"] = -fused_hidden
         t_opt -= fused_hidden
     # every term once, device then host: they add up to device_bytes + host_bytes
-    process = st.process_bytes - (st.heap_slack_bytes if any(k.on_disk for k in kinds + zero) else 0)
+    # a plan that streams from disk (optimizer state, or frozen shards: the runtime's rule,
+    # ElixirModule.streams_from_disk) runs under return_host_memory and trims after backward
+    streams = any(k.on_disk for k in kinds + zero) or (frozen_where is Placement.DISK and layout.n_frozen > 0)
+    process = st.process_bytes - (st.heap_slack_bytes if streams else 0)
     memory = dict(fixed, placed_device=dev_var, process=process, placed_host=host - transient, staging=transient)
     if layout.n_frozen:  # included in placed_device, or in the host (or disk) bytes
         memory["frozen_shards"] = fbytes
