@@ -85,7 +85,10 @@ def _check_input_devices(args, kwargs, device: torch.device) -> None:
         if isinstance(v, dict):
             values.extend(v.values())
     for v in values:
-        if isinstance(v, torch.Tensor) and (v.device.type == "meta" or (v.device.type != "cpu" and v.device != device)):
+        if not isinstance(v, torch.Tensor):
+            continue
+        elsewhere = v.device.type != device.type or (device.index is not None and v.device.index != device.index)
+        if v.device.type == "meta" or (v.device.type != "cpu" and elsewhere):
             raise ValueError(
                 f"elixir: an input tensor {tuple(v.shape)} is on {v.device}, but the model computes on {device}: "
                 f"move the batch there first (tensor.to({str(device)!r}))"
