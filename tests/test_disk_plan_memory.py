@@ -150,3 +150,25 @@ def test_all_disk_plan_prediction_is_what_is_live_at_once_not_every_term_at_its_
         s.close()
     assert live <= predicted <= 1.1 * live, (live, predicted, summed, ev.memory)
     assert summed > 1.1 * live, (live, summed)  # the old prediction: every term at its own peak
+
+
+def test_disk_plan_counts_its_own_heap_slack_not_keep_host_memorys():
+    """A plan with disk chunks runs under device.return_host_memory (blocks of 4 MiB and more
+    mapped on their own), so its process term holds the smaller heap slack of
+    disk_plan_step_untracked_bytes; a plan without keeps keep_host_memory's (issue 19)."""
+    from elixir.search import cost_model
+
+    act = 1 << 30
+    keep, disk = cost_model.step_untracked_bytes(act, True), cost_model.disk_plan_step_untracked_bytes(act, True)
+    assert cost_model.STEP_UNTRACKED_BYTES <= disk < keep
+    assert cost_model.disk_plan_step_untracked_bytes(act, False) == cost_model.step_untracked_bytes(act, False)
+    with torch.device("meta"):
+        model = build_model(MODEL)
+    on_disk = _plan(model, Placement.DEVICE)
+    resident = dataclasses.replace(on_disk, chunks=tuple(dataclasses.replace(c, optim_placement=Placement.DEVICE)
+                                                         for c in on_disk.chunks))
+    st = Setting(world=1, elem=2, reduce_elem=2, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="bfloat16",
+                 process_bytes=1 << 30, heap_slack_bytes=keep - disk)
+    prof = profile_from_module(model)
+    assert evaluate_plan(prof, on_disk, st).memory["process"] == (1 << 30) - (keep - disk)
+    assert evaluate_plan(prof, resident, st).memory["process"] == 1 << 30

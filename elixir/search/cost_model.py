@@ -42,8 +42,15 @@ that fits. A sharded tied chunk keeps its shard and optimizer state on the devic
 - a safety margin (:class:`MemoryPolicy`) is held back from each budget for allocator
   fragmentation and workspaces that the tracer does not see.
 
-The activation peak, cache, gradient buffers and shards are summed (an upper bound: the activation
-peak and the gradient-buffer peak need not coincide).
+Each term is counted at its own peak. Where device and host are one pool (a CPU box) the pool's
+peak is not their sum but the most live at one moment: :func:`timeline_peak` walks the traced
+steps (construction; each forward step with its activations and a ``KK`` gather's shard; each
+backward step with its activations, the gradient buffers then open and, from the first disk
+chunk whose gradient is final on, the fused step's disk staging; after backward) and
+``memory["not_at_once"]`` (a host term, <= 0) is the difference. A plan with disk chunks counts
+the activations' heap slack of :func:`disk_plan_step_untracked_bytes` instead of
+:func:`step_untracked_bytes` (``Setting.heap_slack_bytes``): it runs under
+:func:`elixir.device.return_host_memory`.
 
 **Time, per step** (seconds): compute (``flops`` over the profile's measured training
 throughput at that size, or its matmul throughput) + all-gathers (one per simulated
@@ -115,6 +122,23 @@ STEP_UNTRACKED_BYTES = 96 << 20
 # step peaked 0.1-0.3 GiB above its prediction).
 HEAP_SLACK_PER_ACTIVATION_BYTE = 0.85
 STEP_GROWTH_BYTES = 32 << 20  # kernels and thread pools loaded on the first step (20-25 MiB measured)
+# The same heap slack in a plan with disk chunks, which runs under device.return_host_memory
+# (blocks of 4 MiB and more mapped on their own and given back when freed, so only the smaller
+# activations churn through the heap): at most what keep_host_memory's heap keeps for a fully
+# trainable model (0.32x, above), rounded up. Evidence: the 6.29B capacity plan (7 HK + 25 KK,
+# 1.6 GiB of activations, 14 GiB cap) peaked 0.18 GiB above what every other term predicts,
+# 0.11x its activations; the 0.17-0.49B disk plans (bench/memory_breakdown.py) held less than
+# STEP_UNTRACKED_BYTES in all.
+DISK_PLAN_HEAP_SLACK_PER_ACTIVATION_BYTE = 0.35
+
+
+def disk_plan_step_untracked_bytes(activation_bytes: int, activations_on_host: bool) -> int:
+    """:func:`step_untracked_bytes` for a plan with disk chunks (see
+    :data:`DISK_PLAN_HEAP_SLACK_PER_ACTIVATION_BYTE`); never more than it."""
+    if not activations_on_host:
+        return STEP_UNTRACKED_BYTES
+    slack = max(STEP_UNTRACKED_BYTES, STEP_GROWTH_BYTES + int(DISK_PLAN_HEAP_SLACK_PER_ACTIVATION_BYTE * activation_bytes))
+    return min(slack, step_untracked_bytes(activation_bytes, activations_on_host))
 
 
 def step_untracked_bytes(activation_bytes: int, activations_on_host: bool) -> int:
