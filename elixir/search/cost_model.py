@@ -47,10 +47,10 @@ peak is not their sum but the most live at one moment: :func:`timeline_peak` wal
 steps (construction; each forward step with its activations and a ``KK`` gather's shard; each
 backward step with its activations, the gradient buffers then open and, from the first disk
 chunk whose gradient is final on, the fused step's disk staging; after backward) and
-``memory["not_at_once"]`` (a host term, <= 0) is the difference. A plan with disk chunks counts
-the activations' heap slack of :func:`disk_plan_step_untracked_bytes` instead of
-:func:`step_untracked_bytes` (``Setting.heap_slack_bytes``): it runs under
-:func:`elixir.device.return_host_memory`.
+``memory["not_at_once"]`` (a host term, <= 0) is the difference. A plan with trainable disk
+chunks counts the activations' heap slack of :func:`disk_plan_step_untracked_bytes` instead of
+:func:`step_untracked_bytes` (``Setting.heap_slack_bytes``), one whose only disk bytes are
+frozen shards none: both run under :func:`elixir.device.return_host_memory`.
 
 **Time, per step** (seconds): compute (``flops`` over the profile's measured training
 throughput at that size, or its matmul throughput) + all-gathers (one per simulated
@@ -495,8 +495,9 @@ class Setting:
     grad_elem: int = 4  # shard-gradient element size (grad_dtype)
     process_bytes: int = 0  # host bytes the process holds outside elixir (interpreter, libraries)
     # the part of process_bytes that is the activations' heap slack under keep_host_memory
-    # (step_untracked_bytes beyond STEP_UNTRACKED_BYTES): a plan with disk chunks gives larger
-    # freed blocks back at once instead (device.return_host_memory), so it does not hold it
+    # (step_untracked_bytes beyond STEP_UNTRACKED_BYTES): a plan that streams from disk gives
+    # freed blocks back at once instead (device.return_host_memory), so it holds only what
+    # disk_plan_step_untracked_bytes says for trainable disk chunks, none for frozen ones
     heap_slack_bytes: int = 0
     fused_step: bool = False  # the fused backward-and-step (no persistent shard gradients)
 
@@ -1162,6 +1163,10 @@ def price(
     # ElixirModule.streams_from_disk) runs under return_host_memory and trims after backward
     streams = any(k.on_disk for k in kinds + zero) or (frozen_where is Placement.DISK and layout.n_frozen > 0)
     process = st.process_bytes - (st.heap_slack_bytes if streams else 0)
+    if streams and st.heap_slack_bytes and any(k.on_disk for k in kinds + zero):
+        # trainable disk chunks: what their step leaves in the heap even so (see the constant)
+        kept = disk_plan_step_untracked_bytes(int(profile.activation_bytes), True) - STEP_UNTRACKED_BYTES
+        process += min(st.heap_slack_bytes, kept)
     memory = dict(fixed, placed_device=dev_var, process=process, placed_host=host - transient, staging=transient)
     if layout.n_frozen:  # included in placed_device, or in the host (or disk) bytes
         memory["frozen_shards"] = fbytes

@@ -34,11 +34,11 @@ from elixir.search.cost_model import (
     ALIGN,
     HOST_TERMS,
     OPTIMIZER_STATE_BYTES,
+    STEP_UNTRACKED_BYTES,
     Evaluation,
     Layout,
     MemoryPolicy,
     Setting,
-    disk_plan_step_untracked_bytes,
     pack,
     place,
     replicate,
@@ -727,13 +727,13 @@ def optimal_search(
 
 
 def activation_heap_slack(activation_bytes: int) -> int:
-    """The part of :func:`_process_bytes`'s step term (the activations' heap slack under
-    :func:`elixir.device.keep_host_memory`, where activations are in host RAM) that a plan
-    streaming chunks from disk does not hold: it runs under :func:`elixir.device.return_host_memory`
-    (blocks of 4 MiB and more mapped on their own and given back when freed), whose slack is
-    :func:`~elixir.search.cost_model.disk_plan_step_untracked_bytes`."""
+    """The part of :func:`_process_bytes`'s step term that is the activations' heap slack under
+    :func:`elixir.device.keep_host_memory` (where activations are in host RAM), beyond
+    :data:`~elixir.search.cost_model.STEP_UNTRACKED_BYTES`: a plan that streams from disk runs
+    under :func:`elixir.device.return_host_memory` instead and the cost model counts its own
+    (:func:`~elixir.search.cost_model.disk_plan_step_untracked_bytes`)."""
     on_host = not dev.is_accelerator(dev.default_device())
-    return step_untracked_bytes(activation_bytes, on_host) - disk_plan_step_untracked_bytes(activation_bytes, on_host)
+    return step_untracked_bytes(activation_bytes, on_host) - STEP_UNTRACKED_BYTES
 
 
 def _process_bytes(model: nn.Module, activation_bytes: int = 0) -> int:
