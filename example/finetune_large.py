@@ -303,8 +303,12 @@ def finetune(args) -> Run:
 
     # ---- build (one chunk at a time), load, train ----
     t0 = time.perf_counter()
-    em = ElixirModule(model, plan, dtype=dtype, offload_dir=args.offload_dir, init_seed=args.seed)
+    # the frozen base is overwritten by the checkpoint: not initialised first (zeros until loaded)
+    em = ElixirModule(model, plan, dtype=dtype, offload_dir=args.offload_dir, init_seed=args.seed, init_frozen=False)
     report = checkpoint.load_pretrained(args.checkpoint, em)  # the base into its (frozen) chunks
+    if report.missing_keys and args.lora:
+        fail(f"the checkpoint lacks {len(report.missing_keys)} frozen weights ({report.missing_keys[0]!r}, ...): "
+             "they would train as zeros; point at the base model's checkpoint")
     load_io = offload_io(em)
     trainable = [p for p in em.parameters() if p.requires_grad]
     opt = ElixirOptimizer(em, HybridAdam(trainable, lr=args.lr or (1e-3 if args.lora else 1e-4), weight_decay=0.0))

@@ -313,6 +313,34 @@ def test_meta_built_lora_model_starts_as_peft_builds_it(tmp_path):
         assert _lm_loss(em, batch).item() == _lm_loss(base, batch).item()
 
 
+def test_frozen_base_left_uninitialised_when_a_checkpoint_overwrites_it(tmp_path):
+    """ElixirModule(..., init_frozen=False): a meta-built LoRA model's frozen base starts at zero
+    (no initialiser runs for it), the adapters get the values they get with it, and after
+    load_pretrained the model is exactly the one built with every initialiser run."""
+    from elixir.checkpoint import load_pretrained
+
+    base = build_model("llama", seed=3)
+    base.save_pretrained(tmp_path / "base")
+    got = {}
+    for init in (True, False):
+        with torch.device("meta"):
+            meta = build_model("llama")
+        model = get_peft_model(meta, LoraConfig(r=4, target_modules=TARGETS["llama"], lora_dropout=0.0))
+        em = ElixirModule(model, minimum_waste_search(model, 1), init_seed=7, init_frozen=init)
+        before = em.state_dict()
+        frozen = [n for n, p in em.named_parameters() if not p.requires_grad]
+        report = load_pretrained(str(tmp_path / "base"), em)
+        assert not report.missing_keys and not report.unexpected_keys
+        got[init] = (before, em.state_dict(), frozen)
+    (b_init, sd_init, frozen), (b_skip, sd_skip, _) = got[True], got[False]
+    names = [n.removeprefix("module.") for n in frozen if n.removeprefix("module.") in b_skip]
+    assert len(names) == len(frozen) > 0, (frozen[:3], list(b_skip)[:3])
+    assert all(not b_skip[n].any() for n in names)
+    assert any(b_init[n].any() for n in names)  # the initialisers did run with init_frozen
+    assert all(torch.equal(b_skip[k], b_init[k]) for k in b_skip if "lora_" in k)
+    assert sd_skip.keys() == sd_init.keys() and all(torch.equal(sd_skip[k], sd_init[k]) for k in sd_init)
+
+
 def test_merge_and_unload_on_the_gathered_model():
     """merge_and_unload works on the gathered state (a plain PEFT model on rank 0), not on the
     wrapped model: the merged model computes what the trained wrapped one does."""

@@ -129,11 +129,15 @@ class Materializer:
     Args:
         root: the model; its parameters are all on meta or none are.
         seed: the base seed (identical on every rank; see :func:`agreed_seed`).
+        init_frozen: run the initialisers of units whose tensors are all frozen parameters
+            (``requires_grad=False``); ``False`` gives them zeros instead, for a frozen base that
+            a checkpoint overwrites. Other units' values do not change (each has its own seed).
     """
 
-    def __init__(self, root: nn.Module, seed: int) -> None:
+    def __init__(self, root: nn.Module, seed: int, init_frozen: bool = True) -> None:
         self.root = root
         self.seed = int(seed)
+        self.init_frozen = bool(init_frozen)
         # PEFT adapters: how each adapter's LoRA weights are initialised (duck-typed: no peft import)
         self._lora_init = {name: getattr(cfg, "init_lora_weights", True)
                            for name, cfg in (getattr(root, "peft_config", None) or {}).items()}
@@ -246,6 +250,13 @@ class Materializer:
         for m in unit:
             for t in self._direct(m):
                 tensors[id(t)] = t
+        if not self.init_frozen and all(isinstance(t, nn.Parameter) and not t.requires_grad for t in tensors.values()):
+            for i, t in tensors.items():  # a checkpoint will overwrite them: no initialiser runs
+                self._values[i] = torch.zeros(t.shape, dtype=t.dtype)
+                self.staged_bytes += t.numel() * t.element_size()
+            self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
+            self._done.add(key)
+            return
         holders: dict[int, torch.Tensor] = {}
         for i, t in tensors.items():
             real = torch.empty(t.shape, dtype=t.dtype)

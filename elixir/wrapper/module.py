@@ -147,6 +147,13 @@ class ElixirModule(nn.Module):
             global torch RNG on rank 0). The values depend only on the model and this seed, not on
             the plan or the world size; :func:`elixir.wrapper.materialize.materialize` gives the
             same values to a plain-torch copy.
+        init_frozen: run the initialisers of a meta-device model's frozen parameters
+            (``requires_grad=False``). ``False`` when a checkpoint will be loaded over them
+            (:func:`elixir.checkpoint.load_pretrained` of a LoRA model's base): they start at zero
+            instead, and the initialisation of a backbone that is overwritten anyway is skipped.
+            Trainable parameters and buffers are initialised either way, with the same values
+            (each unit has its own seed). A frozen weight the checkpoint lacks then stays zero:
+            check ``load_pretrained``'s ``missing_keys``.
         mp_policy: the dtypes as one :class:`~elixir.wrapper.policies.MixedPrecisionPolicy`
             (instead of ``dtype``, ``reduce_always_fp32``, ``output_fp32``, ``grad_dtype``; giving
             both raises).
@@ -174,6 +181,7 @@ class ElixirModule(nn.Module):
         *,
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         offload_policy: Optional[OffloadPolicy] = None,
+        init_frozen: bool = True,
     ) -> None:
         super().__init__()
         mp_policy, offload_policy = module_policies(
@@ -218,7 +226,7 @@ class ElixirModule(nn.Module):
         named = dict(module.named_parameters())
         self.materializer: Optional[Materializer] = None
         if has_meta_tensors(module):
-            self.materializer = Materializer(module, agreed_seed(init_seed, process_group))
+            self.materializer = Materializer(module, agreed_seed(init_seed, process_group), init_frozen=init_frozen)
         if sync_module_states and self.world_size > 1:
             self._broadcast_non_chunked(named)
         self.chunks: list[Chunk] = []  # trainable chunks, plan order (index = position)
