@@ -407,11 +407,12 @@ def _drop_build_locks(since: float) -> None:
 def _disk_need(rung: tuple[int, int], vocab: int, system: str = "e") -> int:
     """The most offload space a rung can take: elixir (e) keeps the fp32 master and Adam moments
     (12 B/param; a chunk whose shard is on disk too derives it from the master, so no compute-dtype
-    copy), plus 1 B/param for chunk padding and file alignment; the other systems 16 B/param;
+    copy; its search checks the exact need, padding included, against the free disk less its own
+    margin); the other systems 16 B/param;
     DeepSpeed (d) also swaps fp32 gradients out (measured: 18.0 B/param of swap files); LoRA's
     elixir (h) only its frozen bf16 weights, in chunks padded to the largest frozen tensor (the
     search planned 2.6 B/param at 20.3B)."""
-    per_param = {"d": 18, "h": 3, "e": 13}.get(system, 16)
+    per_param = {"d": 18, "h": 3, "e": 12}.get(system, 16)
     return per_param * n_params(*rung, vocab)
 
 
