@@ -153,7 +153,7 @@ def test_all_disk_plan_prediction_is_what_is_live_at_once_not_every_term_at_its_
 
 
 def test_disk_plan_counts_its_own_heap_slack_not_keep_host_memorys():
-    """A plan with disk chunks runs under device.return_host_memory (blocks of 4 MiB and more
+    """A plan with disk chunks runs under device.return_host_memory (blocks of 1 MiB and more
     mapped on their own), so its process term holds the smaller heap slack of
     disk_plan_step_untracked_bytes; a plan without keeps keep_host_memory's (issue 19)."""
     from elixir.search import cost_model
