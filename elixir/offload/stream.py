@@ -30,6 +30,7 @@ def run_pipelined(store: DiskStore, indices: Sequence[int], work: Callable[[int]
             store.finish(i)  # its read
             if previous is not None:
                 store.finish(previous)  # its write: frees its buffers before the next read
+                release_staging()  # ... to the OS, not into holes of malloc's heap (see there)
                 previous = None
             if n + 1 < len(order):
                 store.start_read(order[n + 1])
@@ -46,10 +47,13 @@ def run_pipelined(store: DiskStore, indices: Sequence[int], work: Callable[[int]
 
 
 def release_staging() -> None:
-    """Give the staged bytes back to the OS once a pass over the disk records is done: malloc
-    keeps freed memory (for good under :func:`elixir.device.keep_host_memory`), and the holes
-    staging buffers leave in its heap beside longer-lived allocations would otherwise pile up
-    (measured: peak RSS growing step after step)."""
+    """Give freed staging bytes back to the OS, after each record's write and once a pass over
+    the disk records is done: malloc keeps freed memory (for good under
+    :func:`elixir.device.keep_host_memory`), and the holes staging buffers leave in its heap
+    beside longer-lived allocations would otherwise pile up, across steps (measured: peak RSS
+    growing step after step) and within one pass (HybridAdam's NVMe offload, 40M parameters in
+    16 MiB buckets under glibc's default policy: the heap grew by 25 MiB a bucket, and the first
+    step peaked 0.16 GiB above keeping every moment in memory)."""
     dev.release_free_host_memory()
 
 

@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from elixir.offload.store import DiskStore
-from elixir.offload.stream import run_pipelined, staged
+from elixir.offload.stream import release_staging, run_pipelined, staged
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 PIECE_ALIGN = 16  # the kernel's SIMD width in fp32 elements: pieces cut here step bitwise as the whole
@@ -125,6 +125,7 @@ class NvmeOffload:
                 self.store.add_flat(b.index, key, b.dtype).zero_()
             self.store.start_write(b.index)
             self.store.finish(b.index)
+            release_staging()
             for s in b.segments:
                 self._segments_of.setdefault(id(s.param), []).append((b, s))
         self.absorb(state)
