@@ -154,6 +154,10 @@ class Chunk:
         self.grad_buffer: Optional[torch.Tensor] = None
         self.shard_grad: Optional[torch.Tensor] = None
         self.grad_valid = False
+        # Whether the consumer of the shard gradient reads it in any dtype (the fused Adam kernel
+        # does; set by ElixirOptimizer): then a whole-chunk gradient reduced in a narrower dtype
+        # than ``spec.grad_dtype`` is kept as reduced (see _adopts) instead of widened by a copy.
+        self.narrow_grads_ok = False
         self._work = None
         self.shard: Optional[torch.Tensor] = None
         self.master: Optional[torch.Tensor] = None
@@ -347,10 +351,10 @@ class Chunk:
             raise RuntimeError(f"chunk {self.index} is frozen: it takes no gradients (a runtime bug)")
         if self.grad_state is not GradState.ACCUMULATING:
             self.ledger.alloc("grad_buffer", "device", _nbytes(self.spec.capacity, self.spec.reduce_dtype))
-            if self.shard_grad is not None and self._grad_is_whole_buffer and not self.grad_valid:
+            if self._reusable_as_buffer and not self.grad_valid:
                 # last step's shard gradient, kept by zero_grad: no allocation, no page faults
-                self.grad_buffer, self.shard_grad = self.shard_grad, None
                 self.ledger.free("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
+                self.grad_buffer, self.shard_grad = self.shard_grad, None
             else:
                 self.grad_buffer = torch.empty(self.spec.capacity, dtype=self.spec.reduce_dtype, device=self.spec.device)
             self._written: dict[int, int] = {}
@@ -416,20 +420,40 @@ class Chunk:
                 out = buf[spec.shard_offset : spec.shard_offset + spec.shard_numel]
             if world > 1:
                 out.div_(world)
-            if self._grad_is_whole_buffer and not self.grad_valid:
+            if self._adopts and not self.grad_valid:
                 self._adopt_shard_grad(out)
             else:
                 self._accumulate_shard_grad(out)
 
     @property
-    def _grad_is_whole_buffer(self) -> bool:
+    def _grad_is_whole_chunk(self) -> bool:
         """Whether the shard gradient can be the reduced gradient buffer itself (and back): the
-        shard is the whole chunk (a replicated chunk, or any chunk at world size 1), kept in the
-        buffer's dtype, beside a master that is not on the host."""
+        shard is the whole chunk (a replicated chunk, or any chunk at world size 1), beside a
+        master that is not on the host."""
         spec = self.spec
-        return (spec.shard_numel == spec.capacity and spec.grad_dtype == spec.reduce_dtype
-                and not spec.master_on_host and self.master is not None
+        return (spec.shard_numel == spec.capacity and not spec.master_on_host and self.master is not None
                 and self.master.device == torch.device(spec.device))
+
+    @property
+    def _adopts(self) -> bool:
+        """Whether a backward's reduced buffer becomes the shard gradient as it is: a whole-chunk
+        gradient in ``spec.grad_dtype``, or reduced in a narrower dtype (bf16 chunks reduce in bf16)
+        for a consumer that reads any dtype (:attr:`narrow_grads_ok`). Kept narrow, it holds exactly
+        the values the wider copy would (a widening cast is exact) without the copy, its page
+        faults or its bytes; a second backward that accumulates into it widens it first
+        (:meth:`_accumulate_shard_grad`), so sums are still taken in ``spec.grad_dtype``."""
+        spec = self.spec
+        if not self._grad_is_whole_chunk:
+            return False
+        if spec.reduce_dtype == spec.grad_dtype:
+            return True
+        return self.narrow_grads_ok and torch.finfo(spec.reduce_dtype).bits < torch.finfo(spec.grad_dtype).bits
+
+    @property
+    def _reusable_as_buffer(self) -> bool:
+        """Whether the kept shard gradient can be the next backward's gradient buffer."""
+        g = self.shard_grad
+        return g is not None and self._grad_is_whole_chunk and g.dtype == self.spec.reduce_dtype and g.numel() == self.spec.capacity
 
     def _adopt_shard_grad(self, reduced: torch.Tensor) -> None:
         """Keep the reduced buffer as the shard gradient instead of copying it into one: saves a
@@ -442,7 +466,10 @@ class Chunk:
 
     @property
     def shard_grad_bytes(self) -> int:
-        return _nbytes(self.spec.shard_numel, self.spec.grad_dtype)
+        """Bytes of the shard gradient: in its own dtype when it exists (a kept narrow one, see
+        :attr:`_adopts`), else in ``spec.grad_dtype``."""
+        g = self.shard_grad
+        return _nbytes(self.spec.shard_numel, g.dtype if g is not None else self.spec.grad_dtype)
 
     def _alloc_shard_grad(self) -> None:
         if self.shard_grad is None:
@@ -456,6 +483,14 @@ class Chunk:
 
     def _accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
         n = self.spec.shard_numel
+        g = self.shard_grad
+        if g is not None and g.dtype != self.spec.grad_dtype:  # a kept narrow one (see _adopts)
+            if self.grad_valid:  # accumulated in spec.grad_dtype from here on: widen it (exact)
+                self.ledger.free("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
+                self.shard_grad = g.to(self.spec.grad_dtype)
+                self.ledger.alloc("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
+            else:
+                self.drop_grad()
         self._alloc_shard_grad()
         if self.grad_valid:
             if self.spec.master_on_host:  # from the device: staged through a reused host buffer
@@ -474,8 +509,8 @@ class Chunk:
         """Free the shard gradient (after the fused backward-and-step consumed it); the next
         reduction allocates a fresh one."""
         if self.shard_grad is not None:
-            self.shard_grad = None
             self.ledger.free("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
+            self.shard_grad = None
         self.grad_valid = False
 
     def abandon_grad(self) -> None:
@@ -501,7 +536,7 @@ class Chunk:
         gradient buffer (as DDP keeps its buckets): freed, it came back from ``mmap`` and was
         page-faulted in on every step (GPT-2 81.9M at world size 2, every chunk replicated: a step
         1.2x as long for the same peak)."""
-        if set_to_none and not self._grad_is_whole_buffer:
+        if set_to_none and not self._reusable_as_buffer:
             self.drop_grad()
         self.grad_valid = False
 

@@ -382,6 +382,8 @@ class ElixirOptimizer:
             self.kernel = UpdateKernel.PER_CHUNK
         else:
             self.kernel = UpdateKernel.INNER
+        for c in self.module.chunks:  # the fused kernel reads bf16/fp16 gradients as they are
+            c.narrow_grads_ok = self.kernel is UpdateKernel.FUSED
         self.scaler: Optional[DynamicLossScaler] = None
         self.last_step_skipped = False
         self._grad_factor: Optional[torch.Tensor] = None  # pending fp32 multiplier (clip / scale)
