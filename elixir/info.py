@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from elixir import __version__, _native, device
+from elixir import __version__, _native, device, lowp_gemm
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,8 @@ def collect() -> dict:
         "native_error": _native.native_error(),
         "simd_level": _native.simd_level(),
         "cpu_features": _native.cpu_features(),
+        "cpu_bf16_gemm": lowp_gemm.describe(torch.bfloat16),
+        "cpu_fp16_gemm": lowp_gemm.describe(torch.float16),
         "device": device.describe(),
         "cuda_available": torch.cuda.is_available(),
     }

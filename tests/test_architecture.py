@@ -177,6 +177,8 @@ FOREIGN_PRIVATE = {
     "_fused_adam_": "aten's fused Adam kernel, called directly for the CPU fallback",
     "_current_graph_task_id": "torch autograd: which backward pass is running (no public accessor)",
     "_dispatch_has_kernel_for_dispatch_key": "torch._C: whether an op has a Meta kernel",
+    "_is_mkldnn_bf16_supported": "torch.ops.mkldnn: whether torch has a native bf16 GEMM on this CPU (elixir/lowp_gemm.py)",
+    "_is_mkldnn_fp16_supported": "torch.ops.mkldnn: whether torch has a native fp16 GEMM on this CPU (elixir/lowp_gemm.py)",
     "_fused_sdp_choice": "aten: which attention kernel CPU picks, so the tracer counts the same one",
     "_execution_engine": "torch autograd: queue_callback at the end of backward, as FSDP does",
     "_is_key_in_tls": "torch._C thread-local state: Python objects taken out while a collective is issued",

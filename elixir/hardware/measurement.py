@@ -26,6 +26,7 @@ from elixir import device as dev
 from elixir import distributed as edist
 from elixir.hardware.profile import BandwidthCurve, HardwareProfile, MiB
 from elixir.launch import run_distributed
+from elixir.lowp_gemm import widened_gemms
 from elixir.optim import CPUAdam
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +192,8 @@ def measure_optimizer(n_params: int, device: torch.device, repeats: int) -> tupl
 def measure_matmul(n: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    t = _median_time(lambda: torch.mm(a, b), repeats, _sync(device))
+    with widened_gemms(dtype, device):  # as the runtime computes it (elixir.lowp_gemm)
+        t = _median_time(lambda: torch.mm(a, b), repeats, _sync(device))
     return 2.0 * n**3 / t
 
 
@@ -213,7 +215,8 @@ def measure_train_flops(widths: tuple[int, ...], dtype: torch.dtype, device: tor
         def step(stack=stack, x=x) -> None:
             stack(x).float().pow(2).mean().backward()
 
-        t = _median_time(step, repeats, _sync(device))
+        with widened_gemms(dtype, device):
+            t = _median_time(step, repeats, _sync(device))
         f = 6.0 * 12 * d * d * layers * batch * seq
         flops.append(int(f))
         rates.append(f / t)
@@ -247,7 +250,8 @@ def measure_matmul_curve(dtype: torch.dtype, device: torch.device, repeats: int,
     for n in sides:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        t = _per_call(lambda a=a, b=b: torch.mm(a, b), sync, repeats)
+        with widened_gemms(dtype, device):  # as the runtime computes it (elixir.lowp_gemm)
+            t = _per_call(lambda a=a, b=b: torch.mm(a, b), sync, repeats)
         f = 2.0 * n**3
         flops.append(int(f))
         rates.append(f / max(t - floor, t * 0.05))

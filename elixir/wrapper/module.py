@@ -32,6 +32,7 @@ import torch.nn as nn
 from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk import BlockCache, Chunk, ChunkKind, ChunkSpec, GradState, MemoryLedger, Schedule
+from elixir.lowp_gemm import widened_gemms
 from elixir.offload.derived import DerivedShards
 from elixir.offload.for_plan import StoreSite, shard_store_for_plan, store_for_plan
 from elixir.offload.store import DiskStore
@@ -205,6 +206,7 @@ class ElixirModule(nn.Module):
         self.fused_kernels = apply_fused_kernels(module) if use_fused_kernels else []
         self.prefetch = prefetch
         self.device = dev.default_device()
+        self.widened_products = 0  # low-precision products the last forward widened (elixir.lowp_gemm)
         # Streaming from disk: optimizer state, or frozen shards read at each gather (a LoRA plan
         # whose base is on disk has no trainable disk chunk, and was kept out of this until
         # issue 19 found its heap slack 2x the activations at hidden 6144: peak RSS above the
@@ -710,7 +712,9 @@ class ElixirModule(nn.Module):
         if self.dtype != torch.float32:
             args = _map_floats(args, self.dtype)
             kwargs = _map_floats(kwargs, self.dtype)
-        out = self.module(*args, **kwargs)
+        with widened_gemms(self.dtype, self.device) as widened:  # None where torch has a native kernel
+            out = self.module(*args, **kwargs)
+        self.widened_products = 0 if widened is None else widened.widened
         if torch.is_grad_enabled():
             tensors = _grad_tensors(out)
             if tensors:
