@@ -80,11 +80,46 @@ def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return t if t.shape == shape else t.sum_to_size(shape)
 
 
+# fp32 bytes of a weight widened at once: a 2-D operand (a weight) is widened this many columns
+# at a time, so a product never holds an fp32 copy of a whole large weight (an LLaMA-7B lm_head
+# would be 0.5 GiB); activations are widened whole (they are small next to the weights).
+BLOCK_BYTES = 32 << 20
+
+
+def _column_blocks(k: int, n: int) -> Iterator[slice]:
+    step = max(1, BLOCK_BYTES // (4 * max(1, k)))
+    for j in range(0, n, step):
+        yield slice(j, min(n, j + step))
+
+
+def _widened_forward(c, a, b, beta, alpha) -> torch.Tensor:
+    af = a.float()
+    if b.dim() != 2:
+        out = torch.matmul(af, b.float())
+        if alpha != 1:
+            out.mul_(alpha)
+        if c is not None:
+            out.add_(c.float(), alpha=beta)
+        return out.to(a.dtype)
+    k, n = b.shape
+    cf = None if c is None else c.float().expand(*a.shape[:-1], n)
+    out = torch.empty(*a.shape[:-1], n, dtype=a.dtype, device=a.device)
+    for cols in _column_blocks(k, n):
+        part = torch.matmul(af, b[:, cols].float())
+        if alpha != 1:
+            part.mul_(alpha)
+        if cf is not None:
+            part.add_(cf[..., cols], alpha=beta)
+        out[..., cols] = part  # the one rounding
+    return out
+
+
 class _WidenedProduct(torch.autograd.Function):
     """``beta * c + alpha * (a @ b)`` in fp32, rounded once to ``a``'s dtype; ``c`` may be None.
 
     ``a`` is ``(..., m, k)``, ``b`` is ``(k, n)`` or ``(..., k, n)`` (broadcast as ``matmul``
-    does), ``c`` broadcasts to the result.
+    does), ``c`` broadcasts to the result. A 2-D ``b`` is widened in column blocks of
+    :data:`BLOCK_BYTES`; every output element is still one fp32 dot product rounded once.
     """
 
     @staticmethod
@@ -92,32 +127,39 @@ class _WidenedProduct(torch.autograd.Function):
         ctx.save_for_backward(a, b)
         ctx.beta, ctx.alpha = beta, alpha
         ctx.c_shape = None if c is None else c.shape
-        out = torch.matmul(a.float(), b.float())
-        if alpha != 1:
-            out.mul_(alpha)
-        if c is not None:
-            out.add_(c.float(), alpha=beta)
-        return out.to(a.dtype)
+        return _widened_forward(c, a, b, beta, alpha)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         a, b = ctx.saved_tensors
-        g = grad.float()
-        if ctx.alpha != 1:
-            g = g * ctx.alpha
+        need_c, need_a, need_b = ctx.needs_input_grad[:3]
         grad_c = grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
+        if need_c:
             gc = grad.float() * ctx.beta if ctx.beta != 1 else grad.float()
             grad_c = _sum_to(gc, ctx.c_shape).to(grad.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_a = _sum_to(torch.matmul(g, b.float().transpose(-1, -2)), a.shape).to(a.dtype)
-        if ctx.needs_input_grad[2]:
-            af = a.float()
-            if b.dim() == 2:  # one weight for every leading index: a single fp32 product, one rounding
-                gb = af.reshape(-1, af.shape[-1]).t() @ g.reshape(-1, g.shape[-1])
-            else:
-                gb = _sum_to(torch.matmul(af.transpose(-1, -2), g), b.shape)
-            grad_b = gb.to(b.dtype)
+        if b.dim() != 2:
+            g = grad.float() * ctx.alpha if ctx.alpha != 1 else grad.float()
+            if need_a:
+                grad_a = _sum_to(torch.matmul(g, b.float().transpose(-1, -2)), a.shape).to(a.dtype)
+            if need_b:
+                grad_b = _sum_to(torch.matmul(a.float().transpose(-1, -2), g), b.shape).to(b.dtype)
+            return grad_c, grad_a, grad_b, None, None
+        # one weight for every leading index of a: rows are tokens, products by column block of b
+        k, n = b.shape
+        g2 = grad.reshape(-1, n)
+        a2 = a.reshape(-1, k).float() if need_b else None
+        acc = torch.zeros(g2.shape[0], k, dtype=torch.float32, device=a.device) if need_a else None
+        grad_b = torch.empty_like(b) if need_b else None
+        for cols in _column_blocks(k, n):
+            gf = g2[:, cols].float()
+            if ctx.alpha != 1:
+                gf.mul_(ctx.alpha)
+            if need_a:
+                acc.addmm_(gf, b[:, cols].float().t())
+            if need_b:
+                grad_b[:, cols] = a2.t() @ gf  # the one rounding
+        if need_a:
+            grad_a = _sum_to(acc.reshape(*grad.shape[:-1], k), a.shape).to(a.dtype)
         return grad_c, grad_a, grad_b, None, None
 
 

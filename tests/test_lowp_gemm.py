@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from elixir import lowp_gemm
 from elixir.lowp_gemm import WidenedGemms, describe, widened_gemms, widens
 
 BF = torch.bfloat16
@@ -46,8 +47,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("blocked", [False, True], ids=["whole", "column-blocks"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_each_product_and_its_gradients_are_the_fp32_product_rounded_once(name):
+def test_each_product_and_its_gradients_are_the_fp32_product_rounded_once(name, blocked, monkeypatch):
+    if blocked:  # a weight widened 3 columns at a time (k = 16 in every case)
+        monkeypatch.setattr(lowp_gemm, "BLOCK_BYTES", 4 * 16 * 3)
     shapes, fn = CASES[name]
     leaves = _leaves(*shapes)
     with WidenedGemms(BF) as mode:
