@@ -139,6 +139,7 @@ class BenchConfig:
     tight_budget: Optional[int] = None  # per-rank device budget for elixir-tight (bytes)
     tight_fraction: float = 0.5  # else this fraction of elixir-optimal's predicted device bytes
     attn: str = ""  # attention implementation of the model ("eager", "sdpa"); "": transformers' default
+    line_budget: float = 0.0  # seconds of timed steps after which a line stops early (0: always cfg.steps)
 
     def for_model(self, name: str, layers: Optional[int] = None) -> BenchConfig:
         if name not in MODELS:
@@ -442,6 +443,11 @@ def worker(system: str, cfg: BenchConfig, out: str, profile: Optional[str]) -> N
         else:
             losses.append(step(i))
         times.append(time.perf_counter() - t0)
+        if cfg.line_budget and i >= cfg.warmup and i + 1 < cfg.warmup + cfg.steps:
+            # a slow line (a peer's bf16 on a CPU without bf16 kernels) stops early, after the
+            # same step on every rank: rank 0's clock decides
+            if edist.all_gather_object(sum(times[cfg.warmup:]))[0] > cfg.line_budget:
+                break
     rss = dev.peak_rss_bytes()
     if system.startswith("elixir"):
         extra["memory"] = model.memory_report()
@@ -542,7 +548,8 @@ def print_results(results: dict[str, LineResult], cfg: BenchConfig, wall: float)
         by_model.setdefault(r.model, []).append(r)
     for model, rs in by_model.items():
         t = Table(title=f"step time: GPT-2 {model} ({rs[0].params / 1e6:.1f}M), batch {cfg.batch}/rank, seq {cfg.seq}, "
-                        f"median of {cfg.steps} steps after {cfg.warmup} warm-up")
+                        f"median of {cfg.steps} steps after {cfg.warmup} warm-up"
+                        + (f" (fewer where a line's timed steps passed {cfg.line_budget:.0f} s)" if cfg.line_budget else ""))
         for col in ("line", "step (s)", "min..max (s)", "fwd / bwd / opt (s)", "elixir comm (s)",
                     "peak RSS/rank (GiB)", "above start (GiB)", "first losses"):
             t.add_column(col, justify="right")
@@ -620,6 +627,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", dest="json_path", help="write all results to this file")
     p.add_argument("--profile-dir", help="write a torch.profiler table of the first timed step of each line here")
     p.add_argument("--timeout", type=float, default=900, help="seconds per line")
+    p.add_argument("--line-budget", type=float, default=0.0,
+                   help="stop timing a line once its timed steps took this many seconds (at least one timed step; "
+                        "0: always --steps); for peers whose bf16 steps take minutes on CPUs without bf16 kernels")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -630,7 +640,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     gib = lambda x: None if x is None else int(x * GiB)  # noqa: E731
     cfg = BenchConfig(steps=args.steps, warmup=args.warmup, budget=gib(args.budget), tight_budget=gib(args.tight_budget),
-                      tight_fraction=args.tight_fraction, attn=args.attn, seq=args.seq, batch=args.batch)
+                      tight_fraction=args.tight_fraction, attn=args.attn, line_budget=args.line_budget, seq=args.seq, batch=args.batch)
     for line in args.systems:
         parse_line(line)  # refuse a bad line before running anything
     if args.profile_dir:
