@@ -114,7 +114,10 @@ class ElixirModule(nn.Module):
             Belady's rule; without an order this only enables LRU caching.
         dtype: compute dtype of the chunks (fp32 masters are kept for bf16/fp16); an alias of
             ``mp_policy``'s ``param_dtype``, as are ``reduce_always_fp32`` (``reduce_dtype=torch.float32``),
-            ``output_fp32`` (``output_dtype=torch.float32``) and ``grad_dtype``.
+            ``output_fp32`` (``output_dtype=torch.float32``) and ``grad_dtype``. On a CPU where torch
+            has no native bf16/fp16 matrix kernel, the forward's low-precision products are widened
+            to fp32 and rounded once (:mod:`elixir.lowp_gemm`; ``self.widened_products`` counts
+            them per forward).
         reduce_always_fp32: reduce gradients in fp32 even when computing in low precision.
         output_fp32: cast floating outputs to fp32.
         use_fused_kernels: switch Hugging Face models running eager attention to torch's fused
