@@ -335,3 +335,26 @@ def test_world_size_suggestion_keeps_the_searchs_dtypes():
             suggested += 1
             search_profile(profile, world, **kw)  # raises if the suggestion does not fit
     assert suggested
+
+
+def test_zero_candidates_try_every_count_of_a_small_body_and_spread_a_large_one():
+    """Which counts of ZeRO-1/2 body chunks the mixed search tries: every count up to
+    ``ZERO_POINTS`` body chunks (the fastest mixed plan often has most but not all of them
+    ZeRO-1/2, a count that none/one/half/all missed), evenly spread counts plus one and n - 1
+    above that; the pure searches and world size 1 try one count."""
+    from types import SimpleNamespace
+
+    from elixir.search.optimal import ZERO_POINTS
+
+    small = SimpleNamespace(n_sharded=9, own=1)  # 8 body chunks
+    assert zero_candidates(small, 2) == list(range(9))
+    assert zero_candidates(small, 1) == [0]
+    assert zero_candidates(small, 2, "sharded") == [0]
+    assert zero_candidates(small, 2, "zero") == [8]
+    n = 10 * ZERO_POINTS
+    got = zero_candidates(SimpleNamespace(n_sharded=n + 1, own=1), 2)
+    assert got == sorted(set(got)) and got[0] == 0 and got[-1] == n and {1, n - 1} <= set(got)
+    assert len(got) <= ZERO_POINTS + 3
+    assert max(b - a for a, b in zip(got, got[1:])) <= math.ceil(n / ZERO_POINTS)
+    with pytest.raises(ValueError, match="body_sharding"):
+        zero_candidates(small, 2, "some")
