@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from elixir import distributed as edist
+from elixir.lowp_gemm import widened_gemms
 from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch, to_device
@@ -39,7 +40,10 @@ def reference_mixed(name: str, dtype: torch.dtype, device=None) -> tuple[list[fl
     for step in range(STEPS):
         for p in model.parameters():
             p.grad = None
-        loss = case.loss(model, to_device(case.make_batch(4, step), device))
+        # the products as the runtime computes them on this machine (widened to fp32 where torch
+        # has no native low-precision kernel, elixir.lowp_gemm), so world 1 runs the very same ops
+        with widened_gemms(dtype, torch.device(device or "cpu")):
+            loss = case.loss(model, to_device(case.make_batch(4, step), device))
         scale = 2.0**16 if dtype == torch.float16 else 1.0
         (loss * scale).backward()
         for m, p in zip(masters, model.parameters()):
