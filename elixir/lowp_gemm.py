@@ -31,6 +31,7 @@ outside the forward's context (they stay exact, only not faster).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Iterator, Optional
 
@@ -50,6 +51,7 @@ def _setting() -> str:
     return value
 
 
+@functools.cache  # a property of the processor and the torch build: asked once, not per forward
 def has_native_gemm(dtype: torch.dtype) -> bool:
     """Whether torch computes ``dtype`` matrix products on this CPU with a native (oneDNN) kernel."""
     if dtype == torch.bfloat16:
