@@ -34,7 +34,8 @@ Systems:
   step is communication-bound) on 5.75 GiB per rank, just short of what pure ZeRO-1/2 needs,
   ``--systems elixir-tight:2@medium elixir-tight-zero3:2@medium elixir-tight-zero2:2@medium
   --batch 1 --seq 8 --tight-budget 5.75``: the search picks most body chunks ZeRO-1 and the rest
-  sharded, predicted 1.17x faster than pure ZeRO-3 (the ratios' "predicted" column).
+  sharded, predicted faster than pure ZeRO-3 (the ratios' "predicted" column), but measured 1.47x
+  slower on 2026-11-25 (docs/benchmarks.md: ZeRO-1 chunks' collectives are under-priced there).
 - ``elixir`` / ``elixir-hybrid`` / ``elixir-bf16``: ``minimum_waste_search``'s plan, with torch
   AdamW / HybridAdam / bf16 chunks and HybridAdam.
 - ``elixir-zero2`` / ``elixir-zero1``: the same chunks as ZeRO-2 / ZeRO-1 chunks (what
