@@ -4,12 +4,13 @@ Nothing here knows about models; :mod:`elixir.wrapper` maps modules and paramete
 """
 
 from elixir.chunk.accounting import ElixirMemoryError, MemoryLedger
+from elixir.chunk.buffers import GradBufferPool
 from elixir.chunk.cache import BlockCache
 from elixir.chunk.chunk import Chunk, ChunkSpec
 from elixir.chunk.schedule import Schedule, collapse
 from elixir.chunk.state import ChunkKind, ChunkState, GradState, IllegalTransition
 
 __all__ = [
-    "BlockCache", "Chunk", "ChunkKind", "ChunkSpec", "ChunkState", "ElixirMemoryError", "GradState",
-    "IllegalTransition", "MemoryLedger", "Schedule", "collapse",
+    "BlockCache", "Chunk", "ChunkKind", "ChunkSpec", "ChunkState", "ElixirMemoryError", "GradBufferPool",
+    "GradState", "IllegalTransition", "MemoryLedger", "Schedule", "collapse",
 ]

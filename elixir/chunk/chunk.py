@@ -33,6 +33,7 @@ import torch
 from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk.accounting import MemoryLedger
+from elixir.chunk.buffers import GradBufferPool
 from elixir.chunk.state import ChunkKind, ChunkState, GradState, check_chunk_move, check_grad_move
 from elixir.search.plan import ShardedBy, Sharding
 
@@ -136,7 +137,8 @@ def _copy_of(src: torch.Tensor, dtype: torch.dtype, on_host: bool, spec: ChunkSp
 class Chunk:
     """Runtime state of one chunk on this rank (see the module docstring)."""
 
-    def __init__(self, spec: ChunkSpec, ledger: MemoryLedger, group=None, streams: Optional[dev.SideStreams] = None) -> None:
+    def __init__(self, spec: ChunkSpec, ledger: MemoryLedger, group=None, streams: Optional[dev.SideStreams] = None,
+                 buffers: Optional[GradBufferPool] = None) -> None:
         if spec.state_sharded and spec.capacity % spec.world_size:
             raise ValueError(f"chunk {spec.index}: capacity {spec.capacity} is not a multiple of world size {spec.world_size}")
         self.spec = spec
@@ -145,6 +147,8 @@ class Chunk:
         self.group = group
         # gathers, reductions and refreshes run on these side streams (null stand-ins on CPU)
         self.streams = streams if streams is not None else dev.SideStreams(spec.device)
+        # gradient buffers and shard gradients are taken from, and given back to, this pool
+        self.buffers = buffers if buffers is not None else GradBufferPool(enabled=False)
         self._ready = None  # event: the last gather's data is in the payload
         self.payload_bytes = _nbytes(spec.capacity, spec.dtype)
         self.payload = torch.empty(0, dtype=spec.dtype, device=spec.device)
@@ -159,6 +163,8 @@ class Chunk:
         # than ``spec.grad_dtype`` is kept as reduced (see _adopts) instead of widened by a copy.
         self.narrow_grads_ok = False
         self._work = None
+        self._reduction = None  # (work, then) of a deferred reduction (GradState.REDUCING)
+        self._publishing = None  # (work, input) of an asynchronous publish
         self.shard: Optional[torch.Tensor] = None
         self.master: Optional[torch.Tensor] = None
         self.shard_store = None  # the DiskStore holding the shard (spec.shard_on_disk), set by its owner
@@ -322,17 +328,39 @@ class Chunk:
             with torch.no_grad(), streams.issue(streams.copy):
                 self.shard.copy_(self.master, non_blocking=dev.non_blocking_ok(self.master, self.shard.device))
 
-    def publish(self) -> None:
+    def publish(self, async_op: bool = False) -> None:
         """ZeRO-1/2 after a step (or a load): all-gather every rank's updated slice of the payload
         into the whole payload, so each rank computes with every update. A no-op for the other
-        kinds. Collective: every rank publishes the same chunks in the same order."""
+        kinds. Collective: every rank publishes the same chunks in the same order. With
+        ``async_op`` on a CPU device the all-gather runs on the backend's thread until
+        :meth:`finish_publish` (nothing may read the payload before that)."""
         if not self.spec.publishes:
             return
+        self.finish_publish()
         streams = self.streams
+        async_op = async_op and self.defers_reduction
         with torch.no_grad(), streams.issue(streams.copy) as ready:
-            mine = self.shard.clone()  # the gather's input must not alias its output (gloo)
-            edist.all_gather_into(self.payload, mine, self.group)
+            # the gather's input must not alias its output (gloo): a copy, from the recycled buffers
+            mine = self.buffers.take(self.shard.numel(), self.shard.dtype, self.shard.device)
+            mine.copy_(self.shard)
+            work = edist.all_gather_into(self.payload, mine, self.group, async_op=async_op)
+        if async_op:
+            self._publishing = (work, mine)
+            return
         streams.wait(ready)
+        self.buffers.give(mine)
+
+    @property
+    def publishing(self) -> bool:
+        """An asynchronous :meth:`publish` is in flight."""
+        return self._publishing is not None
+
+    def finish_publish(self) -> None:
+        """Wait for an asynchronous :meth:`publish`; no-op otherwise."""
+        if self._publishing is not None:
+            (work, mine), self._publishing = self._publishing, None
+            edist.wait_work(work)
+            self.buffers.give(mine)
 
     # ---- gradients -------------------------------------------------------------------------
 
@@ -349,6 +377,7 @@ class Chunk:
         """
         if self.spec.frozen:
             raise RuntimeError(f"chunk {self.index} is frozen: it takes no gradients (a runtime bug)")
+        self.finish_reduction()  # a late gradient: the deferred reduction completes first
         if self.grad_state is not GradState.ACCUMULATING:
             self.ledger.alloc("grad_buffer", "device", _nbytes(self.spec.capacity, self.spec.reduce_dtype))
             if self._reusable_as_buffer and not self.grad_valid:
@@ -356,7 +385,7 @@ class Chunk:
                 self.ledger.free("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
                 self.grad_buffer, self.shard_grad = self.shard_grad, None
             else:
-                self.grad_buffer = torch.empty(self.spec.capacity, dtype=self.spec.reduce_dtype, device=self.spec.device)
+                self.grad_buffer = self.buffers.take(self.spec.capacity, self.spec.reduce_dtype, torch.device(self.spec.device))
             self._written: dict[int, int] = {}
             self._grad_move(GradState.ACCUMULATING)
         return self.grad_buffer
@@ -382,21 +411,69 @@ class Chunk:
         if pos < buf.numel():
             buf[pos:].zero_()
 
-    def reduce(self) -> None:
-        """Reduce the gradient buffer (mean over ranks) into this rank's shard gradient."""
+    @property
+    def defers_reduction(self) -> bool:
+        """Whether :meth:`reduce` may leave its collective running (``defer=True``): on a CPU
+        device at world size > 1, where the collective runs on the backend's own thread (gloo)
+        while this rank goes on with backward; :meth:`finish_reduction` completes it. On an
+        accelerator the reduction is already asynchronous on the reduce stream."""
+        return self.spec.world_size > 1 and not dev.is_accelerator(self.spec.device)
+
+    def reduce(self, defer: bool = False) -> None:
+        """Reduce the gradient buffer (mean over ranks) into this rank's shard gradient.
+
+        With ``defer`` (and :attr:`defers_reduction`), only issue the collective: the chunk is
+        ``REDUCING`` until :meth:`finish_reduction`, and its gradient buffer stays allocated (and
+        booked) until then."""
         if self.grad_state is not GradState.ACCUMULATING:
             return
         spec = self.spec
         buf = self.grad_buffer
         streams = self.streams
+        defer = defer and self.defers_reduction
         with streams.issue(streams.reduce):  # ordered after the compute that filled the buffer
-            self._reduce_on_stream(buf)
+            work, then = self._issue_reduction(buf, async_op=defer)
+            if not defer:
+                then()
         dev.record_stream(buf, streams.reduce)  # the allocator must not hand it out before the reduce ran
-        self.grad_buffer = None
-        self.ledger.free("grad_buffer", "device", _nbytes(spec.capacity, spec.reduce_dtype))
+        if defer:
+            self._reduction = (work, then)
+            self._grad_move(GradState.REDUCING)
+            return
+        self._reduced()
+
+    def finish_reduction(self) -> None:
+        """Wait for a deferred reduction (REDUCING -> REDUCED) and keep its result; no-op otherwise."""
+        if self.grad_state is not GradState.REDUCING:
+            return
+        (work, then), self._reduction = self._reduction, None
+        try:
+            if work is not None:
+                edist.wait_work(work)
+        except BaseException:
+            self._forget_buffer()
+            self._grad_move(GradState.EMPTY)
+            raise
+        then()
+        self._reduced()
+
+    def _reduced(self) -> None:
+        self._forget_buffer()
         self._grad_move(GradState.REDUCED)
 
-    def _reduce_on_stream(self, buf: torch.Tensor) -> None:
+    def _forget_buffer(self) -> None:
+        buf = self.grad_buffer
+        if buf is not None:
+            self.grad_buffer = None
+            self.ledger.free("grad_buffer", "device", _nbytes(self.spec.capacity, self.spec.reduce_dtype))
+            g = self.shard_grad
+            if g is None or g.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+                self.buffers.give(buf)  # not adopted as the shard gradient: free for the next one
+
+    def _issue_reduction(self, buf: torch.Tensor, async_op: bool):
+        """Issue the collective that reduces ``buf``; return its work handle (None when it ran
+        synchronously) and the step that keeps its result (divide by the world size, then adopt
+        or accumulate into the shard gradient), to run once it finished."""
         spec = self.spec
         world = spec.world_size
         self._zero_unwritten()
@@ -406,24 +483,32 @@ class Chunk:
         )
         if direct:
             self._alloc_shard_grad()  # reduce-scatter straight into the (empty) shard gradient
-            edist.reduce_scatter_into(self.shard_grad, buf, self.group)
-            self.shard_grad.div_(world)
-            self.grad_valid = True
-        else:
-            if spec.sharding.reduce_scatters:
-                out = buf[spec.shard_offset : spec.shard_offset + spec.shard_numel] if world == 1 else torch.empty(
-                    spec.shard_numel, dtype=buf.dtype, device=buf.device
-                )
-                edist.reduce_scatter_into(out, buf, self.group)
-            else:  # all-reduced; ZeRO-1 keeps this rank's slice
-                edist.all_reduce(buf, self.group)
-                out = buf[spec.shard_offset : spec.shard_offset + spec.shard_numel]
+            out = self.shard_grad
+            work = edist.reduce_scatter_into(out, buf, self.group, async_op=async_op)
+
+            def then() -> None:
+                out.div_(world)
+                self.grad_valid = True
+
+            return work, then
+        if spec.sharding.reduce_scatters:
+            out = buf[spec.shard_offset : spec.shard_offset + spec.shard_numel] if world == 1 else torch.empty(
+                spec.shard_numel, dtype=buf.dtype, device=buf.device
+            )
+            work = edist.reduce_scatter_into(out, buf, self.group, async_op=async_op)
+        else:  # all-reduced; ZeRO-1 keeps this rank's slice
+            work = edist.all_reduce(buf, self.group, async_op=async_op)
+            out = buf[spec.shard_offset : spec.shard_offset + spec.shard_numel]
+
+        def then() -> None:
             if world > 1:
                 out.div_(world)
             if self._adopts and not self.grad_valid:
                 self._adopt_shard_grad(out)
             else:
                 self._accumulate_shard_grad(out)
+
+        return work, then
 
     @property
     def _grad_is_whole_chunk(self) -> bool:
@@ -477,7 +562,7 @@ class Chunk:
             if self.spec.master_on_host:  # page-locked, so the device-to-host copy is non-blocking
                 self.shard_grad = dev.empty_host(n, dt, pin=self.spec.pin_memory)
             else:
-                self.shard_grad = torch.empty(n, dtype=dt, device=self.master.device)
+                self.shard_grad = self.buffers.take(n, dt, self.master.device)
             self.ledger.alloc("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
             self.grad_valid = False
 
@@ -510,21 +595,30 @@ class Chunk:
         reduction allocates a fresh one."""
         if self.shard_grad is not None:
             self.ledger.free("shard_grad", _loc(self.spec.master_on_host), self.shard_grad_bytes)
+            self.buffers.give(self.shard_grad)
             self.shard_grad = None
         self.grad_valid = False
 
     def abandon_grad(self) -> None:
-        """Forget a gradient still accumulating when its backward raised (ACCUMULATING -> EMPTY)."""
-        if self.grad_state is GradState.ACCUMULATING:
-            if self.grad_buffer is not None:
-                self.grad_buffer = None
-                self.ledger.free("grad_buffer", "device", _nbytes(self.spec.capacity, self.spec.reduce_dtype))
+        """Forget a gradient still accumulating (or being reduced) when its backward raised
+        (ACCUMULATING / REDUCING -> EMPTY). A deferred reduction is waited for first (its
+        collective still writes the buffer); its error, if any, is not raised again here. An
+        asynchronous publish still in flight is waited for as well."""
+        if self.grad_state is GradState.REDUCING:
+            work, self._reduction = self._reduction[0], None
+            if work is not None:
+                with contextlib.suppress(Exception):
+                    edist.wait_work(work)
+        if self.grad_state in (GradState.ACCUMULATING, GradState.REDUCING):
+            self._forget_buffer()
             self._grad_move(GradState.EMPTY)
+        with contextlib.suppress(Exception):
+            self.finish_publish()
         self.zero_grad()
 
     def end_backward(self) -> None:
         """Reset the per-backward gradient state (after finalisation)."""
-        if self.grad_state is GradState.ACCUMULATING:
+        if self.grad_state in (GradState.ACCUMULATING, GradState.REDUCING):
             raise RuntimeError(f"chunk {self.index}: backward ended with unreduced gradients")
         if self.grad_state is GradState.REDUCED:
             self._grad_move(GradState.EMPTY)

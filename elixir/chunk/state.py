@@ -8,7 +8,8 @@ A chunk has two independent state machines:
 - :class:`ChunkState`, for its gathered payload (the full flat tensor used for compute):
   ``RELEASED -> GATHERING -> HOLD <-> COMPUTE``, and back to ``RELEASED`` from ``HOLD``;
 - :class:`GradState`, for its gradients within one backward:
-  ``EMPTY -> ACCUMULATING -> REDUCED`` (a late gradient after an early reduction reopens
+  ``EMPTY -> ACCUMULATING -> REDUCED``, or through ``REDUCING`` when the reduction's collective
+  is left running while backward goes on (a late gradient after an early reduction reopens
   ``REDUCED -> ACCUMULATING``; finalisation resets to ``EMPTY``).
 """
 
@@ -38,6 +39,7 @@ class GradState(enum.Enum):
 
     EMPTY = "empty"  # no gradient this backward
     ACCUMULATING = "accumulating"  # gradient buffer allocated, gradients arriving
+    REDUCING = "reducing"  # the reduction's collective is in flight (the buffer is still held)
     REDUCED = "reduced"  # reduced into this rank's shard gradient
 
 
@@ -50,7 +52,8 @@ _CHUNK_MOVES = {
 
 _GRAD_MOVES = {
     GradState.EMPTY: {GradState.ACCUMULATING},
-    GradState.ACCUMULATING: {GradState.REDUCED, GradState.EMPTY},
+    GradState.ACCUMULATING: {GradState.REDUCING, GradState.REDUCED, GradState.EMPTY},
+    GradState.REDUCING: {GradState.REDUCED, GradState.EMPTY},
     GradState.REDUCED: {GradState.ACCUMULATING, GradState.EMPTY},
 }
 

@@ -607,7 +607,7 @@ def _backward_spans(profile: StepProfile, layout: Layout) -> tuple[np.ndarray, n
 
 
 def timeline_peak(profile: StepProfile, layout: Layout, st: Setting, kinds: Sequence[ChunkPlacement],
-                  memory: dict[str, int]) -> int:
+                  memory: dict[str, int], pooled_grads: bool = False) -> int:
     """The most bytes live at one moment of a step in one memory pool (device and host together,
     as on a CPU box), over a timeline of the moments whose terms differ, instead of the sum of
     every term at its own peak (which counted, e.g., the activation peak of the start of
@@ -631,6 +631,10 @@ def timeline_peak(profile: StepProfile, layout: Layout, st: Setting, kinds: Sequ
       backward): ``K`` + the last step's activations + the disk staging + one ``KK`` shard +
       the shard gradient in flight.
 
+    With ``pooled_grads`` (a CPU runtime that keeps its gradient buffers for the next backward,
+    :class:`elixir.chunk.GradBufferPool`) the gradient buffers' peak is resident at every moment
+    after construction instead of only while backward has them open.
+
     Activations per step come from the tracer's per-op timeline (``profile.step_activations``);
     without it every step is priced at the activation peak. Never more than the sum of the terms."""
     total = sum(v for k, v in memory.items() if k != "frozen_shards")  # that one is inside placed_*
@@ -651,7 +655,8 @@ def timeline_peak(profile: StepProfile, layout: Layout, st: Setting, kinds: Sequ
     if not bw.any():
         return total  # no traced backward: no timeline to place the terms on
     first_bw = int(np.argmax(bw)) if bw.any() else n_steps
-    moments.append(always + int(act[:first_bw].max(initial=0)) + kk)  # forward
+    pool = memory["grad_buffers"] if pooled_grads else 0  # held between backwards
+    moments.append(always + pool + int(act[:first_bw].max(initial=0)) + kk)  # forward
     # gradient buffers open per step: the body chunks' spans, the rest (tied, ZeRO, replicated) at their peak
     r, C = st.reduce_elem, layout.chunk_size
     first, last = _backward_spans(profile, layout)
@@ -674,9 +679,10 @@ def timeline_peak(profile: StepProfile, layout: Layout, st: Setting, kinds: Sequ
         # and the runtime's hook (the reduction, the fused step) runs just before, so with the
         # per-step timeline it is counted already; without it, the largest one the step uses
         grads = 0 if profile.step_activations else np.minimum(largest[t] * st.elem, memory["param_grad"])
-        during = act[t] + grads + open_bufs[t] * C * r + other_bufs + staged[t]
+        bufs = np.full(len(t), pool, dtype=np.int64) if pooled_grads else open_bufs[t] * C * r + other_bufs
+        during = act[t] + grads + bufs + staged[t]
         moments.append(always + int(during.max()) + kk + gif)
-    moments.append(always + int(act[-1]) + masters + kk + gif)  # after backward
+    moments.append(always + pool + int(act[-1]) + masters + kk + gif)  # after backward
     return min(total, max(moments))
 
 
@@ -719,6 +725,19 @@ class Evaluation:
     zero: int = 0  # ZeRO-1/2 chunks in the layout (Layout.zero)
 
 
+def reduction_in_flight_elements(layout: Layout, st: Setting) -> int:
+    """Gradient-buffer elements the runtime holds beyond the open buffers: on a CPU device at world
+    size > 1 a chunk's reduction is left running while the next chunk's gradients arrive
+    (``elixir.wrapper.module.REDUCTIONS_IN_FLIGHT``, one), and its buffer lives until it completes.
+    A replicated chunk's buffer is its kept gradient, counted already; a sharded tied chunk's is
+    open for the whole backward and completes last (at the end of backward), so the largest body
+    or ZeRO chunk is the one counted."""
+    if st.world == 1 or not unified_memory(st.hardware):
+        return 0
+    body = [layout.chunk_size] if layout.n_sharded - layout.own else []
+    return max(body + list(layout.zero_capacities), default=0)
+
+
 def fixed_device_bytes(profile: StepProfile, layout: Layout, st: Setting, blocks: int) -> dict[str, int]:
     """Device bytes that do not depend on placement."""
     repl = sum(layout.replicated_capacities)
@@ -731,7 +750,8 @@ def fixed_device_bytes(profile: StepProfile, layout: Layout, st: Setting, blocks
         "rcache": (blocks * layout.block_size + (own_extra if blocks else 0)) * st.elem,
         # sharded: the most chunks whose backward is in progress at once; replicated (tied) chunks:
         # their gradients arrive at both ends of backward, so their buffers live throughout
-        "grad_buffers": (layout.grad_buffers * layout.chunk_size + own_extra + repl) * st.reduce_elem,
+        "grad_buffers": (layout.grad_buffers * layout.chunk_size + own_extra + repl
+                         + reduction_in_flight_elements(layout, st)) * st.reduce_elem,
         "replicated": repl * st.elem,
         # autograd's gradient of one parameter, before the runtime adds it into its chunk's buffer
         "param_grad": max(profile.numel.values(), default=0) * st.elem,
@@ -1176,7 +1196,7 @@ def price(
         # most live at once (timeline_peak), less than their sum; the difference is a host term
         # of its own, so that the terms still add up to device_bytes + host_bytes
         # (at most the host terms themselves, so that host_bytes stays a byte count)
-        apart = max(timeline_peak(profile, layout, st, kinds, memory) - sum(
+        apart = max(timeline_peak(profile, layout, st, kinds, memory, pooled_grads=not streams) - sum(
             v for k, v in memory.items() if k != "frozen_shards"), -(host + process))
         memory["not_at_once"] = apart
         host += apart

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from elixir import device as dev
 from elixir import distributed as edist
-from elixir.chunk import BlockCache, Chunk, ChunkKind, ChunkSpec, GradState, MemoryLedger, Schedule
+from elixir.chunk import BlockCache, Chunk, ChunkKind, ChunkSpec, GradBufferPool, GradState, MemoryLedger, Schedule
 from elixir.lowp_gemm import widened_gemms
 from elixir.offload.derived import DerivedShards
 from elixir.offload.for_plan import StoreSite, shard_store_for_plan, store_for_plan
@@ -55,6 +55,12 @@ from elixir.wrapper.policies import MixedPrecisionPolicy, OffloadPolicy, module_
 from elixir.wrapper.state_dict import full_state_dict, load_full_state_dict
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# Reductions left running on the backend's thread while backward goes on (CPU, world size > 1):
+# chunk i's collective runs while chunk i+1's gradients arrive, and completes (then the fused step
+# steps chunk i) when chunk i+1's reduction is issued. Each one in flight holds its gradient
+# buffer until then (the search counts one: cost_model.fixed_device_bytes).
+REDUCTIONS_IN_FLIGHT = 1
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,13 @@ class ElixirModule(nn.Module):
             dev.return_host_memory()
         self.ledger = MemoryLedger(memory_limit)
         self.streams = dev.SideStreams(self.device)  # gather / reduce / copy streams of every chunk
+        # recycled gradient buffers on a CPU device (not for plans that stream from disk, which
+        # give memory back at once): elixir/chunk/buffers.py
+        self.grad_buffers = GradBufferPool(enabled=self.device.type == "cpu" and not self.streams_from_disk)
+        # sharded chunks gathered into host memory (a CPU device): their payloads churn through
+        # malloc's heap every step, so backward's end trims it (see _finalize_backward)
+        self._gathers_on_host = self.device.type == "cpu" and self.world_size > 1 and any(
+            cp.sharded for cp in list(search_result.chunks) + list(search_result.frozen_chunks))
         dev.reset_peak_memory(self.device)  # torch's peak statistics beside the ledger's
         self.cache = BlockCache(search_result.cache_blocks, strict=strict_cache)
 
@@ -261,6 +274,7 @@ class ElixirModule(nn.Module):
         self._no_sync = False
         self._pre_step_hooks: list = []
         self._grad_ready_hooks: list = []
+        self._reducing: list[Chunk] = []  # deferred reductions in flight, oldest first
         self._memory_reporters: list = []
         self._backward_end_hooks: list = []
         self._drift_warned = False
@@ -340,7 +354,7 @@ class ElixirModule(nn.Module):
                 shard_on_disk=sharded and cp.shard_placement is Placement.DISK,
                 pin_memory=bool(plan.info.get("pin_memory", True)),
             )
-            chunk = Chunk(spec, self.ledger, self.group, streams=self.streams)
+            chunk = Chunk(spec, self.ledger, self.group, streams=self.streams, buffers=self.grad_buffers)
             flat = (frozen_staging if frozen else staging)[: cp.chunk_size].zero_()
             offset = 0
             members = []
@@ -388,6 +402,10 @@ class ElixirModule(nn.Module):
                 for p in self.module.parameters():
                     if not self.is_chunked(p) and p.is_floating_point():
                         p.data = p.data.to(self.dtype)
+        # The model's own parameter tensors were freed as their values moved into chunks; under
+        # keep_host_memory (no trimming) those below malloc's mmap threshold would stay resident
+        # as free heap for the whole run (GPT-2 medium built eagerly: about 1.4 GB). Hand them back.
+        dev.trim_host_memory()
 
     def _move_rest_to_device(self) -> None:
         """Frozen parameters and buffers go where the chunks are (a model built on the host runs on
@@ -534,6 +552,8 @@ class ElixirModule(nn.Module):
         slot = self._slot_of[p]
         chunk = self.chunks[slot.chunk]
         i, ci = slot.index, slot.chunk
+        if chunk.grad_state is GradState.REDUCING:
+            self._finish_reductions(upto=chunk)  # a late gradient: as if reduced synchronously
         if self.tracker.ready[ci]:
             raise RuntimeError(
                 f"elixir: a gradient of {slot.name!r} arrived after its chunk's gradient was final and "
@@ -544,10 +564,40 @@ class ElixirModule(nn.Module):
         chunk.add_grad(slot.offset, g)
         p.grad = None
         if self.tracker.arrive(i) and not self._no_sync:
-            self._reduce_chunk(chunk)
+            self._reduce_chunk(chunk, defer=True)
 
-    def _reduce_chunk(self, chunk: Chunk) -> None:
-        chunk.reduce()
+    def _reduce_chunk(self, chunk: Chunk, defer: bool = False) -> None:
+        """Reduce ``chunk``'s gradient; with ``defer`` its collective may be left running
+        (:data:`REDUCTIONS_IN_FLIGHT`), completed by a later reduction or at the end of backward."""
+        chunk.reduce(defer=defer)
+        if chunk.grad_state is GradState.REDUCING:
+            self._reducing.append(chunk)
+            while len(self._reducing) > REDUCTIONS_IN_FLIGHT:
+                self._finish_reduction(self._reducing.pop(0))
+        else:
+            self._after_reduction(chunk)
+
+    def _finish_reduction(self, chunk: Chunk) -> None:
+        chunk.finish_reduction()
+        self._after_reduction(chunk)
+
+    def _finish_reductions(self, upto: Optional[Chunk] = None) -> None:
+        """Complete the deferred reductions in flight, oldest first (through ``upto`` only). If one
+        fails (a lost rank), the others are abandoned (each waits for its own collective) and the
+        error is raised."""
+        while self._reducing:
+            c = self._reducing.pop(0)
+            try:
+                self._finish_reduction(c)
+            except BaseException:
+                rest, self._reducing = self._reducing, []
+                for other in rest:
+                    other.abandon_grad()
+                raise
+            if c is upto:
+                break
+
+    def _after_reduction(self, chunk: Chunk) -> None:
         if self._grad_ready_hooks and not self.tracker.ready[chunk.index]:
             # Early (during backward): final only when every parameter of the chunk got its
             # gradient here, so it has one on every rank; otherwise wait for the agreement.
@@ -606,6 +656,7 @@ class ElixirModule(nn.Module):
         tracker = self.tracker
         tracker.move(TrainingState.FINALIZING)
         try:
+            self._finish_reductions()
             n, k = len(self.slots), len(self.chunks)
             local = tracker.arrived_or_local()
             if self._no_sync:
@@ -631,6 +682,7 @@ class ElixirModule(nn.Module):
                     c.end_backward()
                 for fn in self._backward_end_hooks:
                     fn(self)
+                self.finish_publishes()  # those the fused step issued during backward
             tracker.reset()
             while self._bwd_stack:
                 for c in self._bwd_stack.pop().chunks:
@@ -638,9 +690,12 @@ class ElixirModule(nn.Module):
             self._unwind_forward()
             self.cache.release_all()
             self._settle_reductions()
-            if self.streams_from_disk:
-                # backward freed the activations: hand the heap's free pages back now, so the holes
-                # they leave are not resident beside the next step's (the search counts live bytes)
+            if self.streams_from_disk or self._gathers_on_host:
+                # backward freed the activations (and, with sharded chunks, the gathered payloads,
+                # which malloc's heap did not reuse: GPT-2 medium in 18 MB chunks grew 0.25-0.75
+                # GiB a step, to 6.1 GiB for a 4.6 GiB plan, 4.8 trimmed): hand the heap's free
+                # pages back now, so the holes they leave are not resident beside the next step's
+                # (the search counts live bytes)
                 dev.release_free_host_memory()
         finally:
             tracker.move(TrainingState.IDLE)
@@ -671,6 +726,7 @@ class ElixirModule(nn.Module):
         the fused backward-and-step, chunks it stepped stay stepped: the optimizer refuses to go
         on from that partial step, :attr:`ElixirOptimizer.torn_step`.)"""
         self.cache.drain()  # prefetches in flight
+        self._reducing.clear()  # each chunk waits for its own collective in abandon_grad
         self._settle_reductions()
         self._bwd_stack.clear()
         self._fwd_stack.clear()
@@ -788,12 +844,22 @@ class ElixirModule(nn.Module):
         self.streams.join()  # the next forward's compute waits for the refreshed shards
         self.cache.release_all()
 
-    def publish_updates(self, chunks: Optional[list[int]] = None) -> None:
+    def publish_updates(self, chunks: Optional[list[int]] = None, wait: bool = True) -> None:
         """All-gather the updated slices of every ZeRO-1/2 chunk (of ``chunks`` when given) into
         its resident payload (:meth:`Chunk.publish`): after a step, or after a load wrote this
-        rank's slices. Collective (a no-op without such chunks)."""
+        rank's slices. Collective (a no-op without such chunks). With ``wait=False`` the
+        all-gathers may still run (on CPU, on the backend's thread) when this returns, overlapping
+        what the rank does next; :meth:`finish_publishes` completes them (the end of backward
+        does, and so does every publish with ``wait``)."""
         for c in self.chunks if chunks is None else [self.chunks[i] for i in chunks]:
-            c.publish()
+            c.publish(async_op=True)
+        if wait:
+            self.finish_publishes()
+
+    def finish_publishes(self) -> None:
+        """Wait for the asynchronous publishes in flight (:meth:`publish_updates` with ``wait=False``)."""
+        for c in self.chunks:
+            c.finish_publish()
 
     def drain(self) -> None:
         """Wait for the prefetch gathers still in flight (after a forward without backward, or
@@ -849,7 +915,9 @@ class ElixirModule(nn.Module):
         less elixir's bytes: the interpreter and libraries (the search's ``process`` term), the
         model's other tensors, activations alive now, transient copies and allocator slack;
         ``heap_free_bytes`` memory malloc holds free in its heap (slack: resident unless trimmed;
-        with ``keep_host_memory`` it is never given back, so RSS keeps its high-water mark).
+        with ``keep_host_memory`` it is never given back, so RSS keeps its high-water mark);
+        ``grad_pool_free_bytes`` gradient buffers held free for the next backward (CPU:
+        :class:`~elixir.chunk.GradBufferPool`).
         ``offload_page_cache_bytes`` the offload file's pages in the kernel's page cache (not in
         RSS, but charged to the same memory cgroup)."""
         L = self.ledger
@@ -866,6 +934,7 @@ class ElixirModule(nn.Module):
             "peak_rss_bytes": dev.peak_rss_bytes(),
             "elixir_bytes": tracked,
             "heap_free_bytes": heap.get("heap_free_bytes", 0),
+            "grad_pool_free_bytes": self.grad_buffers.free_bytes,
             "untracked_bytes": max(0, rss - tracked),
             "offload_page_cache_bytes": store.page_cache_bytes() if store is not None else 0,
         }

@@ -518,7 +518,9 @@ class ElixirOptimizer:
                         c.shard.copy_(c.master)
         finally:
             self._detach_grads(frags)
-        self.module.publish_updates([i])  # ZeRO-1/2: the other ranks' updated slices
+        # ZeRO-1/2: the other ranks' updated slices, left running while backward goes on (its
+        # end waits for them)
+        self.module.publish_updates([i], wait=False)
 
     @contextlib.contextmanager
     def _only(self, keep: Callable[[torch.Tensor], bool]) -> Iterator[None]:
