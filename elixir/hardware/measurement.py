@@ -113,6 +113,18 @@ def measure_copy_curve(
     return BandwidthCurve(tuple(sizes), tuple(bws))
 
 
+def measure_first_touch(nbytes: int = 64 * MiB, repeats: int = 5) -> float:
+    """Bytes per second at which fresh host memory is faulted in on its first write: a new tensor
+    of ``nbytes`` (above malloc's largest mmap threshold, so mapped afresh each time) filled, less
+    the same fill of one reused tensor."""
+    n = nbytes // 4
+    reused = torch.empty(n)
+    reused.fill_(0)
+    fresh = _median_time(lambda: torch.empty(n).fill_(0), repeats, lambda: None)
+    again = _median_time(lambda: reused.fill_(0), repeats, lambda: None)
+    return nbytes / max(fresh - again, 1e-9)
+
+
 def measure_collectives(sizes: tuple[int, ...], repeats: int, group=None) -> dict:
     """All-gather and reduce-scatter bus bandwidth at each full-message size, across the current
     world (call on every rank; needs an initialised process group of 2+ ranks)."""
@@ -448,6 +460,7 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
                     for name in ("float32", "bfloat16") + (() if cpu_only else ("float16",))}
         ew_curve = measure_elementwise_curve(d, o.repeats, o.elementwise_sizes)
         op_overhead = measure_op_overhead(d, o.repeats)
+        first_touch = measure_first_touch(repeats=o.repeats) if cpu_only else 0.0
     finally:
         torch.set_num_threads(saved_threads)
     one = " on 1 thread (scaled by the cores per rank)" if cpu_only else ""
@@ -459,6 +472,8 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
     src["elementwise"] = (f"measured: a + b into a new tensor, {min(o.elementwise_sizes)} to {max(o.elementwise_sizes)} "
                           f"bytes each, less a 1-element op's time{one}")
     src["op_overhead_s"] = "measured: a chain of 200 one-element multiplications, forward and backward, per dispatched op"
+    src["first_touch_bytes_per_s"] = ("measured: a new 64 MiB tensor filled, less a reused one's fill (page faults)"
+                                      if cpu_only else "not measured: an accelerator's caching allocator reuses blocks")
 
     say("disk")
     if o.disk_bytes > 0:
@@ -491,6 +506,7 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
         matmul_curve=mm_curve,
         elementwise=ew_curve,
         op_overhead_s=op_overhead,
+        first_touch_bytes_per_s=first_touch,
         compute_threads=1 if cpu_only else 0,
         cores=os.cpu_count() or 1,
         disk_read_bytes_per_s=rd,

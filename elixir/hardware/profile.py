@@ -140,6 +140,11 @@ class HardwareProfile:
             None: a reduce-scatter plus an all-gather (the ring algorithm NCCL uses).
         op_overhead_s: fixed seconds per dispatched op in a training step (framework dispatch,
             autograd bookkeeping, kernel launch), timed on a chain of tiny ops with autograd.
+        first_touch_bytes_per_s: on a CPU-only machine, how fast fresh memory is faulted in on its
+            first write (a new 64 MiB tensor filled, less the same fill of a reused one): what
+            each gathered payload costs beyond its all-gather, since it is allocated for the
+            gather and freed after use. 0: not measured, or an accelerator (whose caching
+            allocator hands blocks back without faults).
         calibration: per number of ranks per node (a string key), measured / predicted time of the
             step components ``compute``, ``collectives`` and ``optimizer`` when elixir's runtime
             trains a reference model on this machine (:mod:`elixir.calibrate`), and the measured
@@ -186,6 +191,7 @@ class HardwareProfile:
     matmul_curve: dict[str, BandwidthCurve] = field(default_factory=dict)
     elementwise: Optional[BandwidthCurve] = None
     op_overhead_s: float = 0.0
+    first_touch_bytes_per_s: float = 0.0
     all_reduce: Optional[BandwidthCurve] = None
     calibration: dict[str, dict[str, float]] = field(default_factory=dict)
     overlap_fraction: float = 0.0
@@ -290,6 +296,11 @@ class HardwareProfile:
         if self.all_reduce is None:
             return self.reduce_scatter_time(nbytes, world) + self.all_gather_time(nbytes, world)
         return self.all_reduce.time(2 * nbytes * (world - 1) / world)
+
+    def first_touch_time(self, nbytes: float) -> float:
+        """Seconds to fault in ``nbytes`` of freshly allocated memory on its first write (0 where
+        not measured)."""
+        return nbytes / self.first_touch_bytes_per_s if self.first_touch_bytes_per_s > 0 and nbytes > 0 else 0.0
 
     def h2d_time(self, nbytes: float, pinned: bool = True) -> float:
         return (self.h2d_pinned if pinned else self.h2d_pageable).time(nbytes)

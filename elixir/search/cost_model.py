@@ -867,11 +867,16 @@ def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int,
     own = layout.own_capacities
     own_gathers = [] if own_gathers is None else list(own_gathers)
     zc = list(zip(layout.zero_capacities, zero))
+    # a gathered payload is allocated for its gather: on a CPU box its pages are faulted in again
+    # each time (hw.first_touch_time; 0 on an accelerator, whose caching allocator reuses blocks)
+    def gather(nbytes: float) -> float:
+        return hw.all_gather_time(nbytes, w) + hw.first_touch_time(nbytes)
+
     out = {
         "compute": compute_seconds(profile, hw, st.dtype),
-        "all_gather": ((gathers - sum(own_gathers) - frozen_gathers) * hw.all_gather_time(full, w) if n else 0.0)
-        + sum(g * hw.all_gather_time(c * st.elem, w) for g, c in zip(own_gathers, own))
-        + (frozen_gathers * hw.all_gather_time(layout.frozen_chunk_size * st.elem, w) if frozen_gathers else 0.0),
+        "all_gather": ((gathers - sum(own_gathers) - frozen_gathers) * gather(full) if n else 0.0)
+        + sum(g * gather(c * st.elem) for g, c in zip(own_gathers, own))
+        + (frozen_gathers * gather(layout.frozen_chunk_size * st.elem) if frozen_gathers else 0.0),
         "reduce_scatter": n * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, w)
         + sum(hw.reduce_scatter_time(c * st.reduce_elem, w) for c in own)
         + sum(hw.reduce_scatter_time(c * st.reduce_elem, w) for c, k in zc if k.zero == 2),
@@ -1157,8 +1162,10 @@ def price(
         hidden = comm["compute"] + fb_comm - fb
     elif hw.overlap_fraction > 0 and depth >= 1 and (n_sh or layout.n_frozen) and n_async > 1:
         # no copy engine, but gathers issued ahead still partly run while the rank computes; the
-        # first gather of the step has nothing to hide under, nor have reduce-scatters (issued
-        # synchronously by the runtime)
+        # first gather of the step has nothing to hide under. Reductions also run on gloo's
+        # thread now (one in flight, module.REDUCTIONS_IN_FLIGHT), but on a CPU box they compete
+        # with compute for the same cores and measured steps still exceed the predictions, so
+        # none of their time is counted hidden
         per_gather = (comm["all_gather"] + t_h2d - t_sync) / n_async
         hideable = per_gather * (n_async - 1)
         hidden = hw.overlap_fraction * min(comm["compute"], hideable)
