@@ -33,9 +33,9 @@ Systems:
   not fit fails and says so). Issue 13's mixed case: GPT-2 medium, batch 1, sequence 8 (the
   step is communication-bound) on 5.75 GiB per rank, just short of what pure ZeRO-1/2 needs,
   ``--systems elixir-tight:2@medium elixir-tight-zero3:2@medium elixir-tight-zero2:2@medium
-  --batch 1 --seq 8 --tight-budget 5.75``: the search picks most body chunks ZeRO-1 and the rest
-  sharded, predicted faster than pure ZeRO-3 (the ratios' "predicted" column), but measured 1.47x
-  slower on 2026-11-25 (docs/benchmarks.md: ZeRO-1 chunks' collectives are under-priced there).
+  --batch 1 --seq 8 --tight-budget 5.75``: the search keeps most body chunks ZeRO-1 and shards
+  the rest; measured 0.77x pure ZeRO-3 on 2026-11-26, and pure ZeRO-1/2 does not fit
+  (docs/benchmarks.md, with the 6.0 GiB budget where pure ZeRO-1/2 fits and wins by 6%).
 - ``elixir`` / ``elixir-hybrid`` / ``elixir-bf16``: ``minimum_waste_search``'s plan, with torch
   AdamW / HybridAdam / bf16 chunks and HybridAdam.
 - ``elixir-zero2`` / ``elixir-zero1``: the same chunks as ZeRO-2 / ZeRO-1 chunks (what
@@ -521,7 +521,11 @@ def run_line(line: str, base: BenchConfig, layers: Optional[int], timeout: float
                    TRANSFORMERS_VERBOSITY="error", DS_BUILD_OPS="0")
         proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"{line} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+            # the workers' own error first (torchrun's traceback follows it and would bury it):
+            # e.g. a pure plan that does not fit the tight budget says so and what it needs
+            own = [ln for ln in proc.stderr.splitlines() if "Error: " in ln and "ChildFailedError" not in ln]
+            why = f"{own[0].strip()}\n" if own else ""
+            raise RuntimeError(f"{line} failed (exit {proc.returncode}): {why}{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
         with open(out) as f:
             return LineResult(**json.load(f))
 
@@ -664,8 +668,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             r = run_line(line, cfg, args.layers, args.timeout, args.profile_dir)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # one broken line must not lose the others
-            failed[line] = str(e)[-2000:]
-            print(f"  {line} FAILED: {str(e)[-1500:]}", file=sys.stderr, flush=True)
+            msg = str(e)
+            head = msg.splitlines()[0] if msg else ""
+            failed[line] = head + "\n" + msg[-2000:]
+            print(f"  {line} FAILED: {head}\n{msg[-1500:]}", file=sys.stderr, flush=True)
             continue
         results[r.key] = r
         print(f"  {line}: {r.step_s:.3f} s/step, peak RSS {max(r.peak_rss) / GiB:.2f} GiB", file=sys.stderr, flush=True)

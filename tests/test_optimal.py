@@ -358,3 +358,27 @@ def test_zero_candidates_try_every_count_of_a_small_body_and_spread_a_large_one(
     assert max(b - a for a, b in zip(got, got[1:])) <= math.ceil(n / ZERO_POINTS)
     with pytest.raises(ValueError, match="body_sharding"):
         zero_candidates(small, 2, "some")
+
+
+def test_gathers_pay_their_payloads_first_touch_on_a_cpu_box():
+    """A gathered payload is allocated per gather: on a CPU profile with a measured first-touch
+    rate each gather costs its payload's bytes at that rate beside the all-gather; unmeasured
+    (reference profiles, accelerators) it costs nothing extra."""
+    import dataclasses
+
+    from elixir.search.cost_model import comm_times
+
+    names = [f"layers.{i}.w" for i in range(6)]
+    profile = StepProfile(
+        params=tuple((n, (4096,)) for n in names), shared=frozenset(), steps=tuple((n,) for n in names + names[::-1]),
+        step_kinds=(FORWARD,) * 6 + (BACKWARD,) * 6, activation_bytes=1000, matmul_param_numel=6 * 4096, tokens=4,
+        dtype="float32", info={"source": "synthetic"},
+    )
+    lay = pack(profile, 8192, 2)
+    assert lay.n_sharded > 0
+    plain = Setting(world=2, elem=4, reduce_elem=4, opt_bytes=8, hardware=HW, dtype="float32")
+    assert HW.first_touch_bytes_per_s == 0  # the shipped reference profile has none
+    touched = dataclasses.replace(plain, hardware=dataclasses.replace(HW, first_touch_bytes_per_s=1e9))
+    a = comm_times(profile, lay, plain, gathers=10)["all_gather"]
+    b = comm_times(profile, lay, touched, gathers=10)["all_gather"]
+    assert b - a == pytest.approx(10 * lay.chunk_size * 4 / 1e9)
