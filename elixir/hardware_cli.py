@@ -67,6 +67,8 @@ def render(profile, console=None) -> None:
         t.add_row("elementwise by size", " ".join(gbs(b) for b in profile.elementwise.bytes_per_s), src.get("elementwise", ""))
     if profile.op_overhead_s:
         t.add_row("per-op overhead", f"{profile.op_overhead_s * 1e6:.2f} us", src.get("op_overhead_s", ""))
+    if profile.first_touch_bytes_per_s:
+        t.add_row("first touch of fresh memory", gbs(profile.first_touch_bytes_per_s), src.get("first_touch_bytes_per_s", ""))
     for k, f in sorted(profile.calibration.items()):
         t.add_row(f"calibration, {k} rank(s)/node",
                   " ".join(f"{n} {v * 1e6:.1f} us" if n.endswith("_s") else f"{n} x{v:.2f}" for n, v in f.items()),

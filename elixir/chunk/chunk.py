@@ -427,7 +427,6 @@ class Chunk:
         booked) until then."""
         if self.grad_state is not GradState.ACCUMULATING:
             return
-        spec = self.spec
         buf = self.grad_buffer
         streams = self.streams
         defer = defer and self.defers_reduction

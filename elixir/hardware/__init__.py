@@ -24,7 +24,7 @@ from elixir.hardware.registry import (
 
 _MEASUREMENT = (
     "MeasureOptions", "measure", "measure_collectives", "measure_copy_curve", "measure_disk",
-    "measure_elementwise_curve", "measure_matmul", "measure_matmul_curve", "measure_op_overhead",
+    "measure_elementwise_curve", "measure_first_touch", "measure_matmul", "measure_matmul_curve", "measure_op_overhead",
     "measure_optimizer", "measure_train_flops",
 )
 

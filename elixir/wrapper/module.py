@@ -31,7 +31,16 @@ import torch.nn as nn
 
 from elixir import device as dev
 from elixir import distributed as edist
-from elixir.chunk import BlockCache, Chunk, ChunkKind, ChunkSpec, GradBufferPool, GradState, MemoryLedger, Schedule
+from elixir.chunk import (
+    BlockCache,
+    Chunk,
+    ChunkKind,
+    ChunkSpec,
+    GradBufferPool,
+    GradState,
+    MemoryLedger,
+    Schedule,
+)
 from elixir.lowp_gemm import widened_gemms
 from elixir.offload.derived import DerivedShards
 from elixir.offload.for_plan import StoreSite, shard_store_for_plan, store_for_plan
