@@ -251,6 +251,11 @@ class HostBufferPool:
         """Return ``buf`` to the pool; with ``event``, not before that event completes."""
         self._free.setdefault((buf.dtype, buf.numel()), []).append((buf, event))
 
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the buffers held free now (given back, not yet handed out again)."""
+        return sum(buf.numel() * buf.element_size() for free in self._free.values() for buf, _ in free)
+
     def clear(self) -> None:
         """Drop the free buffers (those handed out stay with their holders)."""
         for free in self._free.values():

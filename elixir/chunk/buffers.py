@@ -25,24 +25,32 @@ from typing import Optional
 
 import torch
 
+from elixir import device as dev
+
 
 class GradBufferPool:
-    """Free chunk-sized host buffers, by ``(numel, dtype)``; a no-op pass-through when disabled."""
+    """The runtime's chunk-sized buffers, kept by ``(dtype, numel)`` in a
+    :class:`~elixir.device.HostBufferPool` (unpinned) and handed out again; a plain allocation
+    when disabled. It only ever takes back whole tensors (never a view of a larger one)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        self.allocated = 0  # buffers created through the pool
-        self.reused = 0  # buffers handed out again
+        self._pool = dev.HostBufferPool(pin=False)
+
+    @property
+    def allocated(self) -> int:
+        """Buffers created through the pool."""
+        return self._pool.allocated
+
+    @property
+    def reused(self) -> int:
+        """Buffers handed out again."""
+        return self._pool.reused
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of ``numel`` elements of ``dtype`` on ``device`` (contents undefined)."""
-        if self.enabled:
-            free = self._free.get((int(numel), dtype))
-            if free:
-                self.reused += 1
-                return free.pop()
-            self.allocated += 1
+        if self.enabled and torch.device(device).type == "cpu":
+            return self._pool.take(int(numel), dtype)
         return torch.empty(int(numel), dtype=dtype, device=device)
 
     def give(self, buf: Optional[torch.Tensor]) -> None:
@@ -52,13 +60,13 @@ class GradBufferPool:
             return
         if buf.storage_offset() != 0 or buf.untyped_storage().nbytes() != buf.numel() * buf.element_size():
             return  # a view of a larger tensor: not ours to recycle
-        self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+        self._pool.give(buf)
 
     @property
     def free_bytes(self) -> int:
         """Bytes of the buffers held free now."""
-        return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
+        return self._pool.free_bytes
 
     def clear(self) -> None:
         """Drop the free buffers (back to malloc)."""
-        self._free.clear()
+        self._pool.clear()
