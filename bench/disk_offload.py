@@ -43,8 +43,8 @@ def _model(layers: int, dim: int) -> nn.Module:
 
 def _variant(layers: int, dim: int, n_disk: int, direct: bool, reps: int, offload_dir) -> dict:
     from elixir.optim import CPUAdam
+    from elixir.plan import Placement
     from elixir.search import minimum_waste_search
-    from elixir.search.plan import Placement
     from elixir.wrapper import ElixirModule, ElixirOptimizer
 
     model = _model(layers, dim)

@@ -87,7 +87,7 @@ def runtime_share(plan) -> int:
 
 def train_worker(model_name: str, plan_json: dict, steps: int, memory_limit, batch: int, seq: int) -> dict:
     from elixir.optim import CPUAdam
-    from elixir.search.plan import SearchResult
+    from elixir.plan import SearchResult
     from elixir.wrapper import ElixirModule, ElixirOptimizer
 
     plan = SearchResult.from_json(plan_json)
@@ -145,6 +145,7 @@ def predicted_gathered_shard(plan) -> int:
 def predictions_table(hw, steps: int, console, only: tuple[str, ...] = ()) -> None:
     from rich.table import Table
 
+    from elixir.plan import MeshLayout
     from elixir.search import minimum_waste_search
     from elixir.search.cost_model import MemoryPolicy, Setting, evaluate_plan
     from elixir.search.optimal import search_profile
@@ -204,7 +205,7 @@ def predictions_table(hw, steps: int, console, only: tuple[str, ...] = ()) -> No
         console.print(f"[dim]{name} w{world} budget {budget}: pred {p.step_time_s:.3f} s, meas {m['step_s']:.3f} s, "
                       f"gathered+shard {m['gathered_shard'] / MiB:.1f}/{pg / MiB:.1f} MiB[/dim]")
         if world > 1:
-            st = Setting(world=world, elem=4, reduce_elem=4, opt_bytes=8,
+            st = Setting(layout=MeshLayout.data_parallel(world), elem=4, reduce_elem=4, opt_bytes=8,
                          hardware=hw1.per_rank(hw1.ranks_per_node(world)), dtype="float32")
             usable = MemoryPolicy().usable(dev, 4 << 30, 0)[0]
             # minimum_waste_search keeps everything on the device; where that does not fit, its

@@ -40,7 +40,7 @@ def test_plan_from_another_model_or_world_size():
     gpt2, opt = ZC.build(), ZOO["opt"].build()
     with pytest.raises(PlanMismatch, match="does not match this model.*trainable parameters not in the plan"):
         ElixirModule(opt, minimum_waste_search(ZC.build(), 1))
-    with pytest.raises(PlanMismatch, match="world size 2 but this process group has 1 ranks; re-run the search with group_size=1"):
+    with pytest.raises(PlanMismatch, match=r"made for a mesh of dp_shard 2 \(2 ranks\) but this run is a single rank; re-run the search for this layout \(optimal_search\(model, 1"):
         ElixirModule(gpt2, minimum_waste_search(gpt2, 2))
 
 

@@ -22,8 +22,8 @@ from test_runtime_mixed import RUNS, _mixed_worker, check_mixed
 from elixir import checkpoint
 from elixir import device as dev
 from elixir import distributed as edist
+from elixir.plan import Placement
 from elixir.search import minimum_waste_search
-from elixir.search.plan import Placement
 from elixir.testing import run_distributed
 from elixir.testing.reference import train_wrapped
 from elixir.wrapper import ElixirModule, ElixirOptimizer

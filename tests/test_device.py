@@ -16,8 +16,8 @@ from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk import Chunk, ChunkSpec, MemoryLedger
 from elixir.optim import CPUAdam, functional
+from elixir.plan import Placement
 from elixir.search import minimum_waste_search
-from elixir.search.plan import Placement
 from elixir.testing.reference import default_optimizer, train_reference, train_wrapped
 from elixir.testing.zoo import ZOO, build_model
 from elixir.wrapper import ElixirModule, ElixirOptimizer

@@ -20,8 +20,8 @@ import torch
 from elixir import checkpoint
 from elixir import distributed as edist
 from elixir.offload import DiskState
+from elixir.plan import Placement
 from elixir.search import minimum_waste_search
-from elixir.search.plan import Placement
 from elixir.testing import run_distributed
 from elixir.testing.reference import default_optimizer, shard_batch
 from elixir.testing.zoo import ZOO

@@ -22,8 +22,8 @@ from elixir._native import get_native
 from elixir.offload import DiskState, NativeFileIO, OffloadDirError, OffloadFile, ThreadFileIO
 from elixir.offload.directory import open_offload_file
 from elixir.optim import CPUAdam
+from elixir.plan import Placement
 from elixir.search import minimum_waste_search
-from elixir.search.plan import Placement
 from elixir.testing import run_distributed
 from elixir.testing.reference import default_optimizer, train_wrapped
 from elixir.testing.zoo import ZOO

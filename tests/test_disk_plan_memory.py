@@ -20,9 +20,9 @@ import torch
 
 from elixir.hardware import load_profile
 from elixir.optim import CPUAdam
+from elixir.plan import MeshLayout, Placement
 from elixir.search import minimum_waste_search
 from elixir.search.cost_model import Setting, evaluate_plan
-from elixir.search.plan import Placement
 from elixir.search.step_profile import profile_from_module, profile_step
 from elixir.testing.zoo import ZOO, build_model
 from elixir.tracer.hooks import install_step_hooks
@@ -72,7 +72,7 @@ def test_disk_plan_host_prediction_is_its_staging_not_staging_plus_construction(
     with torch.device("meta"):
         model = build_model(MODEL)
     plan = _plan(model, shard, prefetch)
-    st = Setting(world=1, elem=2, reduce_elem=2, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="bfloat16")
+    st = Setting(layout=MeshLayout.data_parallel(1), elem=2, reduce_elem=2, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="bfloat16")
     ev = evaluate_plan(profile_from_module(model), plan, st)  # process_bytes 0: only elixir's own bytes
     got = _measure(plan, tmp_path, prefetch)
     # fused step: no shard gradient is kept, so a disk plan's host bytes are all staging (a KK
@@ -137,7 +137,7 @@ def test_all_disk_plan_prediction_is_what_is_live_at_once_not_every_term_at_its_
     case = ZOO[MODEL]
     plan = _plan(model, Placement.DISK)
     prof = profile_step(model, case.make_batch(4, 0), case.step_fn, torch.bfloat16)
-    st = Setting(world=1, elem=2, reduce_elem=2, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="bfloat16")
+    st = Setting(layout=MeshLayout.data_parallel(1), elem=2, reduce_elem=2, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="bfloat16")
     ev = evaluate_plan(prof, plan, st)
     predicted = ev.device_bytes + ev.host_bytes
     summed = sum(v for k, v in ev.memory.items() if k not in ("frozen_shards", "not_at_once"))
@@ -167,7 +167,7 @@ def test_disk_plan_counts_its_own_heap_slack_not_keep_host_memorys():
     on_disk = _plan(model, Placement.DEVICE)
     resident = dataclasses.replace(on_disk, chunks=tuple(dataclasses.replace(c, optim_placement=Placement.DEVICE)
                                                          for c in on_disk.chunks))
-    st = Setting(world=1, elem=2, reduce_elem=2, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="bfloat16",
+    st = Setting(layout=MeshLayout.data_parallel(1), elem=2, reduce_elem=2, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="bfloat16",
                  process_bytes=1 << 30, heap_slack_bytes=keep - cost_model.STEP_UNTRACKED_BYTES)
     prof = profile_from_module(model, activation_bytes=act)
     assert evaluate_plan(prof, on_disk, st).memory["process"] == (1 << 30) - (keep - disk)

@@ -20,8 +20,8 @@ import torch
 from elixir import checkpoint
 from elixir import distributed as edist
 from elixir.optim import CPUAdam
+from elixir.plan import ChunkPlan, Placement
 from elixir.search import minimum_waste_search
-from elixir.search.plan import ChunkPlan, Placement
 from elixir.testing import run_distributed
 from elixir.testing.reference import default_optimizer, train_wrapped
 from elixir.testing.zoo import ZOO

@@ -26,8 +26,8 @@ import torch
 
 from elixir import distributed as edist
 from elixir.optim import CPUAdam
+from elixir.plan import MeshLayout, Placement, SearchResult
 from elixir.search import minimum_waste_search
-from elixir.search.plan import Placement, SearchResult
 from elixir.testing import run_distributed
 from elixir.testing.reference import default_optimizer, shard_batch
 from elixir.testing.zoo import ZOO, build_model
@@ -302,7 +302,7 @@ def test_search_picks_lean_gradients_when_memory_binds():
     lean = search_profile(prof, 1, hardware=hw, device_memory=2 << 20, host_memory=need * 8 // 10, disk=1 << 34)
     assert (lean.grad_dtype, lean.fused_step) == ("bfloat16", True)
     # its prediction is what evaluating the plan under its own options gives
-    st = Setting(world=1, elem=2, reduce_elem=2, opt_bytes=8, hardware=hw.per_rank(1), dtype="bfloat16")
+    st = Setting(layout=MeshLayout.data_parallel(1), elem=2, reduce_elem=2, opt_bytes=8, hardware=hw.per_rank(1), dtype="bfloat16")
     ev = evaluate_plan(prof, lean, st)
     assert ev.host_bytes == lean.prediction.peak_host_bytes and ev.device_bytes == lean.prediction.peak_device_bytes
     # fp16 never fuses (its loss scaling needs every gradient first); an explicit False is kept

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 from elixir.hardware import load_profile
+from elixir.plan import SearchResult
 from elixir.search.optimal import search_profile
-from elixir.search.plan import SearchResult
 from elixir.search.step_profile import profile_from_module
 
 

@@ -19,8 +19,8 @@ import torch.nn as nn
 
 from elixir import device as dev
 from elixir.models import build_model
+from elixir.plan import ChunkPlan, Placement, SearchResult
 from elixir.search import minimum_waste_search
-from elixir.search.plan import ChunkPlan, Placement, SearchResult
 from elixir.testing import run_distributed
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 from elixir.wrapper.materialize import MaterializeError, materialize

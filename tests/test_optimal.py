@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elixir.hardware import load_profile
+from elixir.plan import MeshLayout, Placement, SearchResult
 from elixir.search.cost_model import (
     MemoryPolicy,
     Setting,
@@ -30,7 +31,6 @@ from elixir.search.optimal import (
     zero_candidates,
 )
 from elixir.search.placement import DD, DH, DK, HH, HK, KK
-from elixir.search.plan import Placement, SearchResult
 from elixir.search.step_profile import BACKWARD, FORWARD, StepProfile
 
 HW = load_profile("cpu-box")
@@ -68,7 +68,7 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
     search's counts of ZeRO-1/2 chunks (state on the device)."""
     dev, host, disk = POLICY.usable(*budgets)
     elem = 4 if profile.dtype == "float32" else 2
-    stt = Setting(world=world, elem=elem, reduce_elem=elem, opt_bytes=8, hardware=HW, dtype=profile.dtype)
+    stt = Setting(layout=MeshLayout.data_parallel(world), elem=elem, reduce_elem=elem, opt_bytes=8, hardware=HW, dtype=profile.dtype)
     types = [DD, DH, HH] + ([DK, HK, KK] if disk > 0 else [])
     tied_modes = (False, True) if profile.shared and world > 1 else (False,)
     layouts = [pack(profile, c, world, tied, z) for c, tied in itertools.product(chunk_size_candidates(profile, world), tied_modes)
@@ -376,7 +376,7 @@ def test_gathers_pay_their_payloads_first_touch_on_a_cpu_box():
     )
     lay = pack(profile, 8192, 2)
     assert lay.n_sharded > 0
-    plain = Setting(world=2, elem=4, reduce_elem=4, opt_bytes=8, hardware=HW, dtype="float32")
+    plain = Setting(layout=MeshLayout.data_parallel(2), elem=4, reduce_elem=4, opt_bytes=8, hardware=HW, dtype="float32")
     assert HW.first_touch_bytes_per_s == 0  # the shipped reference profile has none
     touched = dataclasses.replace(plain, hardware=dataclasses.replace(HW, first_touch_bytes_per_s=1e9))
     a = comm_times(profile, lay, plain, gathers=10)["all_gather"]

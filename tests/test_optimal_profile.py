@@ -47,7 +47,7 @@ def test_module_order_profile_covers_every_parameter():
 
 def test_plan_cli_writes_a_plan_for_another_cluster(tmp_path, capsys):
     from elixir.cli import main
-    from elixir.search.plan import SearchResult
+    from elixir.plan import SearchResult
 
     out = tmp_path / "plan.json"
     rc = main(["plan", "opt-1.3b", "--world-size", "8", "--hardware", "8xA100-40GB", "--device-memory", "40GiB",

@@ -18,8 +18,8 @@ import torch
 
 from elixir import checkpoint
 from elixir.checkpoint import CheckpointError
+from elixir.plan import Placement
 from elixir.search import minimum_waste_search
-from elixir.search.plan import Placement
 from elixir.testing import run_distributed
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 from elixir.wrapper.hf_guard import WrappedSaveError

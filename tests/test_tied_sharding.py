@@ -9,10 +9,10 @@ import torch
 
 from elixir import distributed as edist
 from elixir.hardware import load_profile
+from elixir.plan import SearchResult
 from elixir.search import optimal_search
 from elixir.search.cost_model import MemoryPolicy, pack
 from elixir.search.optimal import DoesNotFitError, search_profile
-from elixir.search.plan import SearchResult
 from elixir.search.step_profile import BACKWARD, FORWARD, StepProfile
 from elixir.testing import run_distributed
 from elixir.testing.reference import default_optimizer, train_reference, train_wrapped

@@ -20,6 +20,7 @@ import torch
 
 from elixir import checkpoint
 from elixir import distributed as edist
+from elixir.plan import MeshLayout
 from elixir.search import ChunkPlan, Placement, SearchResult, Sharding, minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch, train_wrapped
@@ -323,7 +324,7 @@ def test_zero_chunk_pricing_matches_the_ledger_and_the_collectives(dtype_name):
     got = run_distributed(_priced_worker, 2, dtype_name, timeout=300)[0]
     plan = SearchResult.from_json(got["plan"])
     e = 4 if dtype_name == "fp32" else 2
-    st = Setting(world=2, elem=e, reduce_elem=e, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="float32", grad_elem=4)
+    st = Setting(layout=MeshLayout.data_parallel(2), elem=e, reduce_elem=e, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="float32", grad_elem=4)
     priced = sum(zero_chunk_bytes(st, c.chunk_size, Placement.DEVICE)[0] for c in plan.chunks)
     rep = got["report"]  # after backward: shard gradients held; optimizer state from step 1
     ledger = rep["shard_bytes"] + rep["master_bytes"] + rep["shard_grad_bytes"] + rep["optimizer_state_bytes"]

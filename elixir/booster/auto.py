@@ -11,8 +11,8 @@ from elixir import distributed as edist
 from elixir.booster.gemini import GeminiPlugin
 from elixir.booster.plugin import Plugin
 from elixir.booster.torch_plugins import TorchDDPPlugin
+from elixir.plan import dtype_name
 from elixir.search import Placement, optimal_search
-from elixir.search.plan import dtype_name
 
 
 @dataclass(frozen=True)

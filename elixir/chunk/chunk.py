@@ -35,7 +35,7 @@ from elixir import distributed as edist
 from elixir.chunk.accounting import MemoryLedger
 from elixir.chunk.buffers import GradBufferPool
 from elixir.chunk.state import ChunkKind, ChunkState, GradState, check_chunk_move, check_grad_move
-from elixir.search.plan import ShardedBy, Sharding
+from elixir.plan import MeshLayout, ShardedBy, Sharding
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,14 @@ class ChunkSpec(ShardedBy):
 
     Attributes:
         index: position of the chunk in the plan.
-        capacity: elements, padding included (a multiple of ``world_size`` when any state is split).
-        sharding: what is split across ranks (:class:`~elixir.search.plan.Sharding`: the payload
+        capacity: elements, padding included (a multiple of :attr:`shard_world` when any state is split).
+        sharding: what is split across ranks (:class:`~elixir.plan.Sharding`: the payload
             for ``SHARDED``; master, gradient and optimizer state for every sharding but ``REPLICATED``);
             a bool is read as the older ``sharded`` flag.
-        world_size, rank: the data-parallel group layout.
+        layout: the mesh layout of the run (:class:`~elixir.plan.mesh.MeshLayout`; an int is read as
+            plain data parallelism over that many ranks). A chunk is split over its ``dp_shard``
+            axis only (:attr:`shard_world`).
+        rank: this rank's index on the ``dp_shard`` axis.
         dtype: compute dtype of payload and shard.
         reduce_dtype: dtype gradients are reduced in.
         grad_dtype: dtype of the reduced shard gradient kept until the optimizer step (fp32, or
@@ -72,7 +75,7 @@ class ChunkSpec(ShardedBy):
     index: int
     capacity: int
     sharding: Sharding
-    world_size: int
+    layout: MeshLayout
     rank: int
     dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
@@ -96,14 +99,20 @@ class ChunkSpec(ShardedBy):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharding", Sharding.of(self.sharding))
+        object.__setattr__(self, "layout", MeshLayout.of(self.layout))
         if self.shard_on_disk and not (self.sharded and self.shard_on_host and (self.master_on_disk or self.frozen)):
             raise ValueError(f"chunk {self.index}: a disk shard needs a sharded chunk with its shard on the host "
                              "and (unless frozen: read-only, never rewritten) its master on disk")
 
     @property
+    def shard_world(self) -> int:
+        """Ranks this chunk is split over (the layout's ``dp_shard`` axis)."""
+        return self.layout.dp_shard
+
+    @property
     def shard_numel(self) -> int:
         """Elements of this rank's master and reduced gradient (and of its payload shard when sharded)."""
-        return self.capacity // self.world_size if self.state_sharded else self.capacity
+        return self.capacity // self.shard_world if self.state_sharded else self.capacity
 
     @property
     def shard_offset(self) -> int:
@@ -114,7 +123,7 @@ class ChunkSpec(ShardedBy):
     def publishes(self) -> bool:
         """Whole parameters but a split master (ZeRO-1/2): after a step every rank's updated slice
         is all-gathered into every payload (:meth:`Chunk.publish`)."""
-        return self.state_sharded and not self.sharded and self.world_size > 1
+        return self.state_sharded and not self.sharded and self.shard_world > 1
 
 
 def _loc(on_host: bool) -> str:
@@ -139,8 +148,8 @@ class Chunk:
 
     def __init__(self, spec: ChunkSpec, ledger: MemoryLedger, group=None, streams: Optional[dev.SideStreams] = None,
                  buffers: Optional[GradBufferPool] = None) -> None:
-        if spec.state_sharded and spec.capacity % spec.world_size:
-            raise ValueError(f"chunk {spec.index}: capacity {spec.capacity} is not a multiple of world size {spec.world_size}")
+        if spec.state_sharded and spec.capacity % spec.shard_world:
+            raise ValueError(f"chunk {spec.index}: capacity {spec.capacity} is not a multiple of its {spec.shard_world} shards")
         self.spec = spec
         self.index = spec.index
         self.ledger = ledger
@@ -417,7 +426,7 @@ class Chunk:
         device at world size > 1, where the collective runs on the backend's own thread (gloo)
         while this rank goes on with backward; :meth:`finish_reduction` completes it. On an
         accelerator the reduction is already asynchronous on the reduce stream."""
-        return self.spec.world_size > 1 and not dev.is_accelerator(self.spec.device)
+        return self.spec.shard_world > 1 and not dev.is_accelerator(self.spec.device)
 
     def reduce(self, defer: bool = False) -> None:
         """Reduce the gradient buffer (mean over ranks) into this rank's shard gradient.
@@ -474,7 +483,7 @@ class Chunk:
         synchronously) and the step that keeps its result (divide by the world size, then adopt
         or accumulate into the shard gradient), to run once it finished."""
         spec = self.spec
-        world = spec.world_size
+        world = spec.shard_world
         self._zero_unwritten()
         direct = (
             spec.sharding.reduce_scatters and world > 1 and not self.grad_valid

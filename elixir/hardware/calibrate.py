@@ -32,9 +32,9 @@ from elixir import distributed as edist
 from elixir.hardware.measurement import local_backend
 from elixir.launch import run_distributed
 from elixir.optim import HybridAdam
+from elixir.plan import MeshLayout, SearchResult
 from elixir.search import minimum_waste_search
 from elixir.search.cost_model import Setting, evaluate_plan
-from elixir.search.plan import SearchResult
 from elixir.search.step_profile import profile_step
 from elixir.tracer.op_costs import OpCosts
 from elixir.wrapper import ElixirModule, ElixirOptimizer
@@ -235,7 +235,7 @@ def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> C
     if base.device_type == "cpu":
         base = dataclasses.replace(base, cores=ranks)  # one thread per rank, as run below
     per_rank = base.per_rank(base.ranks_per_node(ranks))
-    st = Setting(world=ranks, elem=4, reduce_elem=4, opt_bytes=8, hardware=per_rank, dtype="float32")
+    st = Setting(layout=MeshLayout.data_parallel(ranks), elem=4, reduce_elem=4, opt_bytes=8, hardware=per_rank, dtype="float32")
     runs, preds, plan_sizes = [], [], []
     for size, dtype in [(s, "float32") for s in SIZES] + [(SIZES[-1], "bfloat16")]:
         torch.manual_seed(0)

@@ -10,8 +10,8 @@ from typing import Mapping, Optional
 import torch
 import torch.nn as nn
 
+from elixir.plan import SearchResult
 from elixir.search.placement_policy import PlanArg, SearchArg, check_plan_args, make_plan
-from elixir.search.plan import SearchResult
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 from elixir.wrapper.policies import SCALE_KEYWORDS, LossScalePolicy, loss_scale_policy
 

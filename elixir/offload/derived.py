@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from elixir.offload.store import MASTER, DiskState, DiskStore, Ledger
-from elixir.search.plan import DERIVED_SHARD_PIECE_ELEMENTS as PIECE_ELEMENTS
+from elixir.plan import DERIVED_SHARD_PIECE_ELEMENTS as PIECE_ELEMENTS
 
 
 class _DerivedShard:

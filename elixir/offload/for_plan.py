@@ -15,7 +15,7 @@ from elixir import distributed as edist
 from elixir.chunk import MemoryLedger
 from elixir.offload.directory import OffloadDirError
 from elixir.offload.store import DiskStore
-from elixir.search.plan import Placement, SearchResult, disk_bytes_per_element
+from elixir.plan import Placement, SearchResult, disk_bytes_per_element
 
 # bytes per element reserved up front: the fp32 master and Adam's state, as the cost model
 # assumes (the optimizer is not known yet when the module is built); other optimizers' state

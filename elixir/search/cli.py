@@ -20,8 +20,8 @@ from rich.console import Console
 
 from elixir import models
 from elixir.hardware.registry import DEFAULT_RULE, choose_default_profile, load_profile
+from elixir.plan import dtype_from_name
 from elixir.search.optimal import DoesNotFitError, human_count, search_profile
-from elixir.search.plan import dtype_from_name
 from elixir.search.step_profile import profile_by_layers, profile_step
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

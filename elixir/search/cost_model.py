@@ -26,7 +26,7 @@ that fits. A sharded tied chunk keeps its shard and optimizer state on the devic
   ``KK``: host ``s g`` only, the shard too on disk, but derived from the master at each read
   (``s(4 + k)`` on disk: :mod:`elixir.offload.derived`), up to :data:`DISK_SHARD_STAGING` shard
   staged while gathered or stepped, plus two fp32 read buffers of up to
-  :data:`~elixir.search.plan.DERIVED_SHARD_PIECE_ELEMENTS` each. The search turns to ``KK`` only when
+  :data:`~elixir.plan.DERIVED_SHARD_PIECE_ELEMENTS` each. The search turns to ``KK`` only when
   no plan fits with every shard resident: the least-gathered chunks first;
   ``m`` is 4 for the fp32 master copy, 0 when the compute dtype is fp32 and shard and master live
   together (the runtime then uses one tensor); ``g`` is the shard gradient's element size (4 in
@@ -75,14 +75,15 @@ from typing import Optional, Sequence
 import numpy as np
 
 from elixir.hardware.profile import HardwareProfile
-from elixir.search.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
-from elixir.search.plan import (
+from elixir.plan import (
     DERIVED_SHARD_PIECE_ELEMENTS,
     MASTER_BYTES,
+    MeshLayout,
     Placement,
     Sharding,
     disk_bytes_per_element,
 )
+from elixir.search.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 
@@ -484,9 +485,9 @@ PLACEMENTS = SHARDED_PLACEMENTS  # what the search chooses from for a sharded ch
 
 @dataclass(frozen=True)
 class Setting:
-    """What is fixed for one evaluation: world, dtypes, optimizer, hardware."""
+    """What is fixed for one evaluation: the mesh layout, dtypes, optimizer, hardware."""
 
-    world: int
+    layout: MeshLayout  # chunks split over its dp_shard axis (:attr:`world`)
     elem: int  # compute element size
     reduce_elem: int
     opt_bytes: int  # optimizer-state bytes per element
@@ -501,6 +502,11 @@ class Setting:
     # disk_plan_step_untracked_bytes says for trainable disk chunks, none for frozen ones
     heap_slack_bytes: int = 0
     fused_step: bool = False  # the fused backward-and-step (no persistent shard gradients)
+
+    @property
+    def world(self) -> int:
+        """Ranks a chunk is split over: the layout's ``dp_shard`` axis."""
+        return self.layout.dp_shard
 
     @property
     def disk_elem(self) -> int:

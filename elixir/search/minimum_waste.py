@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ import torch.nn as nn
 from rich.console import Console
 from rich.table import Table
 
-from elixir.search.plan import CHUNKABLE_DTYPES, ChunkPlan, Placement, SearchResult, dtype_name
+from elixir.plan import CHUNKABLE_DTYPES, ChunkPlan, MeshLayout, Placement, SearchResult, dtype_name
 from elixir.tracer import generate_tf_order
 
 ALIGN = 16  # elements per rank a shard is aligned to
@@ -247,7 +247,7 @@ def cache_blocks_needed(
 
 def minimum_waste_search(
     model: nn.Module,
-    group_size: int,
+    group_size: Union[int, MeshLayout],
     unified_dtype: torch.dtype = torch.float,
     cpu_offload: bool = False,
     prefetch: bool = False,
@@ -262,7 +262,8 @@ def minimum_waste_search(
 
     Args:
         model: the model (any device, meta included).
-        group_size: data-parallel world size.
+        group_size: data-parallel world size (the ranks chunks shard over), or the
+            :class:`~elixir.plan.mesh.MeshLayout` of the run (one ``dp_shard`` axis for now).
         unified_dtype: compute dtype recorded in the plan.
         cpu_offload: keep shards and optimizer state in host memory.
         prefetch: add look-ahead rCache blocks (and record the traced order when traced).
@@ -275,8 +276,11 @@ def minimum_waste_search(
             gets a chunk of its own); default: the search's own cap.
     """
     t0 = time.perf_counter()
-    if group_size < 1:
+    if isinstance(group_size, int) and group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
+    mesh = MeshLayout.of(group_size)
+    mesh.require_data_parallel("minimum_waste_search", "Plan the dp_shard axis alone: minimum_waste_search(model, dp_shard_size)")
+    group_size = mesh.dp_shard
     if (inp is None) != (step_fn is None):
         raise ValueError("give both inp and step_fn (to trace the order), or neither")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -30,6 +30,7 @@ from elixir import device as dev
 from elixir import distributed as edist
 from elixir.hardware.profile import HardwareProfile
 from elixir.hardware.registry import choose_default_profile, load_profile
+from elixir.plan import ChunkPlan, MeshLayout, Placement, Prediction, SearchResult, dtype_name
 from elixir.search.cost_model import (
     ALIGN,
     HOST_TERMS,
@@ -49,7 +50,6 @@ from elixir.search.cost_model import (
 )
 from elixir.search.minimum_waste import best_chunk_size
 from elixir.search.placement import DD, RD
-from elixir.search.plan import ChunkPlan, Placement, Prediction, SearchResult, dtype_name
 from elixir.search.step_profile import RECOMPUTE, StepProfile, profile_from_module, profile_step
 
 GRID_POINTS = 48  # geometric chunk-size candidates
@@ -164,7 +164,7 @@ class _Searcher:
         self.policy = policy
         self.overlap = overlap
         self.setting = Setting(
-            world=world, elem=_elem(profile.dtype), reduce_elem=_elem(reduce_dtype or profile.dtype),
+            layout=MeshLayout.data_parallel(world), elem=_elem(profile.dtype), reduce_elem=_elem(reduce_dtype or profile.dtype),
             opt_bytes=OPTIMIZER_STATE_BYTES[key], hardware=hardware.per_rank(hardware.ranks_per_node(world)),
             dtype=profile.dtype, grad_elem=_elem(grad_dtype), fused_step=fused_step, process_bytes=int(process_bytes),
             heap_slack_bytes=min(int(heap_slack_bytes), int(process_bytes)),
@@ -425,7 +425,7 @@ def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: L
 
 def search_profile(
     profile: StepProfile,
-    world: int,
+    world: Union[int, MeshLayout],
     *,
     hardware: Union[HardwareProfile, str, os.PathLike, None] = None,
     device_memory: Optional[int] = None,
@@ -472,6 +472,9 @@ def search_profile(
     on the same budget).
     """
     t0 = time.perf_counter()
+    mesh = MeshLayout.of(world)
+    mesh.require_data_parallel("The search", "Plan the dp_shard axis alone: optimal_search(model, dp_shard_size, ...)")
+    world = mesh.dp_shard
     policy = policy or MemoryPolicy()
     if isinstance(hardware, (str, os.PathLike)):  # a JSON path or a shipped profile's name
         hardware_choice = hardware_choice or f"hardware={os.fspath(hardware)!r}"
@@ -668,7 +671,7 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
 
 def optimal_search(
     model: nn.Module,
-    group_size: int,
+    group_size: Union[int, MeshLayout],
     unified_dtype: torch.dtype = torch.float,
     optimizer_type: str = "Adam",
     overlap: bool = False,
@@ -691,7 +694,8 @@ def optimal_search(
 
     Args:
         model: the model (any device; meta included: nothing is allocated).
-        group_size: data-parallel world size.
+        group_size: data-parallel world size (the ranks chunks shard over), or the
+            :class:`~elixir.plan.mesh.MeshLayout` of the run (one ``dp_shard`` axis for now).
         unified_dtype: compute dtype of the chunks.
         optimizer_type: ``"Adam"``/``"AdamW"`` (8 B/element of state) or ``"SGD"`` (4).
         overlap: allow prefetching (depth 1-2) so gathers overlap compute where the hardware can.

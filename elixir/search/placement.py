@@ -1,7 +1,7 @@
 """Where one chunk of a candidate plan keeps its state: a typed placement, priced by the cost model.
 
-A :class:`ChunkPlacement` pairs the two :class:`~elixir.search.plan.Placement` values of a
-:class:`~elixir.search.plan.ChunkPlan` (its compute shard's and its optimizer state's) with
+A :class:`ChunkPlacement` pairs the two :class:`~elixir.plan.Placement` values of a
+:class:`~elixir.plan.ChunkPlan` (its compute shard's and its optimizer state's) with
 whether the chunk is replicated or a ZeRO-1/2 chunk. Reports and ``info["runner_ups"]`` spell it as
 a two-letter code, shard then optimizer state, with D for device, H for host, K for disk, R for a
 replicated chunk's payload and 1 / 2 for a ZeRO-1 / ZeRO-2 chunk's (whole parameters, always on
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elixir.search.plan import ChunkPlan, Placement, Sharding
+from elixir.plan import ChunkPlan, Placement, Sharding
 
 _LETTER = {Placement.DEVICE: "D", Placement.HOST: "H", Placement.DISK: "K"}
 _FROM_LETTER = {v: k for k, v in _LETTER.items()}
@@ -30,7 +30,7 @@ class ChunkPlacement:
         optim: where the fp32 master and the optimizer state live.
         replicated: the chunk is whole on every rank (its gradient all-reduced), not sharded.
         zero: 1 or 2 for a ZeRO-1/2 chunk (parameters whole on every rank, master and optimizer
-            state split: :class:`~elixir.search.plan.Sharding`), 0 otherwise.
+            state split: :class:`~elixir.plan.Sharding`), 0 otherwise.
     """
 
     shard: Placement
@@ -57,7 +57,7 @@ class ChunkPlacement:
 
     @property
     def sharding(self) -> Sharding:
-        """The plan's :class:`~elixir.search.plan.Sharding` of a chunk so placed."""
+        """The plan's :class:`~elixir.plan.Sharding` of a chunk so placed."""
         if self.replicated:
             return Sharding.REPLICATED
         return {0: Sharding.SHARDED, 1: Sharding.ZERO1, 2: Sharding.ZERO2}[self.zero]

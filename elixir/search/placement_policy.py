@@ -33,9 +33,9 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn as nn
 
+from elixir.plan import Placement, SearchResult, Sharding
 from elixir.search.minimum_waste import minimum_waste_search, print_plan
 from elixir.search.optimal import optimal_search
-from elixir.search.plan import Placement, SearchResult, Sharding
 
 PLACEMENT_POLICIES = ("static", "auto", "cuda", "cpu")
 

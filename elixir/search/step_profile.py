@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from elixir.search.plan import CHUNKABLE_DTYPES, dtype_name
+from elixir.plan import CHUNKABLE_DTYPES, dtype_name
 from elixir.tracer.hooks import param_owning_modules
 from elixir.tracer.memory_tracer import memory_profiling
 from elixir.tracer.op_costs import OpCosts

@@ -45,7 +45,7 @@ from elixir.lowp_gemm import widened_gemms
 from elixir.offload.derived import DerivedShards
 from elixir.offload.for_plan import StoreSite, shard_store_for_plan, store_for_plan
 from elixir.offload.store import DiskStore
-from elixir.search.plan import Placement, Sharding, dtype_from_name
+from elixir.plan import Placement, Sharding, dtype_from_name
 from elixir.tracer.hooks import (
     StepKind,
     borrowed_children,
@@ -58,6 +58,7 @@ from elixir.wrapper.backward_tracker import BackwardTracker, TrainingState
 from elixir.wrapper.fused_kernels import apply_fused_kernels
 from elixir.wrapper.hf_guard import guard_save_pretrained
 from elixir.wrapper.materialize import Materializer, agreed_seed, assign, has_meta_tensors
+from elixir.wrapper.mesh import require_data_parallel, resolve_mesh
 from elixir.wrapper.param_map import ParamMap, ParamSlot
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
 from elixir.wrapper.policies import MixedPrecisionPolicy, OffloadPolicy, module_policies
@@ -124,7 +125,12 @@ class ElixirModule(nn.Module):
         search_result: the plan (from ``minimum_waste_search`` or ``optimal_search``), or the path of
             a saved one (``elixir plan --out``, ``SearchResult.save``). Every rank must hold the same
             plan: construction checks that with one small all-gather and names the ranks that differ.
-        process_group: the data-parallel group (default: the world).
+        process_group: the data-parallel group every chunk is sharded over (default: the world).
+        mesh: instead of ``process_group``, a ``DeviceMesh`` whose dimensions are named after
+            elixir's axes (:class:`~elixir.plan.mesh.MeshLayout`): chunks shard over its
+            ``dp_shard`` dimension. The plan must have been made for the same layout (one
+            all-gather checks it names both when not). For now only a mesh of one ``dp_shard``
+            axis runs; tensor, pipeline and replica axes are refused with the reason.
         prefetch: follow the plan's traced order (``param_order``) to gather ahead and evict with
             Belady's rule; without an order this only enables LRU caching.
         dtype: compute dtype of the chunks (fp32 masters are kept for bf16/fp16); an alias of
@@ -201,6 +207,7 @@ class ElixirModule(nn.Module):
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         offload_policy: Optional[OffloadPolicy] = None,
         init_frozen: bool = True,
+        mesh=None,
     ) -> None:
         super().__init__()
         mp_policy, offload_policy = module_policies(
@@ -212,11 +219,13 @@ class ElixirModule(nn.Module):
         self.grad_dtype = mp_policy.grad_dtype or dtype_from_name(search_result.grad_dtype)
         self.module = module
         self.plan = search_result
-        self.group = process_group
-        self.rank = edist.get_rank(process_group)
-        self.world_size = edist.get_world_size(process_group)
-        agree_on_plan(search_result, process_group)  # first: a rank whose plan differs must not hang the others
-        validate_plan(module, search_result, self.world_size)
+        self.mesh = resolve_mesh(process_group, mesh)
+        require_data_parallel(self.mesh.layout)  # the same on every rank: raised before any collective
+        self.group = self.mesh.shard_group
+        self.rank = self.mesh.shard_rank
+        self.world_size = self.mesh.shard_world
+        agree_on_plan(search_result, self.group)  # first: a rank whose plan differs must not hang the others
+        validate_plan(module, search_result, self.mesh.layout)
         self.dtype = mp_policy.param_dtype
         self.reduce_dtype = mp_policy.reduce
         self.output_fp32 = mp_policy.output_dtype == torch.float32
@@ -351,7 +360,7 @@ class ElixirModule(nn.Module):
                 index=ci,
                 capacity=cp.chunk_size,
                 sharding=sharding,
-                world_size=self.world_size,
+                layout=self.mesh.layout,
                 rank=self.rank,
                 dtype=self.dtype,
                 reduce_dtype=self.reduce_dtype,

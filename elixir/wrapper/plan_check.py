@@ -12,13 +12,14 @@ import torch.nn as nn
 
 from elixir import distributed as edist
 from elixir.device import default_device
-from elixir.search.plan import CHUNKABLE_DTYPES, SearchResult
+from elixir.plan import CHUNKABLE_DTYPES, LayoutMismatchError, MeshLayout, SearchResult
+from elixir.plan.mesh import layout_argument
 
 PlanLike = Union[SearchResult, str, os.PathLike]
 
 
 class PlanMismatch(ValueError):
-    """The plan was made for another model or another world size."""
+    """The plan was made for another model or another mesh layout."""
 
 
 def _fmt(names, limit: int = 8) -> str:
@@ -41,16 +42,21 @@ def check_trainable_dtypes(module: nn.Module) -> None:
         )
 
 
-def validate_plan(module: nn.Module, plan: SearchResult, world_size: int) -> None:
+def validate_plan(module: nn.Module, plan: SearchResult, layout: Union[MeshLayout, int]) -> None:
     """Raise :class:`PlanMismatch` unless ``plan`` packs exactly ``module``'s trainable parameters
-    with their shapes, for ``world_size`` ranks (and ``TypeError`` for a trainable parameter of a
-    dtype chunks cannot hold, see :func:`check_trainable_dtypes`)."""
+    with their shapes, for the mesh ``layout`` (an int: plain data parallelism over that many ranks),
+    and ``TypeError`` for a trainable parameter of a dtype chunks cannot hold (see
+    :func:`check_trainable_dtypes`)."""
     check_trainable_dtypes(module)
-    if plan.world_size != world_size:
-        raise PlanMismatch(
-            f"the plan is for world size {plan.world_size} but this process group has {world_size} ranks; "
-            f"re-run the search with group_size={world_size}"
+    layout = MeshLayout.of(layout)
+    try:
+        plan.layout.require_same(
+            layout, "the plan",
+            f"re-run the search for this layout (optimal_search(model, {layout_argument(layout)}, ...))",
         )
+    except LayoutMismatchError as e:
+        raise PlanMismatch(str(e)) from None
+    world_size = layout.dp_shard
     trainable = {n: tuple(p.shape) for n, p in module.named_parameters() if p.requires_grad}
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
     planned: dict[str, tuple] = {}

@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 
 from elixir.fileio import atomic_write_json, read_json, require_version
+from elixir.plan.mesh import MeshLayout
 
 PLAN_FORMAT_VERSION = 1
 
@@ -272,13 +273,17 @@ class Prediction:
 
 @dataclass(frozen=True)
 class SearchResult:
-    """A complete plan for one model at one world size.
+    """A complete plan for one model on one mesh layout.
 
     Attributes:
         chunks: the ordered chunks of trainable parameters.
         frozen_chunks: the chunks of frozen parameters (``requires_grad=False``), packed apart
             (see the module docstring); they share the rCache with the sharded trainable chunks.
-        world_size: the data-parallel world size the plan is for.
+        world_size: the ranks each chunk is sharded over: the ``dp_shard`` axis of ``layout``
+            (the whole world for plain data parallelism).
+        layout: the mesh layout the plan is for (:class:`~elixir.plan.mesh.MeshLayout`); when not
+            given, plain data parallelism over ``world_size`` ranks. The runtime refuses the plan
+            on another layout.
         cache_blocks: number of full-size blocks in the rCache (the redundancy).
         prefetch_depth: how many chunks ahead the runtime may gather (0: on demand).
         frozen_params: parameters with ``requires_grad=False`` kept out of chunks and left as they are
@@ -308,8 +313,16 @@ class SearchResult:
     info: dict[str, Any] = field(default_factory=dict)
     grad_dtype: str = "float32"
     fused_step: bool = False
+    layout: Optional[MeshLayout] = None
 
     def __post_init__(self) -> None:
+        if self.layout is None:
+            object.__setattr__(self, "layout", MeshLayout.data_parallel(self.world_size))
+        elif self.layout.dp_shard != self.world_size:
+            raise ValueError(
+                f"plan world_size {self.world_size} is not the dp_shard axis of its layout ({self.layout.describe()}): "
+                "world_size counts the ranks a chunk is sharded over"
+            )
         if self.grad_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"plan grad_dtype must be float32, float16 or bfloat16, got {self.grad_dtype!r}")
 
@@ -367,6 +380,7 @@ class SearchResult:
         return {
             "format_version": PLAN_FORMAT_VERSION,
             "world_size": self.world_size,
+            "layout": self.layout.to_json(),
             "cache_blocks": self.cache_blocks,
             "prefetch_depth": self.prefetch_depth,
             "search": self.search,
@@ -398,6 +412,7 @@ class SearchResult:
             info=dict(d.get("info", {})),
             grad_dtype=d.get("grad_dtype", "float32"),
             fused_step=bool(d.get("fused_step", False)),
+            layout=MeshLayout.from_json(d["layout"]) if "layout" in d else None,  # plans before layouts: data parallel
         )
 
     def save(self, path: str | os.PathLike) -> None:

@@ -1,0 +1,30 @@
+"""The plan: plain, typed data that a search produces and the runtime executes (floor 1).
+
+Nothing here touches a device or a process group: the plan's types, its one dtype table, and the
+mesh layout a plan is made for (:class:`MeshLayout`).
+"""
+
+from elixir.plan.mesh import AXES, LayoutMismatchError, MeshLayout
+from elixir.plan.plan import (
+    ADAM_STATE_BYTES,
+    CHUNKABLE_DTYPES,
+    DERIVED_SHARD_PIECE_ELEMENTS,
+    MASTER_BYTES,
+    PLAN_FORMAT_VERSION,
+    ChunkPlan,
+    Placement,
+    Prediction,
+    SearchResult,
+    ShardedBy,
+    Sharding,
+    disk_bytes_per_element,
+    dtype_from_name,
+    dtype_name,
+)
+
+__all__ = [
+    "AXES", "LayoutMismatchError", "MeshLayout", "ADAM_STATE_BYTES", "CHUNKABLE_DTYPES",
+    "DERIVED_SHARD_PIECE_ELEMENTS", "MASTER_BYTES", "PLAN_FORMAT_VERSION", "ChunkPlan", "Placement",
+    "Prediction", "SearchResult", "ShardedBy", "Sharding", "disk_bytes_per_element", "dtype_from_name",
+    "dtype_name",
+]
