@@ -321,7 +321,7 @@ def _write_json(path: str, obj: Any) -> None:
 
 def measure_hardware(out_path: str, offload_dir: str) -> dict:
     """A quick measured hardware profile of this machine, written to ``out_path``."""
-    from elixir.hardware import MeasureOptions, measure
+    from elixir.profiling import MeasureOptions, measure
 
     prof = measure(MeasureOptions.quick(offload_dir), collective_world=1)
     prof.save(out_path)

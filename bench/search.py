@@ -295,12 +295,12 @@ def main() -> int:
         scale(console)
     if not args.only_scale:
         if args.hardware == "measure":
-            from elixir.hardware import MeasureOptions, measure
+            from elixir.profiling import MeasureOptions, measure
 
             t0 = time.perf_counter()
             hw = measure(MeasureOptions(sizes=MeasureOptions.quick().sizes), collective_world=2, name="cpu-box-now")
             if not args.no_calibrate:
-                from elixir.hardware.calibrate import calibrate_profile
+                from elixir.profiling.calibrate import calibrate_profile
 
                 hw = calibrate_profile(hw, (1, 2))
             console.print(f"measured this box's hardware profile in {time.perf_counter() - t0:.1f} s")

@@ -10,10 +10,10 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from elixir import hardware
+from elixir import profiling
 from elixir.distributed import init_distributed
-from elixir.hardware import GiB, local_profile_path
-from elixir.hardware.calibrate import calibrate_profile
+from elixir.hardware import GiB, load_profile, local_profile_path
+from elixir.profiling.calibrate import calibrate_profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,16 +81,16 @@ def render(profile, console=None) -> None:
 def main(args: argparse.Namespace) -> int:
     console = Console()
     if args.show:
-        render(hardware.load_profile(args.show), console)
+        render(load_profile(args.show), console)
         return 0
     rank = init_distributed().rank if "RANK" in os.environ else 0  # under torchrun: all ranks measure collectives
-    opts = hardware.MeasureOptions.quick(args.dir) if args.quick else hardware.MeasureOptions(
-        offload_dir=args.dir or hardware.MeasureOptions().offload_dir
+    opts = profiling.MeasureOptions.quick(args.dir) if args.quick else profiling.MeasureOptions(
+        offload_dir=args.dir or profiling.MeasureOptions().offload_dir
     )
     t0 = time.perf_counter()
     status_cm = console.status("measuring") if rank == 0 else contextlib.nullcontext()
     with status_cm as status:
-        prof = hardware.measure(
+        prof = profiling.measure(
             opts, collective_world=args.world_size, name=args.name,
             progress=(lambda s: status.update(f"measuring {s}")) if status is not None else None,
         )

@@ -19,7 +19,7 @@ DOC = os.path.join(os.path.dirname(ROOT), "docs", "architecture.md")
 
 def floor_table() -> dict[str, int]:
     """``{part: floor}`` from the table under "## Floors" in docs/architecture.md; a part is a
-    folder (``chunk/``) or a file (``cli.py``, ``hardware/calibrate.py``) relative to elixir/."""
+    folder (``chunk/``) or a file (``cli.py``, ``profiling/calibrate.py``) relative to elixir/."""
     text = open(DOC).read()
     section = text.split("## Floors", 1)[1].split("\n## ", 1)[0]
     table: dict[str, int] = {}
@@ -127,6 +127,52 @@ def test_no_upward_imports_and_no_cycles():
         if u not in state:
             visit(u, [u])
     assert not cycles, "circular imports between parts:\n" + "\n".join(cycles)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[str]:
+    """Each cycle of the directed graph ``edges`` found by a depth-first walk, as ``a -> b -> a``."""
+    cycles: list[str] = []
+    state: dict[str, int] = {}
+
+    def visit(u: str, path: list[str]) -> None:
+        state[u] = 1
+        for v in sorted(edges.get(u, ())):
+            if state.get(v) == 1:
+                cycles.append(" -> ".join(path[path.index(v):] + [v]))
+            elif v not in state:
+                visit(v, path + [v])
+        state[u] = 2
+
+    for u in sorted(edges):
+        if u not in state:
+            visit(u, [u])
+    return cycles
+
+
+def test_no_two_files_import_each_other():
+    """Between files too, inside one folder as across folders, type-only imports included: no circle.
+    (A package's ``__init__`` re-exporting its own files is not a file importing another's code back.)"""
+    mods = modules()
+    edges: dict[str, set[str]] = {}
+    for rel in sorted(mods.values()):
+        for target, _, _, _ in imports(rel, mods):
+            if target is None or target == rel:
+                continue
+            if rel.endswith("__init__.py") and target.startswith(rel[: -len("__init__.py")]):
+                continue  # a package's facade importing its own members
+            edges.setdefault(rel, set()).add(target)
+    cycles = _cycles(edges)
+    assert not cycles, "files that import each other (directly or round a circle):\n" + "\n".join(cycles)
+
+
+def test_no_lazy_module_getattr():
+    """A module-level ``__getattr__`` defers an import until first use, which hides a circle or an
+    upward import from every check above: elixir has none."""
+    found = []
+    for rel in sorted(modules().values()):
+        tree = ast.parse(open(os.path.join(ROOT, rel)).read())
+        found += [f"elixir/{rel}:{n.lineno}" for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"]
+    assert not found, "module-level __getattr__ (import at the top instead):\n" + "\n".join(found)
 
 
 def test_function_level_imports_give_a_reason():

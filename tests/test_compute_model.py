@@ -86,7 +86,7 @@ def test_cost_model_compute_comes_from_the_traced_ops():
 
 @pytest.mark.dist
 def test_calibration_runs_the_runtime_on_this_machine():
-    from elixir.hardware.calibrate import calibrate_profile
+    from elixir.profiling.calibrate import calibrate_profile
 
     hw = load_profile("cpu-box")
     cal = calibrate_profile(hw, (1,), steps=2)

@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from elixir import hardware
-from elixir.hardware import BandwidthCurve, HardwareProfile, MeasureOptions, load_profile, reference_profiles
+from elixir import hardware, profiling
+from elixir.hardware import BandwidthCurve, HardwareProfile, load_profile, reference_profiles
+from elixir.profiling import MeasureOptions
 
 REFERENCES = ("8xA100-40GB", "8xH100-80GB", "1x24GB-workstation", "cpu-box")
 QUANTITIES = ("device_memory_bytes", "host_memory_bytes", "h2d_pinned", "all_gather", "optimizer_params_per_s",
@@ -88,7 +89,7 @@ def test_per_rank_share_divides_node_quantities():
 
 
 def test_measure_tiny_on_this_machine(tmp_path):
-    prof = hardware.measure(MeasureOptions.tiny(str(tmp_path)), collective_world=1, name="t")
+    prof = profiling.measure(MeasureOptions.tiny(str(tmp_path)), collective_world=1, name="t")
     assert prof.measured and prof.device_type in ("cpu", "cuda")
     for k in ("h2d_pinned", "d2h_pageable", "device_copy"):
         assert all(b > 0 for b in getattr(prof, k).bytes_per_s)
@@ -103,7 +104,7 @@ def test_measure_tiny_on_this_machine(tmp_path):
 
 
 def _collectives(sizes):
-    return hardware.measure_collectives(sizes, 1)
+    return profiling.measure_collectives(sizes, 1)
 
 
 @pytest.mark.dist

@@ -28,7 +28,7 @@ from elixir.wrapper.disk_faults import StepFaultPoints
 
 if TYPE_CHECKING:
     from elixir.chunk import Chunk
-    from elixir.wrapper.optimizer import ElixirOptimizer
+    from elixir.wrapper.interfaces import ShardedOptimizer
 
 
 def fallback_reason(max_norm: float, loss_scaling: bool) -> Optional[str]:
@@ -46,7 +46,7 @@ def fallback_reason(max_norm: float, loss_scaling: bool) -> Optional[str]:
 class BackwardStep:
     """Steps ``eo``'s chunks from the module's grad-ready hook (see the module docstring)."""
 
-    def __init__(self, eo: ElixirOptimizer) -> None:
+    def __init__(self, eo: ShardedOptimizer) -> None:
         self.eo = eo
         em = eo.module
         store = em.disk_store

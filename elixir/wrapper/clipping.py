@@ -21,7 +21,7 @@ import torch
 from elixir import distributed as edist
 
 if TYPE_CHECKING:
-    from elixir.wrapper.module import ElixirModule
+    from elixir.wrapper.interfaces import ChunkedModel
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def _check_norm_type(norm_type: float) -> float:
     return norm_type
 
 
-def global_grad_norm(em: ElixirModule, norm_type: float = 2.0) -> GradNorm:
+def global_grad_norm(em: ChunkedModel, norm_type: float = 2.0) -> GradNorm:
     """The ``norm_type``-norm of all reduced gradients across the group (collective)."""
     p = _check_norm_type(norm_type)
     is_inf = math.isinf(p)

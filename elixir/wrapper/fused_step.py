@@ -17,7 +17,7 @@ from elixir.optim.cpu_adam import CPUAdam
 from elixir.optim.functional import LOWP_DTYPES
 
 if TYPE_CHECKING:
-    from elixir.wrapper.optimizer import ElixirOptimizer
+    from elixir.wrapper.interfaces import ShardedOptimizer
 
 
 def uses_fused_path(optimizer: torch.optim.Optimizer) -> bool:
@@ -31,7 +31,7 @@ def lowp_target(chunk) -> bool:
     return s is not None and s is not m and s.dtype in LOWP_DTYPES and s.device == m.device and s.is_contiguous()
 
 
-def fused_step(eo: ElixirOptimizer, div_scale: float, skip: Container[int] = (), only: Optional[int] = None) -> set[int]:
+def fused_step(eo: ShardedOptimizer, div_scale: float, skip: Container[int] = (), only: Optional[int] = None) -> set[int]:
     """Step every fragment that has a gradient with ``div_scale`` (of chunk ``only`` when given,
     none of the chunks in ``skip``); return the chunks whose compute shard now equals their master
     cast down (written by the kernel, or the master itself)."""

@@ -18,14 +18,14 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from elixir.wrapper.module import ElixirModule
+    from elixir.wrapper.interfaces import ChunkedModel
 
 
 class WrappedSaveError(RuntimeError):
     """``save_pretrained`` was called on a sharded wrapped model without a state dict."""
 
 
-def guard_save_pretrained(em: ElixirModule) -> None:
+def guard_save_pretrained(em: ChunkedModel) -> None:
     """Install the guarded ``save_pretrained`` on ``em.module`` when it has one (HF models)."""
     inner = em.module
     original = getattr(inner, "save_pretrained", None)

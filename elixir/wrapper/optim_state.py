@@ -27,7 +27,7 @@ from elixir.offload.state_binding import is_elementwise
 from elixir.optim.nvme import absorb
 
 if TYPE_CHECKING:
-    from elixir.wrapper.optimizer import ElixirOptimizer
+    from elixir.wrapper.interfaces import ShardedOptimizer
 
 
 class OptimStateMismatch(ValueError):
@@ -71,7 +71,7 @@ def fragment_start(em, f) -> int:
     return em.param_map.param_offset(em.chunks[f.chunk].spec, f.lo, f.param_index)
 
 
-def _group_dicts(eo: ElixirOptimizer) -> list[dict]:
+def _group_dicts(eo: ShardedOptimizer) -> list[dict]:
     out = []
     base = 0
     for group, entries in zip(eo.optim.param_groups, eo.layout.groups):
@@ -82,7 +82,7 @@ def _group_dicts(eo: ElixirOptimizer) -> list[dict]:
     return out
 
 
-def gather_full_state(eo: ElixirOptimizer, rank0_only: bool = False) -> dict:
+def gather_full_state(eo: ShardedOptimizer, rank0_only: bool = False) -> dict:
     """The full torch-format state dict of ``eo`` (collective: call on every rank).
 
     With ``rank0_only`` the other ranks return ``{}`` (and hold no full tensors)."""
@@ -162,7 +162,7 @@ def gather_full_state(eo: ElixirOptimizer, rank0_only: bool = False) -> dict:
     return {"state": out_state, "param_groups": _group_dicts(eo)}
 
 
-def check_groups(eo: ElixirOptimizer, saved_groups: list) -> None:
+def check_groups(eo: ShardedOptimizer, saved_groups: list) -> None:
     groups = eo.layout.groups
     if len(saved_groups) != len(groups):
         raise OptimStateMismatch(
@@ -177,7 +177,7 @@ def check_groups(eo: ElixirOptimizer, saved_groups: list) -> None:
             )
 
 
-def scatter_full_state(eo: ElixirOptimizer, state_dict: dict) -> None:
+def scatter_full_state(eo: ShardedOptimizer, state_dict: dict) -> None:
     """Load a full torch-format optimizer state dict (every rank needs the whole dict)."""
     em = eo.module
     saved_groups = state_dict["param_groups"]
@@ -227,7 +227,7 @@ def scatter_full_state(eo: ElixirOptimizer, state_dict: dict) -> None:
     install_state(eo, new_state, saved_groups)
 
 
-def install_state(eo: ElixirOptimizer, new_state: dict, saved_groups: list[dict]) -> None:
+def install_state(eo: ShardedOptimizer, new_state: dict, saved_groups: list[dict]) -> None:
     """Replace the inner optimizer's state (keyed by fragment tensors) and its groups'
     hyper-parameters (``saved_groups``, whose ``params`` entries are ignored), as torch's
     ``load_state_dict`` does."""
@@ -254,7 +254,7 @@ def _zero_like_scalar(v: Any) -> Any:
     return type(v)(0)
 
 
-def init_state(eo: ElixirOptimizer) -> None:
+def init_state(eo: ShardedOptimizer) -> None:
     """Create the inner optimizer's state for every fragment now, changing nothing else.
 
     Runs one step with zero gradients and ``lr = weight_decay = 0`` (so elementwise optimizers

@@ -17,14 +17,14 @@ from elixir import distributed as edist
 from elixir.offload.pipeline import staged
 
 if TYPE_CHECKING:
-    from elixir.wrapper.module import ElixirModule
+    from elixir.wrapper.interfaces import ChunkedModel
 
 
 class StateDictMismatch(RuntimeError):
     """A state dict's keys or shapes do not match the wrapped model."""
 
 
-def _read_on_every_rank(em: ElixirModule, chunk, read: Callable[[], torch.Tensor], on_disk: bool) -> torch.Tensor:
+def _read_on_every_rank(em: ChunkedModel, chunk, read: Callable[[], torch.Tensor], on_disk: bool) -> torch.Tensor:
     """``read()`` this rank's part of ``chunk``; where it comes from disk, every rank raises
     :class:`~elixir.distributed.DiskFault` if any rank's read failed (else the others would wait
     in the gather that follows). Nothing changes on a failed read."""
@@ -40,7 +40,7 @@ def _read_on_every_rank(em: ElixirModule, chunk, read: Callable[[], torch.Tensor
     return mine
 
 
-def chunk_values(em: ElixirModule, chunk) -> torch.Tensor:
+def chunk_values(em: ChunkedModel, chunk) -> torch.Tensor:
     """The full fp32 values of ``chunk`` (gathered from the masters), on CPU; a frozen chunk's
     values in its own (compute) dtype, gathered from its shards."""
     if chunk.spec.frozen:
@@ -59,7 +59,7 @@ def chunk_values(em: ElixirModule, chunk) -> torch.Tensor:
     return full.cpu()
 
 
-def frozen_values(em: ElixirModule, chunk) -> torch.Tensor:
+def frozen_values(em: ChunkedModel, chunk) -> torch.Tensor:
     """The full values of the frozen ``chunk``, in its dtype, on CPU (one all-gather)."""
     full = torch.empty(chunk.spec.capacity, dtype=chunk.spec.dtype, device=em.device)
 
@@ -75,7 +75,7 @@ def frozen_values(em: ElixirModule, chunk) -> torch.Tensor:
     return full.cpu()
 
 
-def full_state_dict(em: ElixirModule, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(em: ChunkedModel, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     keep = not rank0_only or em.rank == 0
     values: dict[int, torch.Tensor] = {}  # id(param) -> full value
     for chunk in em.all_chunks:
@@ -94,7 +94,7 @@ def full_state_dict(em: ElixirModule, rank0_only: bool = False) -> dict[str, tor
     return out
 
 
-def load_full_state_dict(em: ElixirModule, state_dict: dict, strict: bool = True):
+def load_full_state_dict(em: ChunkedModel, state_dict: dict, strict: bool = True):
     expected = em.module.state_dict(keep_vars=True)
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]

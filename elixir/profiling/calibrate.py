@@ -1,6 +1,6 @@
 """Calibrate a hardware profile against the runtime itself, on the machine it describes.
 
-:mod:`elixir.hardware.measurement` measures each resource alone: a matmul, a memcpy, one collective, one
+:mod:`elixir.profiling.measurement` measures each resource alone: a matmul, a memcpy, one collective, one
 optimizer update. A training step uses them together: on a CPU box the ranks of a node share
 cores, memory bandwidth and caches, collectives wait for the slowest rank, and the runtime adds
 its own bookkeeping. This module runs the real runtime (``ElixirModule`` + ``ElixirOptimizer``)
@@ -29,10 +29,10 @@ import torch.nn as nn
 
 from elixir import device as dev
 from elixir import distributed as edist
-from elixir.hardware.measurement import local_backend
 from elixir.launch import run_distributed
 from elixir.optim import HybridAdam
 from elixir.plan import MeshLayout, SearchResult
+from elixir.profiling.measurement import local_backend
 from elixir.search import minimum_waste_search
 from elixir.search.cost_model import Setting, evaluate_plan
 from elixir.search.step_profile import profile_step

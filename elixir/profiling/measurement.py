@@ -2,7 +2,7 @@
 
 Each resource is timed alone: copies, collectives (over the current process group, or over local
 ranks spawned with :func:`elixir.launch.run_distributed`), the optimizer, matmuls, elementwise ops,
-the per-op overhead and the disk. :mod:`elixir.hardware.calibrate` then times them together under
+the per-op overhead and the disk. :mod:`elixir.profiling.calibrate` then times them together under
 the runtime.
 """
 
