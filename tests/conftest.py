@@ -1,3 +1,15 @@
+"""Test tiers and the fixtures every test shares.
+
+- ``unit``: every test not marked ``dist``, ``slow`` or ``cuda`` (added here at collection). A
+  unit test starts no process: one that does fails, naming the marker to add, so
+  ``pytest -m unit`` stays a quick tier that only exercises code in this process.
+- ``dist``: tests that launch processes (gloo ranks, torchrun, the CLI, a fresh interpreter).
+- ``slow``: long runs, out of the default suite (``-m "not slow"``).
+"""
+
+import _posixsubprocess
+import os
+
 import pytest
 import torch
 
@@ -5,8 +17,31 @@ import torch
 # single-process tests from competing with the ranks that multi-rank tests spawn.
 torch.set_num_threads(1)
 
+SPAWNING_MARKERS = ("dist", "slow", "cuda")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not any(item.get_closest_marker(m) for m in SPAWNING_MARKERS):
+            item.add_marker(pytest.mark.unit)
+
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """Fail a unit test that starts a process (subprocess, multiprocessing spawn or fork)."""
+    if any(request.node.get_closest_marker(m) for m in SPAWNING_MARKERS):
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.dist")
+
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)  # subprocess and multiprocessing's spawn
+    monkeypatch.setattr(os, "fork", refuse)
     yield

@@ -98,7 +98,7 @@ def _record_streams(monkeypatch) -> list:
 def test_chunk_gathers_and_reduces_on_side_streams_and_compute_waits_per_chunk(monkeypatch):
     seen = _record_streams(monkeypatch)
     ledger = MemoryLedger()
-    spec = ChunkSpec(0, 8, True, 1, 0, dtype=torch.bfloat16, shard_on_host=True, master_on_host=True)
+    spec = ChunkSpec(0, 8, True, 1, 0, dtype=torch.bfloat16, shard_placement=Placement.HOST, optim_placement=Placement.HOST)
     c = Chunk(spec, ledger)
     c.init_from(torch.arange(8, dtype=torch.float32))
     c.release()
@@ -122,7 +122,7 @@ def test_chunk_gathers_and_reduces_on_side_streams_and_compute_waits_per_chunk(m
 
 
 def test_late_gradient_is_staged_through_the_host_pool():
-    spec = ChunkSpec(0, 8, True, 1, 0, shard_on_host=True, master_on_host=True)
+    spec = ChunkSpec(0, 8, True, 1, 0, shard_placement=Placement.HOST, optim_placement=Placement.HOST)
     c = Chunk(spec, MemoryLedger())
     c.init_from(torch.zeros(8))
     c.add_grad(0, torch.ones(8))

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from elixir.hardware import load_profile
 from elixir.plan import MeshLayout, Placement, SearchResult
+from elixir.plan.placement import DD, DH, DK, HH, HK, KK
 from elixir.search.cost_model import (
     MemoryPolicy,
     Setting,
@@ -30,7 +31,6 @@ from elixir.search.optimal import (
     search_profile,
     zero_candidates,
 )
-from elixir.search.placement import DD, DH, DK, HH, HK, KK
 from elixir.search.step_profile import BACKWARD, FORWARD, StepProfile
 
 HW = load_profile("cpu-box")
@@ -268,7 +268,7 @@ def test_every_scored_candidate_reprices_to_its_own_prediction(world):
 
 
 def test_chunk_placements_are_typed_and_plans_load_as_before(tmp_path):
-    from elixir.search.placement import RH, ChunkPlacement
+    from elixir.plan.placement import RH, ChunkPlacement
 
     for code in ("DD", "DH", "HH", "DK", "HK", "HD", "RD", "RH"):
         assert ChunkPlacement.from_code(code).code == code

@@ -6,11 +6,15 @@ Nothing here knows about models; :mod:`elixir.wrapper` maps modules and paramete
 from elixir.chunk.accounting import ElixirMemoryError, MemoryLedger
 from elixir.chunk.buffers import GradBufferPool
 from elixir.chunk.cache import BlockCache
-from elixir.chunk.chunk import Chunk, ChunkSpec
+from elixir.chunk.chunk import Chunk
+from elixir.chunk.comm import ChunkComm
+from elixir.chunk.grads import ChunkGrads
 from elixir.chunk.schedule import Schedule, collapse
+from elixir.chunk.spec import ChunkSpec
 from elixir.chunk.state import ChunkKind, ChunkState, GradState, IllegalTransition
+from elixir.chunk.storage import ChunkStorage
 
 __all__ = [
-    "BlockCache", "Chunk", "ChunkKind", "ChunkSpec", "ChunkState", "ElixirMemoryError", "GradBufferPool",
+    "BlockCache", "Chunk", "ChunkComm", "ChunkGrads", "ChunkKind", "ChunkSpec", "ChunkStorage", "ChunkState", "ElixirMemoryError", "GradBufferPool",
     "GradState", "IllegalTransition", "MemoryLedger", "Schedule", "collapse",
 ]

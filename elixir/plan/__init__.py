@@ -5,6 +5,7 @@ mesh layout a plan is made for (:class:`MeshLayout`).
 """
 
 from elixir.plan.mesh import AXES, LayoutMismatchError, MeshLayout
+from elixir.plan.placement import ChunkPlacement
 from elixir.plan.plan import (
     ADAM_STATE_BYTES,
     CHUNKABLE_DTYPES,
@@ -20,11 +21,12 @@ from elixir.plan.plan import (
     disk_bytes_per_element,
     dtype_from_name,
     dtype_name,
+    placement_problem,
 )
 
 __all__ = [
-    "AXES", "LayoutMismatchError", "MeshLayout", "ADAM_STATE_BYTES", "CHUNKABLE_DTYPES",
+    "ChunkPlacement", "AXES", "LayoutMismatchError", "MeshLayout", "ADAM_STATE_BYTES", "CHUNKABLE_DTYPES",
     "DERIVED_SHARD_PIECE_ELEMENTS", "MASTER_BYTES", "PLAN_FORMAT_VERSION", "ChunkPlan", "Placement",
     "Prediction", "SearchResult", "ShardedBy", "Sharding", "disk_bytes_per_element", "dtype_from_name",
-    "dtype_name",
+    "dtype_name", "placement_problem",
 ]

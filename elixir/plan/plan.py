@@ -143,6 +143,26 @@ class Sharding(str, enum.Enum):
             raise ValueError(f"unknown chunk sharding {value!r}; expected one of {[k.value for k in cls]}") from None
 
 
+def placement_problem(sharding: Sharding, shard: Placement, optim: Placement, frozen: bool = False) -> Optional[str]:
+    """What is wrong with a chunk placed so, or None: the one rule the plan, the runtime's chunk
+    spec and the search's candidates share.
+
+    - a compute shard on disk is read for each gather and rewritten by each step, which needs the
+      fp32 master staged beside it: only a sharded chunk with its optimizer state on disk too (or
+      a frozen one, read-only and never rewritten) can have one;
+    - a chunk whose parameters are whole (ZeRO-1/2, replicated) keeps them on the device, so its
+      shard placement is the device.
+    """
+    if shard is Placement.DISK and not (sharding.params_sharded and (optim is Placement.DISK or frozen)):
+        return (f"a disk shard_placement needs a sharded chunk with optim_placement 'disk' (got sharding "
+                f"{sharding.value!r}, optim_placement {optim.value!r}); put the optimizer state on disk too, "
+                "or the shard on the host")
+    if not sharding.params_sharded and shard is not Placement.DEVICE:
+        return (f"a {sharding.value} chunk keeps its parameters whole on the device: shard_placement must be "
+                f"'device', got {shard.value!r} (use sharding 'sharded' to place parameter shards on the host)")
+    return None
+
+
 class ShardedBy:
     """The shorthands of a chunk that has a ``sharding`` (a plan's :class:`ChunkPlan`, the
     runtime's ``ChunkSpec``): one definition of what each sharding splits."""
@@ -189,20 +209,14 @@ class ChunkPlan(ShardedBy):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharding", Sharding.of(self.sharding))
-        object.__setattr__(self, "shard_placement", Placement(self.shard_placement))
+        # a replicated chunk's parameters are whole on the device whatever a plan says (plans made
+        # before per-chunk sharding carried the sharded chunks' placement on every chunk)
+        shard = Placement.DEVICE if self.sharding is Sharding.REPLICATED else Placement(self.shard_placement)
+        object.__setattr__(self, "shard_placement", shard)
         object.__setattr__(self, "optim_placement", Placement(self.optim_placement))
-        if self.shard_placement == Placement.DISK and not (self.sharded and self.optim_placement == Placement.DISK):
-            raise ValueError(
-                f"chunk of {self.params[:1]}...: a disk shard_placement needs sharded=True and optim_placement "
-                f"'disk' (got sharded={self.sharded}, optim_placement {Placement(self.optim_placement).value!r}); put the "
-                "optimizer state on disk too, or the shard on the host"
-            )
-        if self.sharding in (Sharding.ZERO2, Sharding.ZERO1) and self.shard_placement is not Placement.DEVICE:
-            raise ValueError(
-                f"a {self.sharding.value} chunk keeps its parameters whole on the device: shard_placement "
-                f"must be 'device', got {self.shard_placement.value!r} (use sharding 'sharded' to place "
-                "parameter shards on the host)"
-            )
+        problem = placement_problem(self.sharding, self.shard_placement, self.optim_placement)
+        if problem:
+            raise ValueError(f"chunk of {self.params[:1]}...: {problem}")
 
     @property
     def numels(self) -> tuple[int, ...]:

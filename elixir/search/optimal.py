@@ -31,6 +31,7 @@ from elixir import distributed as edist
 from elixir.hardware.profile import HardwareProfile
 from elixir.hardware.registry import choose_default_profile, load_profile
 from elixir.plan import ChunkPlan, MeshLayout, Placement, Prediction, SearchResult, dtype_name
+from elixir.plan.placement import DD, RD
 from elixir.search.cost_model import (
     ALIGN,
     HOST_TERMS,
@@ -49,7 +50,6 @@ from elixir.search.cost_model import (
     unified_memory,
 )
 from elixir.search.minimum_waste import best_chunk_size
-from elixir.search.placement import DD, RD
 from elixir.search.step_profile import RECOMPUTE, StepProfile, profile_from_module, profile_step
 
 GRID_POINTS = 48  # geometric chunk-size candidates

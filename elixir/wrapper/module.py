@@ -366,10 +366,8 @@ class ElixirModule(nn.Module):
                 reduce_dtype=self.reduce_dtype,
                 grad_dtype=self.grad_dtype,
                 device=self.device,
-                shard_on_host=sharded and cp.shard_placement is not Placement.DEVICE,
-                master_on_host=not frozen and cp.optim_placement is not Placement.DEVICE,
-                master_on_disk=not frozen and cp.optim_placement is Placement.DISK,
-                shard_on_disk=sharded and cp.shard_placement is Placement.DISK,
+                shard_placement=cp.shard_placement,  # read as the device where parameters are whole
+                optim_placement=cp.optim_placement,  # and where a frozen chunk has no master
                 pin_memory=bool(plan.info.get("pin_memory", True)),
             )
             chunk = Chunk(spec, self.ledger, self.group, streams=self.streams, buffers=self.grad_buffers)

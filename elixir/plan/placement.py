@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elixir.plan import ChunkPlan, Placement, Sharding
+from elixir.plan.plan import ChunkPlan, Placement, Sharding, placement_problem
 
 _LETTER = {Placement.DEVICE: "D", Placement.HOST: "H", Placement.DISK: "K"}
 _FROM_LETTER = {v: k for k, v in _LETTER.items()}
@@ -41,14 +41,11 @@ class ChunkPlacement:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shard", Placement(self.shard))
         object.__setattr__(self, "optim", Placement(self.optim))
-        if self.replicated and self.shard is not Placement.DEVICE:
-            raise ValueError(f"a replicated chunk's payload lives on the device, not on {self.shard.value}")
-        if self.shard is Placement.DISK and self.optim is not Placement.DISK:
-            raise ValueError("a disk shard needs its chunk's optimizer state on disk too (KK)")
         if self.zero not in (0, 1, 2) or (self.zero and self.replicated):
             raise ValueError(f"zero must be 0, 1 or 2 and excludes replicated, got zero={self.zero!r}")
-        if self.zero and self.shard is not Placement.DEVICE:
-            raise ValueError(f"a ZeRO-1/2 chunk's payload lives on the device, not on {self.shard.value}")
+        problem = placement_problem(self.sharding, self.shard, self.optim)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def sharded(self) -> bool:

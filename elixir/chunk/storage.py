@@ -1,0 +1,152 @@
+"""Where one chunk's bytes live: the gathered payload, this rank's shard and its fp32 master.
+
+:class:`ChunkStorage` owns the three tensors and their ledger bookings; it issues no collective
+(that is :class:`~elixir.chunk.comm.ChunkComm`'s) and keeps no state machine (that is the chunk's).
+
+- ``payload``: the full flat compute-dtype tensor that parameter views point into. For a sharded
+  chunk its storage is resized to 0 when released and back when gathered, so any view of it (also
+  the views autograd saved for backward) sees the re-gathered values;
+- ``shard``: this rank's compute-dtype slice (the whole chunk when replicated), on the device, in
+  host memory, or in an offload file (read in only while used: :meth:`shard_access`); for a chunk
+  whose parameters are whole but whose state is split (ZeRO-1/2) it is this rank's slice *of the
+  payload* (a view);
+- ``master``: the fp32 slice the optimizer updates: the very tensor ``shard`` is when the compute
+  dtype is fp32 and both live in the same place (:func:`master_is_shard`), else a copy on the
+  device, in host memory, or in an offload file (staged by :mod:`elixir.offload`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+from elixir import device as dev
+from elixir.chunk.accounting import MemoryLedger
+from elixir.chunk.spec import ChunkSpec
+from elixir.plan import Placement
+
+
+def location(placement: Placement) -> str:
+    """The ledger location of a placement: ``"device"``, or ``"host"`` (a disk tier is staged in host memory)."""
+    return "device" if placement is Placement.DEVICE else "host"
+
+
+def nbytes(numel: int, dtype: torch.dtype) -> int:
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def master_is_shard(spec: ChunkSpec) -> bool:
+    """The fp32 master is the shard tensor itself: fp32 compute, both in the same place, and not on disk."""
+    return spec.dtype == torch.float32 and spec.shard_placement == spec.optim_placement and not spec.master_on_disk
+
+
+def _copy_of(src: torch.Tensor, dtype: torch.dtype, placement: Placement, spec: ChunkSpec) -> torch.Tensor:
+    """A copy of ``src`` in ``dtype``: in (pinned, as the spec says) host memory or on the spec's device."""
+    if placement is not Placement.DEVICE:
+        out = dev.empty_host(src.numel(), dtype, pin=spec.pin_memory)
+        out.copy_(src)
+        return out
+    return src.to(device=spec.device, dtype=dtype, copy=True)
+
+
+class ChunkStorage:
+    """The payload, shard and master of one chunk on this rank (see the module docstring)."""
+
+    def __init__(self, spec: ChunkSpec, ledger: MemoryLedger) -> None:
+        self.spec = spec
+        self.ledger = ledger
+        self.payload_bytes = nbytes(spec.capacity, spec.dtype)
+        self.payload = torch.empty(0, dtype=spec.dtype, device=spec.device)
+        self.shard: Optional[torch.Tensor] = None
+        self.master: Optional[torch.Tensor] = None
+        self.shard_store: Any = None  # the DiskStore holding the shard (spec.shard_on_disk), set by its owner
+
+    def init_from(self, flat: torch.Tensor) -> torch.Tensor:
+        """Build payload, shard and master from the full flat values ``flat`` (``capacity``
+        elements, identical on every rank); the payload is left allocated and booked."""
+        spec = self.spec
+        if flat.numel() != spec.capacity:
+            raise ValueError(f"chunk {spec.index}: expected {spec.capacity} elements, got {flat.numel()}")
+        lo, n = spec.shard_offset, spec.shard_numel
+        self.ledger.alloc("gathered" if spec.sharded else spec.shard_category, "device", self.payload_bytes,
+                          f"chunk {spec.index}")
+        self.payload = flat.to(device=spec.device, dtype=spec.dtype, copy=True)
+        src = flat[lo : lo + n]
+        if spec.shard_on_disk:  # plain (resizable) host memory: the store frees it once written
+            self.shard = src.to(device="cpu", dtype=spec.dtype, copy=True)
+            self.ledger.alloc(spec.shard_category, "host", nbytes(n, spec.dtype))
+        elif spec.sharded:
+            self.shard = _copy_of(src, spec.dtype, spec.shard_placement, spec)
+            self.ledger.alloc(spec.shard_category, location(spec.shard_placement), nbytes(n, spec.dtype))
+        else:  # parameters whole: the payload is always resident, this rank's shard a view of it
+            self.shard = self.payload[lo : lo + n] if spec.state_sharded else self.payload
+        if spec.frozen:
+            return self.payload  # weights only: no master
+        if master_is_shard(spec):
+            self.master = self.shard
+        else:
+            if spec.master_on_disk:  # plain (resizable) host memory: elixir.offload frees it
+                self.master = src.to(device="cpu", dtype=torch.float32, copy=True)
+            else:
+                self.master = _copy_of(src, torch.float32, spec.optim_placement, spec)
+            self.ledger.alloc("master", location(spec.optim_placement), nbytes(n, torch.float32))
+        return self.payload
+
+    # ---- the payload ----------------------------------------------------------------------
+
+    def allocate_payload(self, why: str) -> None:
+        """Book and allocate the gathered payload (before a gather)."""
+        self.ledger.alloc("gathered", "device", self.payload_bytes, why)
+        self.payload.untyped_storage().resize_(self.payload_bytes)
+
+    def free_payload(self) -> None:
+        """Free the gathered payload's storage (views of it keep their shape, with no bytes)."""
+        self.payload.untyped_storage().resize_(0)
+        self.ledger.free("gathered", "device", self.payload_bytes)
+
+    # ---- the shard --------------------------------------------------------------------------
+
+    def gather_source(self) -> torch.Tensor:
+        """What this rank contributes to a gather: the shard, brought to the device first when it
+        lives in host memory and the device is an accelerator (non-blocking from pinned memory).
+        On a CPU host and device are one memory: the shard itself (a copy there was a transient
+        chunk's worth of RSS that no prediction counted)."""
+        src = self.shard
+        if self.spec.shard_on_host and dev.is_accelerator(self.spec.device):
+            src = src.to(self.spec.device, non_blocking=dev.non_blocking_ok(src, self.spec.device), copy=True)
+        return src
+
+    def stage_shard(self) -> None:
+        """Read a disk shard into host memory (raises ``OSError`` if the read failed)."""
+        self.shard_store.stage(self.spec.index)
+
+    def drop_staged_shard(self, write: bool = False) -> None:
+        """Drop a staged disk shard (writing it back first with ``write``)."""
+        self.shard_store.offload(self.spec.index, write=write)
+
+    def discard_staged_shard(self) -> None:
+        """Drop a staged disk shard whose disk copy is current (after its gather)."""
+        self.shard_store.discard(self.spec.index)
+
+    @contextlib.contextmanager
+    def shard_access(self, write: bool) -> Iterator[torch.Tensor]:
+        """The compute shard, resident for the block: a disk shard is read in and, with ``write``,
+        written back after (else dropped); other shards are resident already."""
+        if not self.spec.shard_on_disk:
+            yield self.shard
+            return
+        self.stage_shard()
+        try:
+            yield self.shard
+        finally:
+            self.drop_staged_shard(write=write)
+
+    def refresh_from_master(self, streams: dev.SideStreams) -> None:
+        """After an optimizer step: copy the fp32 master into the compute shard when they differ
+        (on the copy stream). A disk master is not resident here: the disk path refreshed the
+        shard while it was staged."""
+        if self.master is not None and self.master is not self.shard and not self.spec.master_on_disk:
+            with torch.no_grad(), streams.issue(streams.copy):
+                self.shard.copy_(self.master, non_blocking=dev.non_blocking_ok(self.master, self.shard.device))
