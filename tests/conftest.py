@@ -9,6 +9,7 @@
 
 import _posixsubprocess
 import os
+import subprocess
 
 import pytest
 import torch
@@ -34,14 +35,21 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _unit_tests_start_no_process(request, monkeypatch):
-    """Fail a unit test that starts a process (subprocess, multiprocessing spawn or fork)."""
+    """Fail a unit test that starts a process (subprocess, multiprocessing spawn or fork), even
+    when the test itself catches the error raised at the start."""
     if any(request.node.get_closest_marker(m) for m in SPAWNING_MARKERS):
         yield
         return
+    started = []
 
     def refuse(*args, **kwargs):
+        started.append(True)
         raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.dist")
 
-    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)  # subprocess and multiprocessing's spawn
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)  # multiprocessing's spawn
+    monkeypatch.setattr(subprocess, "_fork_exec", refuse)  # subprocess's own binding of it
     monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse)
     yield
+    if started:
+        pytest.fail(f"{request.node.nodeid} starts a process: mark it @pytest.mark.dist", pytrace=False)

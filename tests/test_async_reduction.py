@@ -19,8 +19,7 @@ from elixir.testing import run_distributed
 from elixir.testing.reference import train_wrapped
 from elixir.testing.zoo import ZOO, build_model
 from elixir.wrapper import ElixirModule, ElixirOptimizer
-from tests.test_clipping import with_kinds
-from tests.test_zero_stage import _uniform
+from tests.chunk_kinds import uniform, with_kinds
 
 STEPS = 3
 
@@ -46,7 +45,7 @@ def _plan(model, world: int, kinds: str):
     from elixir.search import Sharding
 
     sr = minimum_waste_search(model, world)
-    return with_kinds(sr, "mixed") if kinds == "mixed" else _uniform(sr, Sharding(kinds))
+    return with_kinds(sr, "mixed") if kinds == "mixed" else uniform(sr, Sharding(kinds))
 
 
 def _run(kinds: str, fused: bool, deferred: bool) -> dict:

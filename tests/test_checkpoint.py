@@ -20,56 +20,17 @@ from elixir import checkpoint
 from elixir import distributed as edist
 from elixir.checkpoint import CheckpointError
 from elixir.checkpoint.checksum import file_checksum
-from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
-from elixir.testing.reference import shard_batch
-from elixir.testing.zoo import ZOO, build_model
-from elixir.wrapper import ElixirModule, ElixirOptimizer
-
-BATCH = 4
-MODEL = "gpt2"
-
-
-def make(world: int = 1, name: str = MODEL, dtype=torch.float32, groups: bool = False, **kw):
-    model = build_model(name)
-    em = ElixirModule(model, minimum_waste_search(model, world), dtype=dtype, output_fp32=dtype != torch.float32)
-    params = [p for p in em.parameters() if p.requires_grad]
-    if groups:  # two groups: no weight decay on biases and norms
-        decay = [p for p in params if p.dim() >= 2]
-        rest = [p for p in params if p.dim() < 2]
-        inner = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.05)
-    else:
-        inner = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-    return em, ElixirOptimizer(em, inner, **kw)
-
-
-def train(em, opt, steps, name: str = MODEL) -> None:
-    zc = ZOO[name]
-    rank, world = edist.get_rank(), edist.get_world_size()
-    for s in steps:
-        opt.zero_grad()
-        zc.loss(em, shard_batch(zc.make_batch(BATCH, s), rank, world)).backward()
-        opt.step()
-
-
-def snapshot(em, opt) -> dict:
-    """Full model and optimizer state (collective), on every rank."""
-    return {"model": em.state_dict(), "optim": opt.state_dict()}
-
-
-def bitwise_diff(a: dict, b: dict) -> list[str]:
-    errs = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
-    sa, sb = a["optim"]["state"], b["optim"]["state"]
-    if set(sa) != set(sb):
-        errs.append("optimizer state indices differ")
-    for i in sa:
-        for k in sa[i]:
-            if not torch.equal(sa[i][k], sb[i][k]):
-                errs.append(f"optim {i}.{k}")
-    if a["optim"]["param_groups"] != b["optim"]["param_groups"]:
-        errs.append("param groups")
-    return errs
-
+from elixir.testing.zoo import build_model
+from tests.checkpoint_cases import (
+    MODEL,
+    bitwise_diff,
+    chunk_and_optimizer_state,
+    expect_error,
+    make,
+    snapshot,
+    train,
+)
 
 # --------------------------------------------------------------------------------------------
 # exact resume and resharding
@@ -180,21 +141,6 @@ def test_fp16_scaler_and_extra_roundtrip(tmp_path):
 # bad input: clear errors, nothing modified
 
 
-def _state(em, opt) -> list[torch.Tensor]:
-    out = [c.master.clone() for c in em.chunks]
-    for st in opt.state.values():
-        out += [v.clone() for v in st.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def _expect_error(path, em, opt, match):
-    before = _state(em, opt)
-    with pytest.raises(CheckpointError, match=match):
-        checkpoint.load(path, em, opt)
-    after = _state(em, opt)
-    assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
-
-
 def test_bad_checkpoints_raise_clear_errors(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -214,12 +160,12 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
     # missing shard
     p = variant("missing")
     os.remove(os.path.join(p, "rank00000-of-00001.safetensors"))
-    _expect_error(p, target, topt, "missing")
+    expect_error(p, target, topt, "missing")
     # truncated file
     p = variant("truncated")
     f = os.path.join(p, "rank00000-of-00001.safetensors")
     os.truncate(f, os.path.getsize(f) // 2)
-    _expect_error(p, target, topt, "truncated")
+    expect_error(p, target, topt, "truncated")
     # truncated file whose index was "fixed" to match: the safetensors header catches it
     p = variant("truncated2")
     f = os.path.join(p, "rank00000-of-00001.safetensors")
@@ -228,7 +174,7 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
     idx["files"]["rank00000-of-00001.safetensors"] = os.path.getsize(f)
     idx["checksums"]["rank00000-of-00001.safetensors"] = file_checksum(f)  # index "fixed" to match
     json.dump(idx, open(os.path.join(p, "index.json"), "w"))
-    _expect_error(p, target, topt, "corrupt or truncated")
+    expect_error(p, target, topt, "corrupt or truncated")
     # mismatched dtype
     p = variant("dtype")
     f = os.path.join(p, "rank00000-of-00001.safetensors")
@@ -240,27 +186,27 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
     idx["files"]["rank00000-of-00001.safetensors"] = os.path.getsize(f)
     idx["checksums"]["rank00000-of-00001.safetensors"] = file_checksum(f)  # index "fixed" to match
     json.dump(idx, open(os.path.join(p, "index.json"), "w"))
-    _expect_error(p, target, topt, "dtype")
+    expect_error(p, target, topt, "dtype")
     # another model's checkpoint
     other, oopt = make(name="llama")
     checkpoint.save(str(tmp_path / "llama"), other, oopt)
-    _expect_error(str(tmp_path / "llama"), target, topt, "does not match this model")
+    expect_error(str(tmp_path / "llama"), target, topt, "does not match this model")
     # another optimizer layout
     g_em, g_opt = make(groups=True)
-    before = _state(g_em, g_opt)
+    before = chunk_and_optimizer_state(g_em, g_opt)
     with pytest.raises(CheckpointError, match="param groups"):
         checkpoint.load(good, g_em, g_opt)
-    assert all(torch.equal(a, b) for a, b in zip(before, _state(g_em, g_opt)))
+    assert all(torch.equal(a, b) for a, b in zip(before, chunk_and_optimizer_state(g_em, g_opt)))
     # a model-only checkpoint loads into a model, and says so when asked for optimizer state
     checkpoint.save(str(tmp_path / "model_only"), em)
     m_only, _ = make()
     checkpoint.load(str(tmp_path / "model_only"), m_only)
     assert all(torch.equal(a.master, b.master) for a, b in zip(em.chunks, m_only.chunks))
-    _expect_error(str(tmp_path / "model_only"), target, topt, "no optimizer state")
+    expect_error(str(tmp_path / "model_only"), target, topt, "no optimizer state")
     # not a checkpoint at all; and save refuses to replace a directory that is not a checkpoint
     os.makedirs(tmp_path / "notckpt")
     (tmp_path / "notckpt" / "keep.txt").write_text("mine")
-    _expect_error(str(tmp_path / "notckpt"), target, topt, "not an elixir checkpoint")
+    expect_error(str(tmp_path / "notckpt"), target, topt, "not an elixir checkpoint")
     with pytest.raises(CheckpointError, match="refusing"):
         checkpoint.save(str(tmp_path / "notckpt"), target, topt)
     assert (tmp_path / "notckpt" / "keep.txt").read_text() == "mine"
@@ -275,7 +221,7 @@ _CRASH_CHILD = textwrap.dedent(
     """
     import sys, time, torch
     sys.path.insert(0, {tests!r})
-    import test_checkpoint as t
+    import checkpoint_cases as t
     from elixir import checkpoint
     em, opt = t.make()
     t.train(em, opt, range(1))

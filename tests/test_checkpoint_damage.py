@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 
 import pytest
 import torch
@@ -16,9 +15,7 @@ from elixir import checkpoint
 from elixir.checkpoint import CheckpointError
 from elixir.cli import main
 from elixir.testing import run_distributed
-
-sys.path.insert(0, os.path.dirname(__file__))
-from test_checkpoint import _expect_error, make, train  # noqa: E402
+from tests.checkpoint_cases import expect_error, make, train
 
 SHARD = "rank00000-of-00001.safetensors"
 
@@ -73,13 +70,13 @@ def test_flipped_byte_is_named_and_nothing_changes(saved, capsys):
     with pytest.raises(CheckpointError, match=f"{SHARD} .*damaged"):
         checkpoint.verify(p)
     target, topt = make()
-    _expect_error(p, target, topt, f"{SHARD} .*damaged")
+    expect_error(p, target, topt, f"{SHARD} .*damaged")
     rc, _, err = _cli(capsys, "verify", p)
     assert rc == 1 and SHARD in err and "damaged" in err
     # a flipped byte in extra.pt too
     p = _copy(saved, "flipped_extra")
     _flip_byte(os.path.join(p, "extra.pt"), offset_from_end=30)
-    _expect_error(p, target, topt, "extra.pt .*damaged")
+    expect_error(p, target, topt, "extra.pt .*damaged")
 
 
 def test_truncated_and_missing_files_are_named(saved, capsys):
@@ -87,12 +84,12 @@ def test_truncated_and_missing_files_are_named(saved, capsys):
     p = _copy(saved, "truncated")
     f = os.path.join(p, SHARD)
     os.truncate(f, os.path.getsize(f) - 100)
-    _expect_error(p, target, topt, f"{SHARD} has .* bytes.*truncated")
+    expect_error(p, target, topt, f"{SHARD} has .* bytes.*truncated")
     with pytest.raises(CheckpointError, match=SHARD):
         checkpoint.verify(p)
     p = _copy(saved, "missing")
     os.remove(os.path.join(p, SHARD))
-    _expect_error(p, target, topt, f"{SHARD} is missing")
+    expect_error(p, target, topt, f"{SHARD} is missing")
     assert _cli(capsys, "verify", p)[0] == 1
 
 
@@ -103,7 +100,7 @@ def test_index_from_another_model(saved):
     p = _copy(saved, "foreign_index")
     shutil.copy(os.path.join(root, "llama", "index.json"), os.path.join(p, "index.json"))
     target, topt = make()
-    _expect_error(p, target, topt, "does not match this model")
+    expect_error(p, target, topt, "does not match this model")
 
 
 def test_checkpoint_without_checksums_still_loads(saved, capsys):
@@ -130,7 +127,7 @@ def test_full_checkpoint_damage_is_named(tmp_path):
     assert checkpoint.verify(p).checked
     _flip_byte(os.path.join(p, "model.safetensors"))
     target, topt = make()
-    _expect_error(p, target, topt, "model.safetensors .*damaged")
+    expect_error(p, target, topt, "model.safetensors .*damaged")
 
 
 def _load_damaged_two_ranks(good: str, bad: str) -> str:
@@ -150,6 +147,7 @@ def _load_damaged_two_ranks(good: str, bad: str) -> str:
     return "loaded"
 
 
+@pytest.mark.dist
 def test_damage_seen_by_one_rank_fails_every_rank(tmp_path):
     msgs = run_distributed(_load_damaged_two_ranks, 2, str(tmp_path / "good"), str(tmp_path / "bad"), timeout=120)
     assert len(msgs) == 2

@@ -20,6 +20,7 @@ from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
 from elixir.testing.zoo import ZOO, build_model
 from elixir.wrapper import ElixirModule, ElixirOptimizer
+from tests.chunk_kinds import with_kinds
 
 STEPS = 3
 BATCH = 4
@@ -53,19 +54,6 @@ CASES = [
     Case("tied", 2.0, kinds="zero2"), Case("shared", float("inf"), via_ctor=True, kinds="mixed"),
     Case("gpt2", 2.0, kinds="mixed"),
 ]
-
-MIX = (Sharding.SHARDED, Sharding.ZERO2, Sharding.ZERO1, Sharding.REPLICATED)
-
-
-def with_kinds(sr, kinds: str):
-    """``sr`` with every chunk ZeRO-2 (``"zero2"``), or the kinds cycling through :data:`MIX`."""
-    if not kinds:
-        return sr
-    w = sr.world_size
-    chunks = [c.with_sharding(Sharding.ZERO2 if kinds == "zero2" else MIX[i % len(MIX)], w) for i, c in enumerate(sr.chunks)]
-    sharded = sum(c.sharded for c in chunks)
-    return dataclasses.replace(sr, chunks=tuple(chunks), cache_blocks=max(1, min(sr.cache_blocks, sharded)))
-
 
 def _plan(model, world: int, replicate_first: bool, kinds: str = ""):
     sr = with_kinds(minimum_waste_search(model, world), kinds)

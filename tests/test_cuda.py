@@ -16,8 +16,6 @@ import dataclasses
 
 import pytest
 import torch
-from test_runtime import BATCH, CASES, STEPS, Case, build, compare, opt_fn  # noqa: I001
-from test_runtime_mixed import RUNS, _mixed_worker, check_mixed
 
 from elixir import checkpoint
 from elixir import device as dev
@@ -27,6 +25,8 @@ from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import train_wrapped
 from elixir.wrapper import ElixirModule, ElixirOptimizer
+from tests.matrix_cases import BATCH, CASES, STEPS, Case, build, compare, opt_fn
+from tests.mixed_reference import RUNS, check_mixed, mixed_worker
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]
@@ -130,12 +130,12 @@ def test_matrix_two_gpus_nccl(tmp_path):
 
 
 def test_mixed_precision_one_gpu():
-    check_mixed(_mixed_worker(RUNS, device=DEVICE), 1, device=DEVICE)
+    check_mixed(mixed_worker(RUNS, device=DEVICE), 1, device=DEVICE)
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
 def test_mixed_precision_two_gpus_nccl():
-    check_mixed(run_distributed(_mixed_worker, 2, RUNS, device=DEVICE, timeout=300, backend="nccl")[0], 2, device=DEVICE)
+    check_mixed(run_distributed(mixed_worker, 2, RUNS, device=DEVICE, timeout=300, backend="nccl")[0], 2, device=DEVICE)
 
 
 @pytest.mark.parametrize("where", ["device", "host", "disk"])

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import os
-import sys
 
 import pytest
 import torch
@@ -26,9 +24,7 @@ from elixir.testing import run_distributed
 from elixir.testing.reference import default_optimizer, shard_batch
 from elixir.testing.zoo import ZOO
 from elixir.wrapper import ElixirModule, ElixirOptimizer
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_checkpoint import bitwise_diff  # noqa: E402
+from tests.checkpoint_cases import bitwise_diff
 
 MODEL = "gpt2"
 BATCH = 4

@@ -30,9 +30,9 @@ from elixir.testing.zoo import ZOO
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
 try:  # the runtime matrix's reference comparison (same tolerances)
-    from test_runtime import Case, compare
+    from tests.matrix_cases import Case, compare
 except ImportError:  # pragma: no cover - run from another directory
-    from tests.test_runtime import Case, compare
+    from tests.matrix_cases import Case, compare
 
 MODEL = "gpt2"
 BATCH = 4

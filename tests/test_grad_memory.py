@@ -196,7 +196,7 @@ def test_bf16_grads_reduced_in_fp32_track_the_fp32_master_reference():
     try:
         from test_runtime_mixed import reference_mixed
     except ImportError:  # pragma: no cover - run from another directory
-        from tests.test_runtime_mixed import reference_mixed
+        from tests.mixed_reference import reference_mixed
     ref_losses, ref_masters = reference_mixed("llama", torch.bfloat16)
     for fused in (False, True):
         model = build_model("llama")

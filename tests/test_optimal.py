@@ -303,6 +303,7 @@ def _search_on_rank(ballast_mib: int):
     return r.info["process_bytes"], r.to_json()["chunks"]
 
 
+@pytest.mark.dist
 def test_process_bytes_agree_across_ranks():
     # each rank measures its own RSS; ranks searching on different figures could pick different
     # plans, so optimal_search takes the most over the process group

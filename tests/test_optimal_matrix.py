@@ -5,7 +5,6 @@ runtime's own accounting."""
 
 
 import pytest
-from test_runtime import BATCH, CASES, STEPS, Case, build, compare, opt_fn  # noqa: I001
 
 from elixir import distributed as edist
 from elixir.hardware import load_profile
@@ -13,6 +12,7 @@ from elixir.search import DoesNotFitError, optimal_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import train_wrapped
 from elixir.wrapper import ElixirModule, ElixirOptimizer
+from tests.matrix_cases import BATCH, CASES, STEPS, Case, build, compare, opt_fn
 
 HW = load_profile("cpu-box")
 

@@ -22,9 +22,7 @@ import torch
 
 from elixir import checkpoint
 from elixir.testing.dist import free_port
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_checkpoint import make  # noqa: E402
+from tests.checkpoint_cases import make
 
 PG_TIMEOUT_S = 10
 KILL_AT_STEP = 2
@@ -36,7 +34,7 @@ _CHILD = textwrap.dedent(
     from elixir import checkpoint, distributed as edist
     from elixir.checkpoint import format as tensor_files
     edist.init_distributed(backend="gloo")
-    import test_checkpoint as t
+    import checkpoint_cases as t
     PHASE, KILL, rank = {phase!r}, {kill}, edist.get_rank()
     em, opt = t.make(world=2, max_norm=1.0)
 

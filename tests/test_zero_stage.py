@@ -26,8 +26,8 @@ from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch, train_wrapped
 from elixir.testing.zoo import ZOO, build_model
 from elixir.wrapper import ElixirModule, ElixirOptimizer
-from tests.test_clipping import with_kinds
-from tests.test_runtime import BATCH, CASES, STEPS, Case, build, compare, opt_fn
+from tests.chunk_kinds import uniform, with_kinds
+from tests.matrix_cases import BATCH, CASES, STEPS, Case, build, compare, opt_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +109,6 @@ def test_zero_stage_matrix_matches_reference(world):
 DDP_KINDS = ("sharded", "replicated", "zero2", "zero1", "mixed")
 
 
-def _uniform(sr: SearchResult, kind: Sharding) -> SearchResult:
-    chunks = tuple(c.with_sharding(kind, sr.world_size) for c in sr.chunks)
-    return dataclasses.replace(sr, chunks=chunks, cache_blocks=max(1, min(sr.cache_blocks, sum(c.sharded for c in chunks))))
-
-
 def _ddp_worker(model_name: str) -> dict:
     rank, world = edist.get_rank(), edist.get_world_size()
     zc = ZOO[model_name]
@@ -129,7 +124,7 @@ def _ddp_worker(model_name: str) -> dict:
     for kinds in DDP_KINDS:
         model = build_model(model_name)
         sr = minimum_waste_search(model, world)
-        sr = with_kinds(sr, "mixed") if kinds == "mixed" else _uniform(sr, Sharding(kinds))
+        sr = with_kinds(sr, "mixed") if kinds == "mixed" else uniform(sr, Sharding(kinds))
         em = ElixirModule(model, sr)
         eo = ElixirOptimizer(em, torch.optim.AdamW(list(em.parameters()), lr=1e-2))
         train_wrapped(zc, em, eo, steps=STEPS, batch_size=BATCH)
@@ -277,7 +272,7 @@ def test_plan_json_records_the_kind_and_reads_older_plans():
 def test_zero2_at_world_one_is_replicated_and_trains_like_torch():
     zc = ZOO["tied"]
     model = build_model("tied")
-    em = ElixirModule(model, _uniform(minimum_waste_search(model, 1), Sharding.ZERO2))
+    em = ElixirModule(model, uniform(minimum_waste_search(model, 1), Sharding.ZERO2))
     assert {c.spec.sharding for c in em.chunks} == {Sharding.REPLICATED}
     ref = build_model("tied")
     eo = ElixirOptimizer(em, torch.optim.SGD(list(em.parameters()), lr=0.1))
@@ -435,6 +430,7 @@ def test_search_left_to_choose_its_step_is_never_slower_mixed_than_pure():
     assert checked >= 4, checked
 
 
+@pytest.mark.dist
 def test_fused_backward_step_publishes_zero_chunks_during_backward():
     # with the fused backward-and-step each ZeRO chunk is stepped and all-gathered as soon as its
     # gradient is final (during backward): bitwise the separate step's parameters
