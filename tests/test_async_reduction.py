@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from elixir import distributed as edist
-from elixir.chunk import Chunk, GradBufferPool, GradState
+from elixir.chunk import Chunk, ChunkComm, GradBufferPool, GradState
 from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import train_wrapped
@@ -62,7 +62,7 @@ def _run(kinds: str, fused: bool, deferred: bool) -> dict:
 
     Chunk.finish_reduction, Chunk.publish = counting_finish, counting_publish
     if not deferred:
-        Chunk.defers_reduction = property(lambda self: False)
+        ChunkComm.defers_reductions = property(lambda self: False)
     try:
         model = build_model("gpt2")
         em = ElixirModule(model, _plan(model, edist.get_world_size(), kinds))
@@ -73,10 +73,10 @@ def _run(kinds: str, fused: bool, deferred: bool) -> dict:
                 "kinds": sorted({c.spec.sharding.value for c in em.chunks})}
     finally:
         Chunk.finish_reduction, Chunk.publish = finish, publish
-        Chunk.defers_reduction = _DEFERS
+        ChunkComm.defers_reductions = _DEFERS
 
 
-_DEFERS = Chunk.__dict__["defers_reduction"]  # the property itself
+_DEFERS = ChunkComm.__dict__["defers_reductions"]  # the property itself
 
 
 def _worker(cases):

@@ -141,6 +141,7 @@ def test_fp16_scaler_and_extra_roundtrip(tmp_path):
 # bad input: clear errors, nothing modified
 
 
+@pytest.mark.dist
 def test_bad_checkpoints_raise_clear_errors(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -241,6 +242,7 @@ _CRASH_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.dist
 def test_kill_mid_save_keeps_previous_checkpoint(tmp_path):
     path = str(tmp_path / "ck")
     expected = str(tmp_path / "expected.pt")

@@ -285,7 +285,7 @@ def test_runtime_behaviour_world2():
         assert _close(r["nosync_state"][k], v), k
 
     assert "budget" in r["budget_error"]
-    assert "world size" in r["plan_errors"][0]
+    assert "made for a mesh of dp_shard 3 (3 ranks) but this run is a mesh of dp_shard 2" in r["plan_errors"][0]
     assert "not in the plan" in r["plan_errors"][1] or "does not have" in r["plan_errors"][1]
 
 
