@@ -149,4 +149,18 @@ def fits_floor(profile: StepProfile, st: Setting, usable: Sequence[int]) -> bool
     return dev <= usable[0] and int(st.process_bytes) <= usable[1] and total <= pool
 
 
-__all__ = ["StepFloor", "step_time_floor", "optimizer_floor", "memory_floor", "fits_floor", "SLACK"]
+def layout_fits_floor(profile: StepProfile, st: Setting, usable: Sequence[int], chunk_size: int, zero: int,
+                      n_body: int) -> bool:
+    """:func:`fits_floor` for the layout of ``chunk_size`` with ``zero`` of its ``n_body`` body
+    chunks ZeRO-1/2, before it is packed (world size > 1): each ZeRO chunk holds its whole
+    compute-dtype payload on the device, ``(1 - 1 / world)`` of it beyond the per-element floor,
+    and with any body chunk sharded the rCache holds at least one block of ``chunk_size``."""
+    if st.world == 1:
+        return fits_floor(profile, st, usable)
+    extra = zero * chunk_size * st.elem * (st.world - 1) // st.world + (chunk_size * st.elem if zero < n_body else 0)
+    dev, total = memory_floor(profile, st, usable[2])
+    pool = usable[1] if unified_memory(st.hardware) else usable[0] + usable[1]
+    return dev + extra <= usable[0] and int(st.process_bytes) <= usable[1] and total + extra <= pool
+
+
+__all__ = ["StepFloor", "layout_fits_floor", "step_time_floor", "optimizer_floor", "memory_floor", "fits_floor", "SLACK"]

@@ -32,7 +32,7 @@ from elixir.hardware.profile import HardwareProfile
 from elixir.hardware.registry import choose_default_profile, load_profile
 from elixir.plan import ChunkPlan, MeshLayout, Placement, Prediction, SearchResult, dtype_name
 from elixir.plan.placement import DD, RD
-from elixir.search.bounds import SLACK, StepFloor, fits_floor
+from elixir.search.bounds import SLACK, StepFloor, fits_floor, layout_fits_floor
 from elixir.search.cost_model import (
     ALIGN,
     HOST_TERMS,
@@ -247,8 +247,12 @@ class _Searcher:
         # as a rule) first, then the other ZeRO-1/2 counts, packed only where the answer is still no
         for rest in (False, True):
             for c, tied in groups:
-                zs = zero_candidates(self.layout(c, tied), self.world, self.body_sharding)
-                for lay in (self.layout(c, tied, z) for z in (zs[1:] if rest else zs[:1])):
+                base = self.layout(c, tied)
+                n_body = base.n_sharded - base.own
+                zs = zero_candidates(base, self.world, self.body_sharding)
+                zs = [z for z in (zs[1:] if rest else zs[:1])  # packed only if their floor fits
+                      if layout_fits_floor(profile or self.profile, self.setting, usable or self.usable, c, z, n_body)]
+                for lay in (self.layout(c, tied, z) for z in zs):
                     for b in _block_candidates(lay, self.world)[: 2 if self.world == 1 else 1]:
                         if self.evaluate(lay, b, 0, usable, profile) is not None:
                             return True
