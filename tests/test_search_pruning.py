@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from elixir.hardware import load_profile
 from elixir.search.bounds import memory_floor, step_time_floor
 from elixir.search.cost_model import MemoryPolicy, replicate, simulate_layout
 from elixir.search.optimal import (
@@ -20,8 +21,10 @@ from elixir.search.optimal import (
     search_profile,
 )
 from elixir.search.step_profile import profile_from_module
-from tests.test_optimal import HW, _tiny_gpt, layer_stacks
+from tests.search_cases import layer_stacks
+from tests.search_cases import tiny_gpt as _tiny_gpt
 
+HW = load_profile("cpu-box")
 POLICY = MemoryPolicy()
 
 
