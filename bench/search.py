@@ -15,7 +15,7 @@ Run: ``python bench/search.py [--steps 6] [--hardware cpu-box] [--skip-scale] [-
    each a fresh process, timed wall-clock with imports: ``elixir plan opt-175b`` at world 8 on the
    default (``cpu-box``) profile, the impossible budget ``opt-175b --world-size 1 --device-memory
    8GiB --host-memory 16GiB`` (refused), and GPT-2 medium's mixed search (``--gpt2-medium-search``:
-   354.8M, batch 1, seq 8, world 2, 5.75 GiB per rank, traced, overlap: what
+   354.8M, batch 1, seq 8, world 2, 5.75 GiB per rank, 640 MiB of process, traced, overlap: what
    ``bench/step_time.py``'s ``elixir-tight:2@medium --batch 1 --seq 8 --tight-budget 5.75`` searches).
    Given source trees (e.g. a ``git archive`` of an older commit, with its ``_C`` extension), each
    command runs once per tree, interleaved, with ``PYTHONPATH`` set to the tree, and the plans are
@@ -296,6 +296,11 @@ SEARCH_COMMANDS = {
 }
 
 
+# a training process's own bytes on the CPU box (torch, transformers, the step's growth), fixed so
+# that every tree searches the same budget (optimal_search measures it otherwise)
+PROCESS_BYTES = 640 << 20
+
+
 def gpt2_medium_search() -> None:
     """GPT-2 medium's mixed search as bench/step_time.py's tight line runs it (traced step, world
     2, overlap, the budget as device and host: one pool), built on meta; prints the plan's kinds."""
@@ -313,7 +318,7 @@ def gpt2_medium_search() -> None:
     budget = int(5.75 * 2**30)
     t0 = time.perf_counter()
     sr = optimal_search(model, 2, overlap=True, inp={"input_ids": ids, "labels": ids}, step_fn=step_fn,
-                        device_memory=budget, host_memory=budget, process_bytes=0)
+                        device_memory=budget, host_memory=budget, process_bytes=PROCESS_BYTES)
     kinds = Counter(f"{c.sharding.value}:{c.shard_placement.value}/{c.optim_placement.value}" for c in sr.chunks)
     print(f"plan: chunk {sr.chunk_size}, blocks {sr.cache_blocks}, depth {sr.prefetch_depth}, {dict(sorted(kinds.items()))}, "
           f"predicted {sr.prediction.step_time_s:.6f} s; search {time.perf_counter() - t0:.2f} s "
