@@ -266,11 +266,17 @@ def _optimal_plan(system: str, model, cfg: BenchConfig, world: int, dtype, extra
 
     reduce = _reduce_dtype(cfg, dtype)
 
+    measured: dict = {}
+
     def search(memory: int, body_sharding: str = "mixed"):
-        # on a CPU-only profile device and host are one pool: the budget bounds both together
-        return optimal_search(model, world, unified_dtype=dtype, overlap=True, inp=inp, step_fn=_train_step,
-                              device_memory=memory, host_memory=memory if unified else host, body_sharding=body_sharding,
-                              reduce_dtype=reduce)
+        # on a CPU-only profile device and host are one pool: the budget bounds both together;
+        # every search of the line plans on the process size the first one measured (the process
+        # grows between searches, and a budget found by one search must fit in the next)
+        sr = optimal_search(model, world, unified_dtype=dtype, overlap=True, inp=inp, step_fn=_train_step,
+                            device_memory=memory, host_memory=memory if unified else host, body_sharding=body_sharding,
+                            reduce_dtype=reduce, process_bytes=measured.get("process_bytes"))
+        measured.setdefault("process_bytes", sr.info["process_bytes"])
+        return sr
 
     t0 = time.perf_counter()
     sr = search(budget)

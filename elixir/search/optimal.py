@@ -157,7 +157,7 @@ def _layout_cache(profile: StepProfile, world: int) -> dict[tuple[int, bool, int
     depends on nothing else."""
     hit = _LAYOUTS.get((id(profile), world))
     if hit is None or hit[0] is not profile:
-        if len(_LAYOUTS) > 8:
+        if len(_LAYOUTS) > 1:  # one profile's at a time: a process that plans again holds no stale layouts
             _LAYOUTS.clear()
         hit = _LAYOUTS[(id(profile), world)] = (profile, {})
     return hit[1]
