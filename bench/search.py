@@ -11,6 +11,15 @@ Run: ``python bench/search.py [--steps 6] [--hardware cpu-box] [--skip-scale] [-
    model and budget: predicted and measured step time.
 3. **Scale.** ``elixir plan opt-175b --world-size 8`` wall time (a subprocess, imports included),
    and the cache simulator scoring 300 chunk sizes over the OPT-175B step trace.
+4. **Search time** (``--search-time [TREE ...]``, nothing else runs): issue 35's three searches,
+   each a fresh process, timed wall-clock with imports: ``elixir plan opt-175b`` at world 8 on the
+   default (``cpu-box``) profile, the impossible budget ``opt-175b --world-size 1 --device-memory
+   8GiB --host-memory 16GiB`` (refused), and GPT-2 medium's mixed search (``--gpt2-medium-search``:
+   354.8M, batch 1, seq 8, world 2, 5.75 GiB per rank, 640 MiB of process, traced, overlap: what
+   ``bench/step_time.py``'s ``elixir-tight:2@medium --batch 1 --seq 8 --tight-budget 5.75`` searches).
+   Given source trees (e.g. a ``git archive`` of an older commit, with its ``_C`` extension), each
+   command runs once per tree, interleaved, with ``PYTHONPATH`` set to the tree, and the plans are
+   compared.
 
 Timings on this shared 2-core box vary run to run; only ratios from one run mean much.
 """
@@ -18,10 +27,12 @@ Timings on this shared 2-core box vary run to run; only ratios from one run mean
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -275,6 +286,82 @@ def scale(console) -> None:
                   f"({steps:.0f} steps): packing {t_pack:.2f} s, simulation {t_sim:.3f} s")
 
 
+SEARCH_COMMANDS = {
+    "opt-175b, world 8": ["-m", "elixir", "plan", "opt-175b", "--world-size", "8", "--device-memory", "80GiB",
+                          "--host-memory", "2TiB", "--disk", "8TiB", "--batch", "1", "--seq", "2048", "--dtype", "bf16",
+                          "--checkpointing"],
+    "opt-175b, impossible budget": ["-m", "elixir", "plan", "opt-175b", "--world-size", "1", "--device-memory", "8GiB",
+                                    "--host-memory", "16GiB"],
+    "GPT-2 medium, mixed, 5.75 GiB": [os.path.abspath(__file__), "--gpt2-medium-search"],
+}
+
+
+# a training process's own bytes on the CPU box (torch, transformers, the step's growth), fixed so
+# that every tree searches the same budget (optimal_search measures it otherwise)
+PROCESS_BYTES = 640 << 20
+
+
+def gpt2_medium_search() -> None:
+    """GPT-2 medium's mixed search as bench/step_time.py's tight line runs it (traced step, world
+    2, overlap, the budget as device and host: one pool), built on meta; prints the plan's kinds."""
+    from collections import Counter
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from elixir.search import optimal_search
+
+    cfg = GPT2Config(vocab_size=50257, n_embd=1024, n_layer=24, n_head=16, n_positions=1024,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 50257, (1, 8), generator=torch.Generator().manual_seed(0))
+    budget = int(5.75 * 2**30)
+    t0 = time.perf_counter()
+    sr = optimal_search(model, 2, overlap=True, inp={"input_ids": ids, "labels": ids}, step_fn=step_fn,
+                        device_memory=budget, host_memory=budget, process_bytes=PROCESS_BYTES)
+    kinds = Counter(f"{c.sharding.value}:{c.shard_placement.value}/{c.optim_placement.value}" for c in sr.chunks)
+    print(f"plan: chunk {sr.chunk_size}, blocks {sr.cache_blocks}, depth {sr.prefetch_depth}, {dict(sorted(kinds.items()))}, "
+          f"predicted {sr.prediction.step_time_s:.6f} s; search {time.perf_counter() - t0:.2f} s "
+          f"({sr.info['candidates_scored']} candidates)")
+
+
+def search_time(console, trees: list[str]) -> None:
+    """Wall time of each of SEARCH_COMMANDS per source tree, interleaved; plans compared."""
+    import re
+
+    from rich.table import Table
+
+    trees = [os.path.abspath(t) for t in trees] or [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    t = Table(title="search time: wall seconds per command (fresh process, imports included)")
+    t.add_column("command")
+    for tree in trees:
+        t.add_column(f"{os.path.basename(tree)} (s)", justify="right")
+    t.add_column("same plan")
+    for name, args in SEARCH_COMMANDS.items():
+        walls, plans = [], []
+        for tree in trees:
+            env = dict(os.environ, PYTHONPATH=tree, TRANSFORMERS_VERBOSITY="error")
+            with tempfile.TemporaryDirectory() as tmp:
+                extra = ["--out", os.path.join(tmp, "plan.json")] if args[:2] == ["-m", "elixir"] else []
+                t0 = time.perf_counter()
+                out = subprocess.run([sys.executable, *args, *extra], capture_output=True, text=True, env=env, cwd=tmp)
+                walls.append(time.perf_counter() - t0)
+                if extra and os.path.exists(extra[1]):
+                    with open(extra[1]) as f:
+                        plan = json.load(f)
+                    plan.pop("info", None)
+                    plans.append(json.dumps(plan, sort_keys=True))
+                else:
+                    text = out.stdout + out.stderr
+                    m = re.search(r"plan: .*predicted [0-9.]+ s", text) or re.search(r"no plan fits[^\n]*", text)
+                    plans.append(m.group(0) if m else f"exit {out.returncode}: {text[-300:]}")
+            console.print(f"{name} [{os.path.basename(tree)}]: {walls[-1]:.2f} s, exit {out.returncode}; "
+                          f"load average {os.getloadavg()[0]:.2f}; {plans[-1][:160]}")
+        t.add_row(name, *(f"{w:.2f}" for w in walls), "yes" if len(set(plans)) == 1 else "NO")
+    console.print(t)
+    console.print(f"load average at end {' / '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+
+
 def main() -> int:
     from rich.console import Console
 
@@ -288,8 +375,18 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=[], help="run only these models (gpt2-s opt-s llama-s gpt2-m)")
     ap.add_argument("--no-calibrate", action="store_true", help="with --hardware measure: skip the runtime calibration")
     ap.add_argument("--only-scale", action="store_true")
+    ap.add_argument("--search-time", nargs="*", metavar="TREE",
+                    help="time issue 35's three searches only, once per source tree (default: this one)")
+    ap.add_argument("--gpt2-medium-search", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.gpt2_medium_search:
+        gpt2_medium_search()
+        return 0
     console = Console(width=200)
+    if args.search_time is not None:
+        console.print(f"date {time.strftime('%Y-%m-%d %H:%M')} UTC, torch {torch.__version__}, {os.cpu_count()} cores")
+        search_time(console, args.search_time)
+        return 0
     console.print(f"date {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, {os.cpu_count()} cores")
     if not args.skip_scale:
         scale(console)

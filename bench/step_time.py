@@ -44,8 +44,20 @@ Systems:
   step), with HybridAdam.
 - ``ddp``, ``fsdp2`` (per block plus root), ``plain`` (world 1 only), each with torch AdamW, and
   ``-fused`` variants with ``fused=True``; ``ddp-bf16`` (autocast bf16), ``fsdp2-bf16``
-  (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), ``fsdp2-offload``
+  (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=--bf16-reduce)``), ``fsdp2-offload``
   (``CPUOffloadPolicy``); all ``-bf16``/``-offload`` peers use fused AdamW.
+
+**Like with like** (issue 35). bf16 lines reduce gradients in one dtype, ``--bf16-reduce``
+(default fp32, FSDP2's usual ``reduce_dtype``): elixir's bf16 lines with ``reduce_always_fp32``
+(and the search prices fp32 reductions), FSDP2's ``reduce_dtype``, DeepSpeed's
+``communication_data_type``; DDP's autocast reduces fp32 gradients anyway. Each line records its
+``reduce_dtype``. The lines that claim the tight budget (``elixir-tight*`` and the ``-offload``
+peers) run under an RSS cap at it, per rank, as ``bench/capacity.py`` caps its trials (a rank
+past it kills the line, which fails saying so; ``--no-rss-cap`` lifts it): the budget given by
+``--tight-budget``, or the one the ``elixir-tight`` line of that model ran on (which runs first in
+the line-up; its own peak RSS is checked against it afterwards). ``elixir-tight`` is then ranked
+against *every* line of its model and world whose peak RSS per rank stayed under the budget
+(DDP and elixir's unconstrained plan included), not only the offload peers.
 - ``deepspeed`` (ZeRO-3, fp32), ``deepspeed-bf16``, ``deepspeed-offload`` (ZeRO-3 with optimizer
   state and parameters offloaded to CPU), built outside ``zero.Init`` (broken with transformers
   5.x), gloo through ``deepspeed.init_distributed``, torch's fused AdamW as the client optimizer
@@ -92,7 +104,7 @@ DEFAULT_LINES = (
     "elixir-optimal:2", "fsdp2-fused:2", "ddp-fused:2", "deepspeed:2", "elixir:2", "fsdp2:2", "ddp:2",
     "elixir-optimal-bf16:2", "fsdp2-bf16:2", "ddp-bf16:2", "deepspeed-bf16:2",
     "elixir-tight:2", "fsdp2-offload:2", "deepspeed-offload:2",
-    "elixir-optimal:2@medium", "fsdp2-fused:2@medium", "deepspeed:2@medium",
+    "elixir-optimal:2@medium", "fsdp2-fused:2@medium", "deepspeed:2@medium", "ddp-fused:2@medium",
     "elixir-zero2:2", "elixir-zero1:2", "elixir-tight-zero3:2", "elixir-tight-zero2:2",
 )
 # (numerator, denominator, step-time target, memory target): the issue's targets. The memory
@@ -118,6 +130,7 @@ RATIOS = (
     ("elixir-optimal:2@medium", "fsdp2-fused:2@medium", 1.0, None),
     ("elixir-optimal:2@medium", "fsdp2:2@medium", 1.0, None),
     ("elixir-optimal:2@medium", "deepspeed:2@medium", 1.0, None),
+    ("elixir-optimal:2@medium", "ddp-fused:2@medium", 1.05, None),
     ("elixir-zero2:2", "ddp-fused:2", None, None),
     ("elixir-tight:2", "elixir-tight-zero3:2", 1.0, None),
     ("elixir-tight:2", "elixir-tight-zero2:2", 1.0, None),
@@ -147,6 +160,7 @@ class BenchConfig:
     tight_fraction: float = 0.5  # else this fraction of elixir-optimal's predicted device bytes
     attn: str = ""  # attention implementation of the model ("eager", "sdpa"); "": transformers' default
     line_budget: float = 0.0  # seconds of timed steps after which a line stops early (0: always cfg.steps)
+    bf16_reduce: str = "float32"  # gradient reduction dtype of every bf16 line that can choose it (see --bf16-reduce)
 
     def for_model(self, name: str, layers: Optional[int] = None) -> BenchConfig:
         if name not in MODELS:
@@ -250,10 +264,19 @@ def _optimal_plan(system: str, model, cfg: BenchConfig, world: int, dtype, extra
 
     unified = unified_memory(default_profile())
 
+    reduce = _reduce_dtype(cfg, dtype)
+
+    measured: dict = {}
+
     def search(memory: int, body_sharding: str = "mixed"):
-        # on a CPU-only profile device and host are one pool: the budget bounds both together
-        return optimal_search(model, world, unified_dtype=dtype, overlap=True, inp=inp, step_fn=_train_step,
-                              device_memory=memory, host_memory=memory if unified else host, body_sharding=body_sharding)
+        # on a CPU-only profile device and host are one pool: the budget bounds both together;
+        # every search of the line plans on the process size the first one measured (the process
+        # grows between searches, and a budget found by one search must fit in the next)
+        sr = optimal_search(model, world, unified_dtype=dtype, overlap=True, inp=inp, step_fn=_train_step,
+                            device_memory=memory, host_memory=memory if unified else host, body_sharding=body_sharding,
+                            reduce_dtype=reduce, process_bytes=measured.get("process_bytes"))
+        measured.setdefault("process_bytes", sr.info["process_bytes"])
+        return sr
 
     t0 = time.perf_counter()
     sr = search(budget)
@@ -285,6 +308,14 @@ def _optimal_plan(system: str, model, cfg: BenchConfig, world: int, dtype, extra
         plan=plan_summary(sr),
     )
     return sr, limit
+
+
+def _reduce_dtype(cfg: BenchConfig, dtype):
+    """The gradient reduction dtype of a line computing in ``dtype``: its own in fp32, else
+    ``cfg.bf16_reduce`` (the same on every bf16 line that can choose it)."""
+    import torch
+
+    return dtype if dtype == torch.float32 else getattr(torch, cfg.bf16_reduce)
 
 
 def plan_summary(sr) -> dict:
@@ -334,13 +365,17 @@ def wrap(system: str, model, cfg: BenchConfig, world: int):
             inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         else:
             inner = HybridAdam(model.parameters(), lr=cfg.lr)
+        reduce = _reduce_dtype(cfg, dtype)
+        extra["reduce_dtype"] = str(reduce).replace("torch.", "")
         wrapped = ElixirModule(model, sr, dtype=dtype, output_fp32=True, memory_limit=limit,
-                               prefetch=sr.param_order is not None)
+                               prefetch=sr.param_order is not None,
+                               reduce_always_fp32=dtype != torch.float32 and reduce == torch.float32)
         return wrapped, ElixirOptimizer(wrapped, inner), extra
     fused = system.endswith(("-fused", "-bf16", "-offload"))
     if system.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        extra["reduce_dtype"] = "float32"  # autocast leaves parameters and their gradients fp32
         return DDP(model), torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=fused), extra
     if system.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
@@ -349,7 +384,8 @@ def wrap(system: str, model, cfg: BenchConfig, world: int):
         mesh = init_device_mesh("cpu", (world,))
         kw: dict = {}
         if bf16:
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, cfg.bf16_reduce))
+            extra["reduce_dtype"] = cfg.bf16_reduce
         if system == "fsdp2-offload":
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
         for block in model.transformer.h:
@@ -368,11 +404,15 @@ def wrap(system: str, model, cfg: BenchConfig, world: int):
             "gradient_accumulation_steps": 1,
             "zero_optimization": zero,
             "bf16": {"enabled": bf16},
+            # the same reduction dtype as the other bf16 lines (DeepSpeed's own default: the compute dtype)
+            **({"communication_data_type": "fp32" if cfg.bf16_reduce == "float32" else "bf16"} if bf16 else {}),
             "zero_force_ds_cpu_optimizer": False,
             "steps_per_print": 1 << 30,
         }
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
         engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        if bf16:
+            extra["reduce_dtype"] = cfg.bf16_reduce
         return engine, ds_opt, extra
     if system.startswith("plain"):
         return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=fused), extra
@@ -505,7 +545,33 @@ def _time_collectives(edist) -> _CollectiveTimer:
 # orchestrator
 
 
-def run_line(line: str, base: BenchConfig, layers: Optional[int], timeout: float, profile_dir: Optional[str]) -> LineResult:
+def _rank_rss(pid: int) -> int:
+    """The largest RSS (bytes) of ``pid`` and its descendants: one rank's, under torchrun."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    todo, most = [pid], 0
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                most = max(most, int(f.read().split()[1]) * page)
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return most
+
+
+def claims_budget(system: str) -> bool:
+    """Lines that run on the tight budget (``elixir-tight*``, and the peers' CPU-offload variants
+    beside it): their RSS is capped at it, as bench/capacity.py caps its trials."""
+    return system.startswith("elixir-tight") or system.endswith("-offload")
+
+
+def run_line(line: str, base: BenchConfig, layers: Optional[int], timeout: float, profile_dir: Optional[str],
+             rss_cap: Optional[int] = None) -> LineResult:
+    """Run one line in fresh processes. With ``rss_cap`` (bytes), the line is killed as soon as
+    any of its processes (a rank) holds more, and fails saying so."""
     system, world, model = parse_line(line)
     cfg = base.for_model(model, layers)
     with tempfile.TemporaryDirectory() as tmp:
@@ -519,7 +585,24 @@ def run_line(line: str, base: BenchConfig, layers: Optional[int], timeout: float
             cmd = [sys.executable, *args]
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
                    TRANSFORMERS_VERBOSITY="error", DS_BUILD_OPS="0")
-        proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+        # to files, not pipes: a chatty line fills a pipe nobody reads while it is watched
+        with open(os.path.join(tmp, "out"), "w") as fo, open(os.path.join(tmp, "err"), "w") as fe:
+            p = subprocess.Popen(cmd, env=env, stdout=fo, stderr=fe, text=True, start_new_session=True)
+        t0, peak, killed = time.monotonic(), 0, ""
+        while p.poll() is None:
+            if rss_cap is not None:
+                peak = max(peak, _rank_rss(p.pid))
+                if peak > rss_cap:
+                    killed = f"killed: a rank's RSS passed the {rss_cap / GiB:.2f} GiB cap ({peak / GiB:.2f} GiB)"
+            if not killed and time.monotonic() - t0 > timeout:
+                killed = f"killed after {timeout:g} s"
+            if killed:
+                os.killpg(p.pid, 9)
+                p.wait()
+                raise RuntimeError(f"{line} {killed}")
+            time.sleep(0.1)
+        with open(os.path.join(tmp, "out")) as fo, open(os.path.join(tmp, "err")) as fe:
+            proc = subprocess.CompletedProcess(cmd, p.returncode, fo.read(), fe.read())
         if proc.returncode != 0 or not os.path.exists(out):
             # the workers' own error first (torchrun's traceback follows it and would bury it):
             # e.g. a pure plan that does not fit the tight budget says so and what it needs
@@ -611,16 +694,32 @@ def print_results(results: dict[str, LineResult], cfg: BenchConfig, wall: float)
                    f"{row['peak_rss']:.2f}",
                    "-" if mt is None else f"<= {mt}", met)
     console.print(rt)
-    tight = [r for r in results.values() if r.system == "elixir-tight"]
-    for r in tight:
-        rivals = [x for x in results.values() if x.model == r.model and x.system.endswith("-offload") and x.world == r.world]
-        faster = [x.key for x in rivals if x.step_s < r.step_s]
-        console.print(f"tight budget {_fmt_gib(r.extra.get('budget'))} GiB per rank: elixir's plan ran under the ledger "
-                      f"limit ({_fmt_gib(r.extra.get('memory_limit'))} GiB of runtime tensors); "
-                      + (f"slower than {', '.join(faster)}" if faster else
-                         f"fastest of {', '.join([r.key] + [x.key for x in rivals])}"))
+    for line in tight_verdicts(results):
+        console.print(line)
+    console.print(f"bf16 lines reduce gradients in {cfg.bf16_reduce} (elixir, FSDP2, DeepSpeed; DDP autocast: float32)")
     console.print(f"total wall time {wall:.0f} s; load average at end {os.getloadavg()[0]:.1f} "
                   f"(other processes on the box make timings noisy; compare ratios only)")
+
+
+def tight_verdicts(results: dict[str, LineResult]) -> list[str]:
+    """For each ``elixir-tight`` line: its rank against *every* line of the same model and world
+    whose peak RSS per rank stayed under its budget (capped or not, any system), not only the
+    offload peers; the lines over it are named apart."""
+    out = []
+    for r in (x for x in results.values() if x.system == "elixir-tight"):
+        budget = r.extra.get("budget")
+        if not budget:
+            continue
+        peers = [x for x in results.values() if x.model == r.model and x.world == r.world and x is not r]
+        under = [x for x in peers if max(x.peak_rss) <= budget]
+        over = [x.key for x in peers if max(x.peak_rss) > budget]
+        faster = [x.key for x in under if x.step_s < r.step_s]
+        own = "under" if max(r.peak_rss) <= budget else f"OVER ({max(r.peak_rss) / GiB:.2f} GiB)"
+        verdict = (f"slower than {', '.join(faster)}" if faster else
+                   f"fastest of {len(under) + 1}: {', '.join([r.key] + [x.key for x in under])}")
+        out.append(f"tight budget {_fmt_gib(budget)} GiB per rank: {r.key} peak RSS {own} it; among the lines under it, "
+                   f"{verdict}" + (f"; over it (not ranked): {', '.join(over)}" if over else ""))
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -645,6 +744,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--line-budget", type=float, default=0.0,
                    help="stop timing a line once its timed steps took this many seconds (at least one timed step; "
                         "0: always --steps); for peers whose bf16 steps take minutes on CPUs without bf16 kernels")
+    p.add_argument("--bf16-reduce", choices=("float32", "bfloat16"), default="float32",
+                   help="gradient reduction dtype of every bf16 line that can choose it: elixir's (reduce_always_fp32), "
+                        "FSDP2's (MixedPrecisionPolicy.reduce_dtype), DeepSpeed's (communication_data_type); DDP's "
+                        "autocast reduces fp32 gradients either way (default: float32, FSDP2's usual setting)")
+    p.add_argument("--no-rss-cap", action="store_true",
+                   help="do not kill the lines that claim the tight budget when a rank's RSS passes it")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -655,7 +760,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     gib = lambda x: None if x is None else int(x * GiB)  # noqa: E731
     cfg = BenchConfig(steps=args.steps, warmup=args.warmup, budget=gib(args.budget), tight_budget=gib(args.tight_budget),
-                      tight_fraction=args.tight_fraction, attn=args.attn, line_budget=args.line_budget, seq=args.seq, batch=args.batch)
+                      tight_fraction=args.tight_fraction, attn=args.attn, line_budget=args.line_budget, seq=args.seq, batch=args.batch,
+                      bf16_reduce=args.bf16_reduce)
     for line in args.systems:
         parse_line(line)  # refuse a bad line before running anything
     if args.profile_dir:
@@ -665,8 +771,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     failed: dict[str, str] = {}
     for line in args.systems:
         print(f"running {line} ...", file=sys.stderr, flush=True)
+        system, world, model = parse_line(line)
+        # the tight budget: given, or the one an elixir-tight line of this model and world ran on
+        cap = cfg.tight_budget or next((x.extra.get("budget") for x in results.values() if x.system == "elixir-tight"
+                                        and x.model == model and x.world == world), None)
+        cap = cap if claims_budget(system) and not args.no_rss_cap else None
+        if cap:
+            print(f"  RSS cap {cap / GiB:.2f} GiB per rank (the tight budget)", file=sys.stderr, flush=True)
         try:
-            r = run_line(line, cfg, args.layers, args.timeout, args.profile_dir)
+            r = run_line(line, cfg, args.layers, args.timeout, args.profile_dir, rss_cap=cap)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # one broken line must not lose the others
             msg = str(e)
             head = msg.splitlines()[0] if msg else ""

@@ -32,35 +32,11 @@ from elixir.search.optimal import (
     zero_candidates,
 )
 from elixir.search.step_profile import BACKWARD, FORWARD, StepProfile
+from tests.search_cases import layer_stacks
+from tests.search_cases import tiny_gpt as _tiny_gpt
 
 HW = load_profile("cpu-box")
 POLICY = MemoryPolicy()
-
-
-@st.composite
-def layer_stacks(draw):
-    """A random stack: optional tied embedding, layers of 1-3 params, forward then reversed backward."""
-    layers = draw(st.integers(1, 4))
-    per_layer = draw(st.lists(st.integers(8, 3000), min_size=1, max_size=3))
-    params, steps = [], []
-    tied = draw(st.booleans())
-    if tied:
-        params.append(("emb.weight", (draw(st.integers(8, 2000)),)))
-    for i in range(layers):
-        names = []
-        for j, n in enumerate(per_layer):
-            name = f"layers.{i}.p{j}"
-            params.append((name, (n,)))
-            names.append(name)
-        steps.append(tuple(names))
-    fwd = ([("emb.weight",)] if tied else []) + steps + ([("emb.weight",)] if tied else [])
-    kinds = [FORWARD] * len(fwd) + [BACKWARD] * len(fwd)
-    return StepProfile(
-        params=tuple(params), shared=frozenset({"emb.weight"} if tied else ()), steps=tuple(fwd + fwd[::-1]),
-        step_kinds=tuple(kinds), activation_bytes=draw(st.integers(0, 200_000)),
-        matmul_param_numel=sum(math.prod(s) for _, s in params), tokens=4,
-        dtype=draw(st.sampled_from(["float32", "bfloat16"])), info={"source": "synthetic"},
-    )
 
 
 def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int]) -> bool:
@@ -150,13 +126,6 @@ def test_plans_respect_budgets_and_raise_exactly_when_nothing_fits(profile, worl
     # more memory never makes the chosen plan slower (the search is exhaustive over its candidates)
     r2 = _search(profile, world, (2 * dev + 1, 2 * host + 1, disk))
     assert r2.prediction.step_time_s <= p.step_time_s * (1 + 1e-9)
-
-
-def _tiny_gpt():
-    from elixir.testing.zoo import build_gpt2
-
-    torch.manual_seed(0)
-    return build_gpt2(n_layer=3, n_embd=32)
 
 
 def _step(model, batch):
@@ -253,7 +222,7 @@ def test_every_scored_candidate_reprices_to_its_own_prediction(world):
         s = _Searcher(prof, world, HW, Budgets(3 << 18, host, 1 << 30), "adam", True, POLICY, None,
                       grad_dtype="bfloat16" if fused else "float32", fused_step=fused)
         try:
-            _, results, _ = s.run()
+            _, results, _ = s.run(prune=False)  # every candidate, none skipped
         except DoesNotFitError:
             continue
         for ev in results:

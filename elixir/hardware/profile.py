@@ -45,6 +45,9 @@ class BandwidthCurve:
             raise ValueError("bandwidth curve sizes and bandwidths must be positive")
         if list(self.sizes) != sorted(self.sizes):
             raise ValueError("bandwidth curve sizes must be increasing")
+        # the search asks for the same few sizes hundreds of thousands of times: remember them
+        # (not fields: equality, hashing and the JSON stay the curve's sizes and bandwidths)
+        object.__setattr__(self, "_memo", {})
 
     @classmethod
     def flat(cls, bytes_per_s: float) -> BandwidthCurve:
@@ -68,6 +71,14 @@ class BandwidthCurve:
         """
         if nbytes <= 0:
             return 0.0
+        hit = self._memo.get(nbytes)
+        if hit is None:
+            if len(self._memo) > 65536:
+                self._memo.clear()
+            hit = self._memo[nbytes] = self._time(nbytes)
+        return hit
+
+    def _time(self, nbytes: float) -> float:
         s, t = self.sizes, self._times()
         if nbytes <= s[0]:
             return t[0]

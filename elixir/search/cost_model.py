@@ -306,17 +306,7 @@ def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool =
     ctx = _context(profile)
     if ctx.sh_numel and chunk_size < max(ctx.sh_numel):
         raise ValueError(f"chunk size {chunk_size} is smaller than the largest parameter")
-    param_chunk = np.full(len(ctx.sh_names) + len(ctx.shared) + len(ctx.frozen), -1, dtype=np.int64)
-    chunks: list[list[str]] = []
-    used, c = chunk_size + 1, -1
-    for i, (n, k) in enumerate(zip(ctx.sh_names, ctx.sh_numel)):
-        if used + k > chunk_size:
-            chunks.append([])
-            c += 1
-            used = 0
-        chunks[-1].append(n)
-        param_chunk[i] = c
-        used += k
+    chunks, param_chunk = _greedy(ctx, chunk_size)
     n_body = len(chunks)
     zero = min(max(0, int(zero)), n_body) if world > 1 else 0
     caps = [chunk_size] * n_body
@@ -331,7 +321,11 @@ def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool =
     zero_buffers = zero_used = 0
     if zero:
         # move the chosen body chunks behind the sharded ones (sharded body, sharded tied, zero, replicated)
-        chosen = set(zero_order(ctx, param_chunk, n_body)[:zero])
+        key = (id(ctx), chunk_size, "zero_order")  # the same for every count (tied chunks: not in it)
+        hit = _GREEDY.get(key)
+        if hit is None or hit[0] is not ctx:
+            hit = _GREEDY[key] = (ctx, zero_order(ctx, param_chunk, n_body), None)
+        chosen = set(hit[1][:zero])
         n_sh = n_body - zero + own
         order = [i for i in range(n_body) if i not in chosen] + list(range(n_body, n_body + own)) + sorted(chosen)
         order += list(range(n_body + own, len(chunks)))
@@ -342,11 +336,42 @@ def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool =
         param_chunk = np.asarray([new_id[c] if c >= 0 else -1 for c in param_chunk.tolist()], dtype=np.int64)
         # their gradient buffers live like a sharded chunk's; they are never gathered (not in the trace)
         zero_buffers = _grad_buffer_peak(ctx, param_chunk, n_sh + zero)
-        zero_used = sum(k for k, c in zip(ctx.sh_numel, param_chunk) if c >= n_sh)
+        zero_used = _numel_where(ctx, param_chunk >= n_sh)
         param_chunk = np.where(param_chunk >= n_sh, -1, param_chunk)
     fsize = frozen_chunk_size(ctx, chunk_size, world)
     frozen = _pack_frozen(ctx, fsize, param_chunk, sum(sharded))
     return _layout(ctx, chunk_size, chunks, caps, sharded, param_chunk, own, frozen, fsize, zero, zero_buffers, zero_used)
+
+
+def _numel_where(ctx: _PackContext, mask: np.ndarray) -> int:
+    """Elements of the untied trainable parameters (``ctx.sh_names``) where ``mask`` is set."""
+    k = len(ctx.sh_numel)
+    return int(np.asarray(ctx.sh_numel, dtype=np.int64)[mask[:k]].sum()) if k else 0
+
+
+_GREEDY: dict[tuple, tuple[_PackContext, list, Optional[np.ndarray]]] = {}
+
+
+def _greedy(ctx: _PackContext, chunk_size: int) -> tuple[list[list[str]], np.ndarray]:
+    """The untied parameters packed in use order into chunks of ``chunk_size`` (fresh copies of
+    a remembered packing: the search packs each size once per count of ZeRO-1/2 chunks)."""
+    hit = _GREEDY.get((id(ctx), chunk_size))
+    if hit is None or hit[0] is not ctx:
+        param_chunk = np.full(len(ctx.sh_names) + len(ctx.shared) + len(ctx.frozen), -1, dtype=np.int64)
+        chunks: list[list[str]] = []
+        used, c = chunk_size + 1, -1
+        for i, (n, k) in enumerate(zip(ctx.sh_names, ctx.sh_numel)):
+            if used + k > chunk_size:
+                chunks.append([])
+                c += 1
+                used = 0
+            chunks[-1].append(n)
+            param_chunk[i] = c
+            used += k
+        if len(_GREEDY) > 1024:
+            _GREEDY.clear()
+        hit = _GREEDY[(id(ctx), chunk_size)] = (ctx, chunks, param_chunk)
+    return [list(c) for c in hit[1]], hit[2].copy()
 
 
 def zero_order(ctx: _PackContext, param_chunk: np.ndarray, n_body: int) -> list[int]:
@@ -458,7 +483,7 @@ def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharde
         chunk_size=chunk_size, chunks=tuple(tuple(c) for c in chunks), capacities=tuple(caps),
         sharded=tuple(sharded), trace=trace, sharded_ids=tuple(range(n_tr)), min_blocks=min_blocks,
         grad_buffers=max(grad_buffers, zero_buffers),
-        used=sum(k for k, c in zip(ctx.sh_numel, param_chunk) if c >= 0) + zero_used, own=own,
+        used=_numel_where(ctx, param_chunk >= 0) + zero_used, own=own,
         frozen=tuple(tuple(c) for c in frozen), frozen_chunk_size=frozen_size, zero=zero,
     )
 
@@ -519,8 +544,32 @@ class Setting:
         return 0 if self.fused_step else self.grad_elem
 
 
+_PER_SETTING: dict[int, tuple[Setting, dict]] = {}
+
+
+def _memo(st: Setting) -> dict:
+    """Figures remembered for one :class:`Setting` (per shard size, capacity, placement): the
+    search prices tens of thousands of candidates under one Setting, and rebuilt them each time
+    (issue 35: most of a search's time). Keyed by identity; the Setting is kept alive with it."""
+    hit = _PER_SETTING.get(id(st))
+    if hit is None or hit[0] is not st:
+        if len(_PER_SETTING) > 16:
+            _PER_SETTING.clear()
+        hit = _PER_SETTING[id(st)] = (st, {})
+    return hit[1]
+
+
 def per_chunk_bytes(st: Setting, shard: int) -> dict[ChunkPlacement, tuple[int, int, int]]:
-    """(device, host, disk) bytes of one sharded chunk's state for each placement."""
+    """(device, host, disk) bytes of one sharded chunk's state for each placement (remembered per
+    Setting: read it, do not change it)."""
+    memo = _memo(st)
+    hit = memo.get(("bytes", shard))
+    if hit is None:
+        hit = memo[("bytes", shard)] = _per_chunk_bytes(st, shard)
+    return hit
+
+
+def _per_chunk_bytes(st: Setting, shard: int) -> dict[ChunkPlacement, tuple[int, int, int]]:
     e, k, g = st.elem, st.opt_bytes, st.kept_grad
     m_same = 0 if e == 4 else 4  # fp32 master shares the shard tensor when they live together
     return {
@@ -588,7 +637,20 @@ def _step_tables(profile: StepProfile, st_elem: int) -> tuple[np.ndarray, np.nda
     return hit[1], hit[2]
 
 
+_SPANS: dict[int, tuple[StepProfile, Layout, tuple[np.ndarray, np.ndarray]]] = {}
+
+
 def _backward_spans(profile: StepProfile, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_spans`, remembered per (profile, layout): the search prices a layout many times."""
+    hit = _SPANS.get(id(layout))
+    if hit is None or hit[0] is not profile or hit[1] is not layout:
+        if len(_SPANS) > 4096:
+            _SPANS.clear()
+        hit = _SPANS[id(layout)] = (profile, layout, _spans(profile, layout))
+    return hit[2]
+
+
+def _spans(profile: StepProfile, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
     """First and last backward step of each body sharded chunk (``layout.trace`` ids
     ``0 .. n_sharded - 1``; -1 for a chunk backward never touches): a chunk's gradient buffer
     is open from the first to the last, and the last is when its gradient is final (the fused
@@ -693,7 +755,16 @@ def timeline_peak(profile: StepProfile, layout: Layout, st: Setting, kinds: Sequ
 
 
 def per_chunk_fixed_time(st: Setting, shard: int) -> dict[ChunkPlacement, float]:
-    """Optimizer-phase seconds of one sharded chunk for each placement (gathers excluded)."""
+    """Optimizer-phase seconds of one sharded chunk for each placement (gathers excluded;
+    remembered per Setting: read it, do not change it)."""
+    memo = _memo(st)
+    hit = memo.get(("time", shard))
+    if hit is None:
+        hit = memo[("time", shard)] = _per_chunk_fixed_time(st, shard)
+    return hit
+
+
+def _per_chunk_fixed_time(st: Setting, shard: int) -> dict[ChunkPlacement, float]:
     hw = st.hardware
     grad_d2h = hw.d2h_time(shard * st.reduce_elem, st.pin)
     param_h2d = hw.h2d_time(shard * st.elem, st.pin)
@@ -760,13 +831,27 @@ def fixed_device_bytes(profile: StepProfile, layout: Layout, st: Setting, blocks
                          + reduction_in_flight_elements(layout, st)) * st.reduce_elem,
         "replicated": repl * st.elem,
         # autograd's gradient of one parameter, before the runtime adds it into its chunk's buffer
-        "param_grad": max(profile.numel.values(), default=0) * st.elem,
+        "param_grad": _largest_param(profile) * st.elem,
         # fused step: the one chunk's shard gradient between its reduction and its step
         "grad_in_flight": _largest_shard(layout, st.world) * st.grad_elem if st.fused_step else 0,
     }
     if layout.own:
         out["tied_shards"] = sum(per_chunk_bytes(st, c // st.world)[DD][0] for c in layout.own_capacities)
     return out
+
+
+_LARGEST: dict[int, tuple[StepProfile, int]] = {}
+
+
+def _largest_param(profile: StepProfile) -> int:
+    """Elements of ``profile``'s largest trainable parameter (remembered per profile:
+    ``StepProfile.numel`` builds a dict at each call)."""
+    hit = _LARGEST.get(id(profile))
+    if hit is None or hit[0] is not profile:
+        if len(_LARGEST) > 16:
+            _LARGEST.clear()
+        hit = _LARGEST[id(profile)] = (profile, max(profile.numel.values(), default=0))
+    return hit[1]
 
 
 def _largest_shard(layout: Layout, world: int) -> int:
@@ -826,8 +911,12 @@ def replicated_optimizer_time(st: Setting, numel: int, where: Placement) -> floa
 def zero_stage(st: Setting, capacity: int) -> int:
     """The faster reduction for a ZeRO chunk of ``capacity`` elements on this hardware: 1
     (all-reduce, then keep this rank's slice) or 2 (reduce-scatter). Equal memory either way."""
-    hw, r = st.hardware, capacity * st.reduce_elem
-    return 1 if hw.all_reduce_time(r, st.world) < hw.reduce_scatter_time(r, st.world) else 2
+    memo = _memo(st)
+    hit = memo.get(("stage", capacity))
+    if hit is None:
+        hw, r = st.hardware, capacity * st.reduce_elem
+        hit = memo[("stage", capacity)] = 1 if hw.all_reduce_time(r, st.world) < hw.reduce_scatter_time(r, st.world) else 2
+    return hit
 
 
 def zero_chunk_bytes(st: Setting, capacity: int, where: Placement) -> tuple[int, int, int]:
@@ -847,12 +936,23 @@ def zero_chunk_bytes(st: Setting, capacity: int, where: Placement) -> tuple[int,
 def zero_chunk_optimizer_time(st: Setting, capacity: int, where: Placement) -> float:
     """Optimizer-phase seconds of one ZeRO-1/2 chunk (its part only, as a sharded chunk whose
     shard is on the device); the updated parameters' all-gather is ``comm_times``'s ``publish``."""
-    return per_chunk_fixed_time(st, capacity // st.world)[ChunkPlacement(Placement.DEVICE, where)]
+    memo = _memo(st)
+    hit = memo.get(("zero_time", capacity, where))
+    if hit is None:
+        hit = memo[("zero_time", capacity, where)] = per_chunk_fixed_time(st, capacity // st.world)[
+            ChunkPlacement(Placement.DEVICE, where)]
+    return hit
 
 
 def zero_placements(st: Setting, layout: Layout, where: Placement = Placement.DEVICE) -> tuple[ChunkPlacement, ...]:
     """The search's placements of ``layout``'s ZeRO chunks: the faster stage, state ``where``."""
-    return tuple(ChunkPlacement(Placement.DEVICE, where, zero=zero_stage(st, c)) for c in layout.zero_capacities)
+    memo = _memo(st)
+    key = ("zero_kinds", layout.zero_capacities, where)
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = tuple(ChunkPlacement(Placement.DEVICE, where, zero=zero_stage(st, c))
+                                for c in layout.zero_capacities)
+    return hit
 
 
 def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int,

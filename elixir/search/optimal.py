@@ -32,6 +32,7 @@ from elixir.hardware.profile import HardwareProfile
 from elixir.hardware.registry import choose_default_profile, load_profile
 from elixir.plan import ChunkPlan, MeshLayout, Placement, Prediction, SearchResult, dtype_name
 from elixir.plan.placement import DD, RD
+from elixir.search.bounds import SLACK, StepFloor, fits_floor, layout_fits_floor
 from elixir.search.cost_model import (
     ALIGN,
     HOST_TERMS,
@@ -147,6 +148,21 @@ def _block_candidates(layout: Layout, world: int = 2) -> list[int]:
     return sorted(x for x in out if lo <= x <= max(lo, n))
 
 
+_LAYOUTS: dict[tuple[int, int], tuple[StepProfile, dict]] = {}
+
+
+def _layout_cache(profile: StepProfile, world: int) -> dict[tuple[int, bool, int], Layout]:
+    """The packed layouts of ``profile`` at ``world`` ranks, shared by every searcher on them (the
+    leaner configuration, the unconstrained one of the report, the diagnostics' siblings): packing
+    depends on nothing else."""
+    hit = _LAYOUTS.get((id(profile), world))
+    if hit is None or hit[0] is not profile:
+        if len(_LAYOUTS) > 1:  # one profile's at a time: a process that plans again holds no stale layouts
+            _LAYOUTS.clear()
+        hit = _LAYOUTS[(id(profile), world)] = (profile, {})
+    return hit[1]
+
+
 class _Searcher:
     def __init__(self, profile: StepProfile, world: int, hardware: HardwareProfile, budgets: Budgets,
                  optimizer_type: str, overlap: bool, policy: MemoryPolicy, reduce_dtype: Optional[str],
@@ -175,7 +191,7 @@ class _Searcher:
         self.fused_step = fused_step
         self.body_sharding = body_sharding
         self.usable = policy.usable(budgets.device, budgets.host, budgets.disk)
-        self._layouts: dict[tuple[int, bool, int], Layout] = {}
+        self._layouts = _layout_cache(profile, world)
         self.rejected = 0  # candidates the budgets ruled out in the last run
 
     @property
@@ -214,60 +230,133 @@ class _Searcher:
         return lay
 
     def evaluate(self, layout: Layout, blocks: int, depth: int, usable=None,
-                 profile: Optional[StepProfile] = None) -> Optional[Evaluation]:
+                 profile: Optional[StepProfile] = None, gathers=None) -> Optional[Evaluation]:
         """``profile`` (default: the searcher's) may differ from it in activation bytes only: the
-        layouts are the searcher's."""
-        g = simulate_layout(layout, blocks)
+        layouts are the searcher's. ``gathers``: ``simulate_layout(layout, blocks)``, if known."""
+        g = simulate_layout(layout, blocks) if gathers is None else gathers
         usable = usable or self.usable
         return place(profile or self.profile, layout, self.setting, blocks, depth, usable, usable[2] > 0, g)
 
     def fits(self, usable=None, profile: Optional[StepProfile] = None) -> bool:
-        """Whether any candidate fits: the fewest blocks, no prefetch, for every chunk size."""
-        for c in chunk_size_candidates(self.profile, self.world):
-            for tied in self.tied_modes:
-                for lay in self.layouts(c, tied):
+        """Whether any candidate fits: the fewest blocks, no prefetch, for every chunk size (none
+        when the budgets are below :func:`~elixir.search.bounds.memory_floor`)."""
+        if not fits_floor(profile or self.profile, self.setting, usable or self.usable):
+            return False
+        groups = [(c, tied) for c in chunk_size_candidates(self.profile, self.world) for tied in self.tied_modes]
+        # each chunk size's first layout (all sharded, where ZeRO-1/2 chunks may mix in: the leanest
+        # as a rule) first, then the other ZeRO-1/2 counts, packed only where the answer is still no
+        for rest in (False, True):
+            for c, tied in groups:
+                base = self.layout(c, tied)
+                n_body = base.n_sharded - base.own
+                zs = zero_candidates(base, self.world, self.body_sharding)
+                zs = [z for z in (zs[1:] if rest else zs[:1])  # packed only if their floor fits
+                      if layout_fits_floor(profile or self.profile, self.setting, usable or self.usable, c, z, n_body)]
+                for lay in (self.layout(c, tied, z) for z in zs):
                     for b in _block_candidates(lay, self.world)[: 2 if self.world == 1 else 1]:
                         if self.evaluate(lay, b, 0, usable, profile) is not None:
                             return True
         return False
 
-    def run(self) -> tuple[Evaluation, list[Evaluation], int]:
+    def _depths(self, lay: Layout, b: int) -> range:
+        """Prefetch depths tried with ``b`` blocks: up to :data:`MAX_DEPTH` blocks beyond the
+        fewest a step needs, when overlapping and anything is gathered."""
+        if self.overlap and lay.n_sharded + lay.n_frozen and b:
+            return range(0, min(MAX_DEPTH, b - max(1, lay.min_blocks)) + 1)
+        return range(1)
+
+    def run(self, prune: bool = True, diagnose: bool = True) -> tuple[Evaluation, list[Evaluation], int]:
         """Score every candidate; return the fastest that fits, all that fit, and how many were
-        scored. ``self.rejected`` counts the candidates the budgets ruled out."""
-        results: list[Evaluation] = []
-        scored = 0
+        considered. ``self.rejected`` is nonzero exactly when the budgets ruled out a candidate.
+
+        Budgets below :func:`~elixir.search.bounds.memory_floor` are refused before anything is
+        priced. With ``prune``, a candidate whose :func:`~elixir.search.bounds.step_time_floor`
+        is above the best time found so far for its chunk size (and way of chunking tied
+        parameters) is not priced; each layout's most blocks and deepest prefetch are priced first
+        (memoised), so that the best is known early. The best of each chunk size, hence the winner,
+        the runner-ups and the tied alternative, are exactly those of the full scan (``prune=False``):
+        ``results`` holds fewer of the losers, in the full scan's order among equals. Without
+        ``diagnose``, the :class:`DoesNotFitError` raised names no changes that would fit."""
         self.rejected = 0
-        for c in chunk_size_candidates(self.profile, self.world):
-            for tied in self.tied_modes:
-                for lay in self.layouts(c, tied):
-                    for b in _block_candidates(lay, self.world):
-                        gathered = lay.n_sharded + lay.n_frozen
-                        depths = (range(0, min(MAX_DEPTH, b - max(1, lay.min_blocks)) + 1)
-                                  if self.overlap and gathered and b else (0,))
-                        ev_any = None
-                        for d in depths:
-                            scored += 1
-                            ev = self.evaluate(lay, b, d)
-                            if ev is not None:
-                                results.append(ev)
-                                ev_any = ev
-                            else:
-                                self.rejected += 1
-                        if ev_any is None and b > 0:
-                            break  # more blocks only need more memory
+        self.priced = 0
+        if not fits_floor(self.profile, self.setting, self.usable):
+            raise self.no_fit_error() if diagnose else DoesNotFitError("no plan fits", [], {})
+        keyed: list[tuple[tuple, Evaluation]] = []  # (position in the full scan, evaluation)
+        scored = 0
+        for ci, c in enumerate(chunk_size_candidates(self.profile, self.world)):
+            for ti, tied in enumerate(self.tied_modes):
+                n, found = self._run_group((ci, ti), self.layouts(c, tied), prune and self.world > 1)
+                scored += n
+                keyed += found
         if self.world > 1:  # every chunk replicated (data parallel), where the memory allows it
-            for c in chunk_size_candidates(self.profile, self.world, points=REPLICATED_POINTS):
+            for ri, c in enumerate(chunk_size_candidates(self.profile, self.world, points=REPLICATED_POINTS)):
                 scored += 1
+                self.priced += 1
                 twin = replicate(self.profile, self.layout(c))
                 ev = self.evaluate(twin, twin.min_blocks if twin.n_frozen else 0, 0)  # frozen chunks stay sharded
                 if ev is not None:
-                    results.append(ev)
+                    keyed.append(((1 << 30, ri), ev))
                 else:
                     self.rejected += 1
-        if not results:
-            raise self.no_fit_error()
-        results.sort(key=lambda e: (e.step_time, e.device_bytes))
+        if not keyed:
+            raise self.no_fit_error() if diagnose else DoesNotFitError("no plan fits", [], {})
+        keyed.sort(key=lambda x: (x[1].step_time, x[1].device_bytes, x[0]))
+        results = [e for _, e in keyed]
         return results[0], results, scored
+
+    def _run_group(self, pos: tuple[int, int], lays: list[Layout], prune: bool) -> tuple[int, list[tuple[tuple, Evaluation]]]:
+        """Every candidate of one chunk size and way of chunking tied parameters (``lays``: the
+        ZeRO-1/2 counts), ascending blocks per layout until one does not fit (more blocks only
+        need more memory), less those pruned (see :meth:`run`). Returns how many were considered
+        and the (position in the full scan, evaluation) of those priced that fit; ``pos`` is the
+        group's (chunk size, tied mode) position."""
+        memo: dict[tuple[int, int, int], tuple[Optional[Evaluation], Any]] = {}
+        best = math.inf
+        blocks = [_block_candidates(lay, self.world) for lay in lays]
+        if prune:  # each layout at its most blocks and deepest prefetch first: the likely best
+            for zi, lay in enumerate(lays):
+                b = blocks[zi][-1]
+                g = simulate_layout(lay, b)
+                d = self._depths(lay, b)[-1]
+                ev = self.evaluate(lay, b, d, gathers=g)
+                self.priced += 1
+                memo[(zi, b, d)] = (ev, g)
+                if ev is not None:
+                    best = min(best, ev.step_time)
+        scored, out = 0, []
+        for zi, lay in enumerate(lays):
+            pruned_b, fit_b, failed = None, -1, False
+            for b in blocks[zi]:
+                g = floor = None
+                for d in self._depths(lay, b):
+                    scored += 1
+                    hit = memo.get((zi, b, d))
+                    if hit is not None:
+                        ev = hit[0]
+                    else:
+                        g = simulate_layout(lay, b) if g is None else g
+                        if prune and best < math.inf:
+                            floor = floor or StepFloor(self.profile, lay, self.setting, g)
+                            if floor.at(d) > best * (1 + SLACK):
+                                pruned_b = b
+                                continue
+                        ev = self.evaluate(lay, b, d, gathers=g)
+                        self.priced += 1
+                    if ev is None:
+                        self.rejected += 1
+                        failed = True
+                    else:
+                        out.append(((*pos, zi, b, d), ev))
+                        best = min(best, ev.step_time)
+                        fit_b = b
+                if failed and b > 0:
+                    break  # more blocks only need more memory (memory does not depend on the depth)
+            if pruned_b is not None and pruned_b > fit_b and not failed and not self.rejected:
+                # whether the full scan would have met a candidate that does not fit: by the rule
+                # above, exactly when the most blocks pruned do not fit (search_profile's `binds`)
+                if self.evaluate(lay, pruned_b, 0) is None:
+                    self.rejected += 1
+        return scored, out
 
     # ---- diagnostics ----
 
@@ -492,9 +581,9 @@ def search_profile(
                   body_sharding, heap_slack_bytes)
     found, error = None, None
     try:
-        found = s.run()
-    except DoesNotFitError as e:
-        error = e
+        found = s.run(diagnose=False)  # the suggestions are worked out once, for the searcher that refuses
+    except DoesNotFitError:
+        pass
     lean_grad = profile.dtype if grad_dtype is None and profile.dtype in ("bfloat16", "float16") else g0
     lean_fused = profile.dtype != "float16" if fused_step is None else fused_step
     # Memory binds when the budgets ruled out any candidate: the plan found may then shard or
@@ -514,7 +603,7 @@ def search_profile(
         if other is not None and (found is None or other[0].step_time < found[0].step_time):
             s, found = lean, other
     if found is None:
-        raise error
+        raise error or s.no_fit_error()
     best, results, scored = found
     layout = s.layout_of(best)
     runners = _runner_ups(results, 5)
