@@ -116,7 +116,7 @@ def _tp_split(em: ElixirModule, c, g: torch.Tensor, p: float) -> tuple[torch.Ten
     """``(replicated, Shard-placed)`` sums of ``|g|**p`` of chunk ``c``'s shard gradient ``g``
     (fp32 per piece, as torch takes each tensor's norm)."""
     lo = c.spec.shard_offset if c.spec.state_sharded else 0
-    ranges = em.tensor_parallel.sharded_ranges([em.slots[i] for i in em._chunk_params[c.index]], lo, lo + g.numel())
+    ranges = em.tensor_parallel.sharded_ranges([em.slots[i] for i in em.param_map.by_chunk[c.index]], lo, lo + g.numel())
     mask = torch.zeros(g.numel(), dtype=torch.bool, device=g.device)
     for a, b in ranges:
         mask[a:b] = True

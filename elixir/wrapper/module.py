@@ -561,6 +561,8 @@ class ElixirModule(nn.Module):
 
     def _enter_backward(self) -> None:
         if not self.tracker.in_backward:
+            if self.tensor_parallel is not None:  # DTensor's collectives in this backward: see edist
+                edist.python_free_backward()
             self.tracker.move(TrainingState.BACKWARD)
             edist.set_where(f"step {self.iteration}, backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
