@@ -50,7 +50,7 @@ def global_grad_norm(em: ChunkedModel, norm_type: float = 2.0) -> GradNorm:
     is_inf = math.isinf(p)
     partial = torch.zeros((), dtype=torch.float64)
     tp_partial = torch.zeros((), dtype=torch.float64)  # of Shard-placed tensor-parallel elements
-    tp = getattr(em, "tensor_parallel", None)
+    tp = em.tensor_parallel
     has_inf = False
     has_nan = False
     for c in em.chunks:
@@ -112,11 +112,11 @@ def _over_tp(packed: torch.Tensor, group, is_inf: bool) -> torch.Tensor:
     return torch.cat([packed[:1], flags, sharded])
 
 
-def _tp_split(em: ElixirModule, c, g: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _tp_split(em: ChunkedModel, c, g: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(replicated, Shard-placed)`` sums of ``|g|**p`` of chunk ``c``'s shard gradient ``g``
     (fp32 per piece, as torch takes each tensor's norm)."""
     lo = c.spec.shard_offset if c.spec.state_sharded else 0
-    ranges = em.tensor_parallel.sharded_ranges([em.slots[i] for i in em.param_map.by_chunk[c.index]], lo, lo + g.numel())
+    ranges = em.tensor_parallel.sharded_ranges([em.param_map.slots[i] for i in em.param_map.by_chunk[c.index]], lo, lo + g.numel())
     mask = torch.zeros(g.numel(), dtype=torch.bool, device=g.device)
     for a, b in ranges:
         mask[a:b] = True
