@@ -6,7 +6,8 @@ elixir's chunks as the data-parallel axis on a (dp_shard, tp) mesh.
 - at world 4, TP2 x DP2 matches a single-process full-batch reference on a LLaMA-style and a GPT-2
   (tied) model with ZeRO-3 chunks, ZeRO-1 chunks and host-placed optimizer state: losses within
   rtol 1e-5, final weights within 2x torch DDP's error in the same run, with global-norm clipping
-  that clips (the norm summed over tp for Shard placements, replicated ones counted once).
+  that clips (the norm summed over tp for Shard placements, replicated ones counted once); OPT
+  (tied, vocab-parallel) and BERT (tied, embeddings whole) the same with ZeRO-3 chunks.
 """
 
 from __future__ import annotations
@@ -178,8 +179,9 @@ def _check(results, cases):
 
 
 @pytest.mark.dist
-def test_tp2_dp2_matches_reference_llama_and_gpt2_tied():
-    cases = [("llama", ("zero3", "zero1", "host_optim")), ("gpt2", ("zero3", "zero1", "host_optim"))]
+def test_tp2_dp2_matches_reference_llama_gpt2_opt_bert():
+    cases = [("llama", ("zero3", "zero1", "host_optim")), ("gpt2", ("zero3", "zero1", "host_optim")),
+             ("opt", ("zero3",)), ("bert", ("zero3",))]
     results = run_distributed(_tp_worker, 4, cases, timeout=400)
     _check(results, cases)
     kinds = results[0][("gpt2", "zero1")]["kinds"]
