@@ -23,7 +23,10 @@ thread with ``pthread_exit``; the unwind crosses a ``noexcept`` destructor and t
 - an exit hook, registered with the first collective, waits for elixir's asynchronous work still
   in flight and then releases the GIL for a moment, so a gloo thread that is just letting go of a
   work does so before finalization;
-- :func:`shutdown` (drain, barrier, destroy) ends a run with every gloo thread idle.
+- :func:`shutdown` (drain, barrier, destroy) ends a run with every gloo thread idle;
+- collectives issued by torch's own engines during a backward (DTensor's, under tensor
+  parallelism) do not go through here: :func:`python_free_backward`, called when such a backward
+  starts, takes the stashed object out for the rest of it.
 """
 
 from __future__ import annotations
@@ -270,6 +273,18 @@ def _python_free_tls() -> Iterator[None]:
     finally:
         for key, obj in stashed:
             torch._C._stash_obj_in_tls(key, obj)
+
+
+def python_free_backward() -> None:
+    """Take the ``contextvars`` context torch stashed for the running backward out of this thread's
+    state, for the rest of that backward (torch erases it at the end anyway). On a CPU device the
+    backward runs on this thread, which needs no copy of it; without it, the collectives other
+    engines issue during backward (DTensor's redistributions, which do not go through this module)
+    hold no Python object either (see the module docstring). A no-op on an accelerator, whose
+    backward threads read it."""
+    if _tls_api and default_device().type == "cpu":
+        for key in _TLS_PYTHON_KEYS:
+            torch._C._remove_obj_from_tls(key)
 
 
 class CollectiveFailed(RuntimeError):

@@ -4,9 +4,9 @@ its groups from it, and a one-axis layout is today's data parallelism bit for bi
 - layout arithmetic: coordinates, groups along each axis, JSON, aliases and bad input;
 - a plan records its layout; plans written before layouts load as data parallel;
 - a plan used on another layout is refused, naming both;
-- the search and the runtime refuse axes they do not run yet (tensor, pipeline, replica);
+- the searches and the runtime refuse axes they do not run yet (pipeline, replica; tensor for optimal_search);
 - at world 2, ElixirModule given a one-axis ``DeviceMesh`` trains bit for bit as given the
-  process group, and a mesh with a tensor axis is refused on every rank.
+  process group, and a mesh with a tensor axis but a model with no DTensor parameter is refused on every rank.
 """
 
 from __future__ import annotations
@@ -85,9 +85,10 @@ def test_plan_on_another_layout_is_refused_naming_both():
 
 def test_searches_refuse_axes_they_do_not_plan_yet():
     model = ZC.build()
-    for search in (minimum_waste_search, optimal_search):
-        with pytest.raises(NotImplementedError, match="runs on a mesh of one dp_shard axis; this mesh is dp_shard 2 x tp 2"):
-            search(model, MeshLayout(dp_shard=2, tp=2))
+    with pytest.raises(NotImplementedError, match="runs on a mesh of one dp_shard axis; this mesh is dp_shard 2 x tp 2"):
+        optimal_search(model, MeshLayout(dp_shard=2, tp=2))
+    with pytest.raises(NotImplementedError, match="plans dp_shard and tp axes; this mesh is pp 2 x dp_shard 2"):
+        minimum_waste_search(model, MeshLayout(pp=2, dp_shard=2))
     by_layout = minimum_waste_search(model, MeshLayout(dp_shard=2))
     assert dataclasses.replace(by_layout, info={}) == dataclasses.replace(minimum_waste_search(model, 2), info={})
 
@@ -115,7 +116,7 @@ def _mesh_worker():
         ElixirModule(ZC.build(), minimum_waste_search(ZC.build(), 1),
                      mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp")))
         refused = ""
-    except NotImplementedError as e:
+    except ValueError as e:  # a tensor axis, but no DTensor parameter to run on it
         refused = str(e)
     same = out["group"][0] == out["mesh"][0] and all(
         torch.equal(out["group"][1][k], out["mesh"][1][k]) for k in out["group"][1])
@@ -127,5 +128,5 @@ def test_one_axis_device_mesh_is_the_process_group_bit_for_bit():
     res = run_distributed(_mesh_worker, 2, timeout=240)
     for r in res:
         assert r["same"], r
-        assert "ElixirModule runs on a mesh of one dp_shard axis; this mesh is tp 2" in r["refused"], r
-        assert "mesh['dp_shard']" in r["refused"]
+        assert "the mesh has a tensor axis of 2 ranks, but the model has no DTensor parameter" in r["refused"], r
+        assert "elixir.parallel.tensor_parallel(model, mesh)" in r["refused"]

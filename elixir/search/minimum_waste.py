@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 from rich.console import Console
 from rich.table import Table
+from torch.distributed.tensor import DTensor
 
 from elixir.plan import CHUNKABLE_DTYPES, ChunkPlan, MeshLayout, Placement, SearchResult, dtype_name
 from elixir.tracer import generate_tf_order
@@ -52,6 +53,11 @@ def shared_params(model: nn.Module) -> set[str]:
             if p is not None:
                 owners[id(p)] = owners.get(id(p), 0) + 1
     return {n for n, p in model.named_parameters() if p.requires_grad and owners.get(id(p), 0) > 1}
+
+
+def _local_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape this rank holds of ``p``: its local shard for a tensor-parallel DTensor."""
+    return tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
 
 
 def _up(n, align):
@@ -263,7 +269,7 @@ def minimum_waste_search(
     Args:
         model: the model (any device, meta included).
         group_size: data-parallel world size (the ranks chunks shard over), or the
-            :class:`~elixir.plan.mesh.MeshLayout` of the run (one ``dp_shard`` axis for now).
+            :class:`~elixir.plan.mesh.MeshLayout` of the run (``dp_shard`` and ``tp`` axes; chunks pack each rank's local tensor-parallel shards).
         unified_dtype: compute dtype recorded in the plan.
         cpu_offload: keep shards and optimizer state in host memory.
         prefetch: add look-ahead rCache blocks (and record the traced order when traced).
@@ -279,10 +285,15 @@ def minimum_waste_search(
     if isinstance(group_size, int) and group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     mesh = MeshLayout.of(group_size)
-    mesh.require_data_parallel("minimum_waste_search", "Plan the dp_shard axis alone: minimum_waste_search(model, dp_shard_size)")
+    if mesh.pp > 1 or mesh.dp_replicate > 1:
+        raise NotImplementedError(
+            f"minimum_waste_search plans dp_shard and tp axes; this mesh is {mesh.describe()}. Plan each pipeline "
+            "stage's module on its own sub-mesh: minimum_waste_search(stage, MeshLayout(dp_shard=..., tp=...))")
     group_size = mesh.dp_shard
     if (inp is None) != (step_fn is None):
         raise ValueError("give both inp and step_fn (to trace the order), or neither")
+    if mesh.tp > 1 and inp is not None:
+        raise NotImplementedError("minimum_waste_search cannot trace a tensor-parallel model yet: call it without inp/step_fn")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     frozen_named = [(n, p) for n, p in model.named_parameters()
                     if not p.requires_grad and frozen_chunks and p.dtype in CHUNKABLE_DTYPES]
@@ -301,7 +312,7 @@ def minimum_waste_search(
         pos = {n: i for i, (n, _) in enumerate(named + frozen_named)}
         named.sort(key=lambda np_: (first_use.get(np_[0], len(order)), pos[np_[0]]))
         frozen_named.sort(key=lambda np_: (first_use.get(np_[0], len(order)), pos[np_[0]]))
-    shapes = {n: tuple(p.shape) for n, p in named + frozen_named}
+    shapes = {n: _local_shape(p) for n, p in named + frozen_named}  # a DTensor's local shard (tensor parallel)
     sharded_names = [n for n, _ in named if n not in tied]
     numels = [_numel(shapes[n]) for n in sharded_names]
     align = ALIGN * group_size
@@ -338,6 +349,7 @@ def minimum_waste_search(
     result = SearchResult(
         chunks=tuple(chunks),
         world_size=group_size,
+        layout=mesh,
         cache_blocks=blocks,
         prefetch_depth=depth,
         frozen_params=frozen,

@@ -8,6 +8,10 @@ parameter in one chunk, so they count once by construction. Padding holds zeros.
 Each chunk's norm is taken in fp32 (as torch takes each tensor's), then squared and summed across
 chunks and ranks in float64; one all-reduce carries the partial sum and the inf/NaN flags
 together, so the overflow decision comes for free and is identical on every rank.
+
+Tensor parallelism (``em.tensor_parallel``): the elements of ``Shard``-placed parameters differ on
+each tp rank and are summed over the tp group too; replicated ones are identical there and count
+once (the partial sums travel apart, :func:`_tp_split`).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ def global_grad_norm(em: ChunkedModel, norm_type: float = 2.0) -> GradNorm:
     p = _check_norm_type(norm_type)
     is_inf = math.isinf(p)
     partial = torch.zeros((), dtype=torch.float64)
+    tp_partial = torch.zeros((), dtype=torch.float64)  # of Shard-placed tensor-parallel elements
+    tp = em.tensor_parallel
     has_inf = False
     has_nan = False
     for c in em.chunks:
@@ -59,6 +65,10 @@ def global_grad_norm(em: ChunkedModel, norm_type: float = 2.0) -> GradNorm:
             lo, hi = torch.aminmax(g)  # one pass, no |g| temporary; NaN propagates
             v = torch.maximum(-lo, hi).double().cpu()
             partial = torch.maximum(partial, v)
+        elif tp is not None:
+            v, v_tp = _tp_split(em, c, g, p)
+            partial, tp_partial = partial + v, tp_partial + v_tp
+            v = v + v_tp  # (a p-th power sum: only its finiteness is read below)
         else:
             # fp32 per chunk, as torch's per tensor (bf16/fp16 gradients are upcast on the fly)
             v = torch.linalg.vector_norm(g, p, dtype=torch.float32).double().cpu()
@@ -69,20 +79,53 @@ def global_grad_norm(em: ChunkedModel, norm_type: float = 2.0) -> GradNorm:
             has_nan = has_nan or bool(torch.isnan(g).any())
             has_inf = has_inf or bool((~finite & ~torch.isnan(g)).any())
             partial = torch.zeros((), dtype=torch.float64)
-    packed = torch.stack([partial, torch.tensor(float(has_inf), dtype=torch.float64), torch.tensor(float(has_nan), dtype=torch.float64)])
+            tp_partial = torch.zeros((), dtype=torch.float64)
+    packed = torch.stack([partial, torch.tensor(float(has_inf), dtype=torch.float64), torch.tensor(float(has_nan), dtype=torch.float64), tp_partial])
     if has_inf or has_nan:
-        packed[0] = 0.0
+        packed[0] = packed[3] = 0.0
+    op = torch.distributed.ReduceOp.MAX if is_inf else torch.distributed.ReduceOp.SUM
     if em.world_size > 1:
         packed = packed.to(em.device)
-        edist.all_reduce(packed, em.group, op=torch.distributed.ReduceOp.MAX if is_inf else torch.distributed.ReduceOp.SUM)
+        edist.all_reduce(packed, em.group, op=op)
         packed = packed.cpu()
-    total, any_inf, any_nan = packed.tolist()
+    if tp is not None:  # the flags and the Shard-placed part over tp (replicated parts are equal there)
+        packed = _over_tp(packed, tp.tp_group, is_inf)
+    total, any_inf, any_nan, tp_total = packed.tolist()
+    total = max(total, tp_total) if is_inf else total + tp_total
     if any_nan:
         return GradNorm(float("nan"), True, p)
     if any_inf:
         return GradNorm(float("inf"), True, p)
     norm = total if is_inf else (math.sqrt(total) if p == 2.0 else total ** (1.0 / p))
     return GradNorm(norm, False, p)
+
+
+def _over_tp(packed: torch.Tensor, group, is_inf: bool) -> torch.Tensor:
+    """``[partial, inf, nan, tp_partial]`` reduced over the tp group: flags by MAX, the Shard-placed
+    partial by SUM (by MAX for the inf-norm, where the whole vector is a max)."""
+    if is_inf:
+        edist.all_reduce(packed, group, op=torch.distributed.ReduceOp.MAX)
+        return packed
+    flags, sharded = packed[1:3].clone(), packed[3:].clone()
+    edist.all_reduce(flags, group, op=torch.distributed.ReduceOp.MAX)
+    edist.all_reduce(sharded, group)
+    return torch.cat([packed[:1], flags, sharded])
+
+
+def _tp_split(em: ChunkedModel, c, g: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(replicated, Shard-placed)`` sums of ``|g|**p`` of chunk ``c``'s shard gradient ``g``
+    (fp32 per piece, as torch takes each tensor's norm)."""
+    lo = c.spec.shard_offset if c.spec.state_sharded else 0
+    ranges = em.tensor_parallel.sharded_ranges([em.param_map.slots[i] for i in em.param_map.by_chunk[c.index]], lo, lo + g.numel())
+    mask = torch.zeros(g.numel(), dtype=torch.bool, device=g.device)
+    for a, b in ranges:
+        mask[a:b] = True
+
+    def power(x: torch.Tensor) -> torch.Tensor:
+        v = torch.linalg.vector_norm(x, p, dtype=torch.float32).double().cpu()
+        return v * v if p == 2.0 else v**p
+
+    return power(g[~mask]), power(g[mask])
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> torch.Tensor:

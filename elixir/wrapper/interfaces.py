@@ -39,6 +39,7 @@ class ChunkedModel(Protocol):
     streams: SideStreams
     disk_store: Optional[DiskStore]
     iteration: int
+    tensor_parallel: Optional[Any]  # dtensor_params.TensorParallelParams, or None without a tp axis
 
     @property
     def all_chunks(self) -> list[Chunk]: ...

@@ -52,15 +52,25 @@ class RunMesh:
         return self.groups.get(axis)
 
 
-def require_data_parallel(layout: MeshLayout) -> None:
-    """Refuse a mesh with a tensor, pipeline or replica axis: the chunk runtime shards over
-    ``dp_shard`` only; the other axes need the hybrid-parallel front end (DTensor TP and
-    ``torch.distributed.pipelining`` stages, each wrapped over its ``dp_shard`` sub-mesh)."""
-    layout.require_data_parallel(
-        "ElixirModule",
-        "Pass the dp_shard sub-mesh (mesh['dp_shard']) or its process group, and apply tensor or pipeline "
-        "parallelism outside elixir",
-    )
+def require_runnable(layout: MeshLayout) -> None:
+    """Refuse a mesh with a pipeline or replica axis: the chunk runtime shards over ``dp_shard``
+    and runs tensor-parallel (DTensor) parameters on ``tp`` (:mod:`elixir.wrapper.dtensor_params`);
+    a pipeline stage is wrapped over its own sub-mesh (the ``pp`` axis is not ElixirModule's)."""
+    if layout.pp > 1 or layout.dp_replicate > 1:
+        raise NotImplementedError(
+            f"ElixirModule runs on a mesh of dp_shard and tp axes; this mesh is {layout.describe()}. Pass the "
+            "sub-mesh of one pipeline stage and replica (mesh['dp_shard', 'tp'], or mesh['dp_shard']), or its "
+            "process group"
+        )
+
+
+def tp_mesh(run: RunMesh):
+    """The 1-D ``tp`` sub-mesh of the run's DeviceMesh (None without one)."""
+    dm = run.device_mesh
+    names = [n for n in (dm.mesh_dim_names or ()) if canonical_axis(n) == "tp"] if dm is not None else []
+    if not names:
+        return None
+    return dm[names[0]] if dm.ndim > 1 else dm
 
 
 def resolve_mesh(process_group: edist.ProcessGroup = None, device_mesh: Optional[Any] = None) -> RunMesh:

@@ -55,10 +55,11 @@ from elixir.tracer.hooks import (
     tensors_in,
 )
 from elixir.wrapper.backward_tracker import BackwardTracker, TrainingState
+from elixir.wrapper.dtensor_params import localize
 from elixir.wrapper.fused_kernels import apply_fused_kernels
 from elixir.wrapper.hf_guard import guard_save_pretrained
 from elixir.wrapper.materialize import Materializer, agreed_seed, assign, has_meta_tensors
-from elixir.wrapper.mesh import require_data_parallel, resolve_mesh
+from elixir.wrapper.mesh import require_runnable, resolve_mesh, tp_mesh
 from elixir.wrapper.param_map import ParamMap, ParamSlot
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
 from elixir.wrapper.policies import MixedPrecisionPolicy, OffloadPolicy, module_policies
@@ -129,8 +130,10 @@ class ElixirModule(nn.Module):
         mesh: instead of ``process_group``, a ``DeviceMesh`` whose dimensions are named after
             elixir's axes (:class:`~elixir.plan.mesh.MeshLayout`): chunks shard over its
             ``dp_shard`` dimension. The plan must have been made for the same layout (one
-            all-gather checks it names both when not). For now only a mesh of one ``dp_shard``
-            axis runs; tensor, pipeline and replica axes are refused with the reason.
+            all-gather checks it names both when not). A ``tp`` dimension runs a model
+            parallelised over ``mesh["tp"]`` (:func:`elixir.parallel.tensor_parallel`): chunks
+            hold each rank's local shards (:mod:`elixir.wrapper.dtensor_params`). Pipeline and
+            replica axes are refused with the reason.
         prefetch: follow the plan's traced order (``param_order``) to gather ahead and evict with
             Belady's rule; without an order this only enables LRU caching.
         dtype: compute dtype of the chunks (fp32 masters are kept for bf16/fp16); an alias of
@@ -220,7 +223,9 @@ class ElixirModule(nn.Module):
         self.module = module
         self.plan = search_result
         self.mesh = resolve_mesh(process_group, mesh)
-        require_data_parallel(self.mesh.layout)  # the same on every rank: raised before any collective
+        require_runnable(self.mesh.layout)  # the same on every rank: raised before any collective
+        # DTensor (tensor-parallel) parameters become plain ones over their local shards
+        self.tensor_parallel = localize(module, tp_mesh(self.mesh), self.mesh.layout.tp)
         self.group = self.mesh.shard_group
         self.rank = self.mesh.shard_rank
         self.world_size = self.mesh.shard_world
@@ -556,6 +561,8 @@ class ElixirModule(nn.Module):
 
     def _enter_backward(self) -> None:
         if not self.tracker.in_backward:
+            if self.tensor_parallel is not None:  # DTensor's collectives in this backward: see edist
+                edist.python_free_backward()
             self.tracker.move(TrainingState.BACKWARD)
             edist.set_where(f"step {self.iteration}, backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)

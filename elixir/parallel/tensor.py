@@ -1,0 +1,295 @@
+"""Tensor parallelism on torch's DTensor engine: plans for the model families users fine-tune.
+
+:func:`tensor_parallel` applies torch's ``parallelize_module`` with ``ColwiseParallel`` /
+``RowwiseParallel`` (and ``SequenceParallel`` where a plan asks for it) over the ``tp`` dimension
+of a ``DeviceMesh``, then re-ties the weights the model tied (``parallelize_module`` silently
+unties them: each module's parameter is replaced by its own DTensor). The model can then be wrapped
+by ``ElixirModule(model, plan, mesh=mesh)``: its chunks hold each rank's local shards
+(:mod:`elixir.wrapper.dtensor_params`).
+
+Plans (:func:`plan_for`):
+
+- a Hugging Face model with its own ``base_model_tp_plan`` / ``_tp_plan`` (LLaMA, Mistral, Qwen2,
+  Qwen3, ...): that plan, its style names translated to torch's styles (:data:`HF_STYLES`);
+- GPT-2 (``Conv1D`` layers, a fused query/key/value projection), OPT and BERT: elixir's plans
+  below. GPT-2's fused ``c_attn`` has its columns reordered before sharding so that each rank's
+  slice holds its own heads' queries, keys and values (:func:`qkv_to_tp_order`; a full state dict
+  of a parallelised GPT-2 is in that order: :func:`qkv_from_tp_order` undoes it);
+- where the input and output embeddings are tied, both are sharded over the vocabulary (a
+  vocab-parallel embedding and a column-parallel head, ``Shard(0)`` both), so the tie holds.
+
+Any other model is refused with a message naming how to pass a plan: ``tensor_parallel(model,
+mesh, plan={"layers.*.fc1": ColwiseParallel(), ...})`` (torch's own plan format).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from elixir import distributed as edist
+from elixir.parallel.conv1d import Conv1DColwise, Conv1DRowwise
+
+# A style that only all-reduces a replicated parameter's gradient over tp (Qwen3's q_norm/k_norm act
+# on each rank's own heads): kept plain and given a gradient hook (see _grad_allreduce).
+GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
+
+
+def _hf_styles() -> dict[str, Any]:
+    return {
+        "colwise": ColwiseParallel(),
+        "rowwise": RowwiseParallel(),
+        "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
+        "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
+        "sequence_parallel": SequenceParallel(),
+        GRAD_ALLREDUCE: GRAD_ALLREDUCE,
+    }
+
+
+HF_STYLES = tuple(_hf_styles())  # the Hugging Face style names elixir translates
+
+
+class NoTensorParallelPlan(ValueError):
+    """elixir has no tensor-parallel plan for this model (pass one)."""
+
+
+def _how_to_pass() -> str:
+    return ("pass a plan in torch's format: tensor_parallel(model, mesh, plan={'layers.*.fc1': ColwiseParallel(), "
+            "'layers.*.fc2': RowwiseParallel(), ...}) (torch.distributed.tensor.parallel styles, keys are module "
+            "paths with * for any layer index)")
+
+
+def _tied_vocab(model: nn.Module, emb: str, head: str) -> dict[str, Any]:
+    """A vocab-parallel input embedding and column-parallel head (both Shard(0)) when they are tied."""
+    mods = dict(model.named_modules())
+    if emb in mods and head in mods and mods[emb].weight is mods[head].weight:
+        return {emb: RowwiseParallel(input_layouts=Replicate()), head: ColwiseParallel(output_layouts=Replicate())}
+    return {}
+
+
+def hf_plan(model: nn.Module) -> Optional[dict[str, Any]]:
+    """The model's own Hugging Face tensor-parallel plan in torch's styles, or None without one.
+    A style elixir does not translate raises, naming the ones it does."""
+    cfg = getattr(model, "config", None)
+    base = dict(getattr(cfg, "base_model_tp_plan", None) or {})
+    if not base:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = prefix + "." if prefix and hasattr(model, prefix) else ""
+    plan = {prefix + k: v for k, v in base.items()}
+    plan.update(dict(getattr(model, "_tp_plan", None) or {}))  # the model's resolved plan (head, embedding)
+    styles = _hf_styles()
+    out: dict[str, Any] = {}
+    for key, name in plan.items():
+        if name not in styles:
+            raise NoTensorParallelPlan(
+                f"{type(model).__name__}'s own tensor-parallel plan uses the style {name!r} (for {key}), which elixir "
+                f"does not translate to torch's styles (it does: {', '.join(HF_STYLES)}); {_how_to_pass()}"
+            )
+        out[key] = styles[name]
+    emb, head = f"{prefix}embed_tokens", "lm_head"
+    tied = _tied_vocab(model, emb, head)
+    if tied:
+        out.update(tied)
+    return out
+
+
+def _gpt2_plan(model: nn.Module) -> dict[str, Any]:
+    p = "transformer.h.*."
+    plan: dict[str, Any] = {
+        p + "attn.c_attn": Conv1DColwise(), p + "attn.c_proj": Conv1DRowwise(),
+        p + "mlp.c_fc": Conv1DColwise(), p + "mlp.c_proj": Conv1DRowwise(),
+    }
+    plan.update(_tied_vocab(model, "transformer.wte", "lm_head"))
+    return plan
+
+
+def _opt_plan(model: nn.Module) -> dict[str, Any]:
+    p = "model.decoder.layers.*."
+    plan: dict[str, Any] = {p + f"self_attn.{x}_proj": ColwiseParallel() for x in "qkv"}
+    plan.update({p + "self_attn.out_proj": RowwiseParallel(), p + "fc1": ColwiseParallel(), p + "fc2": RowwiseParallel()})
+    plan.update(_tied_vocab(model, "model.decoder.embed_tokens", "lm_head"))
+    return plan
+
+
+def _bert_plan(model: nn.Module) -> dict[str, Any]:
+    p = "bert.encoder.layer.*."
+    plan: dict[str, Any] = {p + f"attention.self.{x}": ColwiseParallel() for x in ("query", "key", "value")}
+    plan.update({p + "attention.output.dense": RowwiseParallel(), p + "intermediate.dense": ColwiseParallel(),
+                 p + "output.dense": RowwiseParallel()})
+    return plan
+
+
+# elixir's plans for families whose Hugging Face config ships none: model_type -> (plan, per-module
+# attributes that count heads or widths of one rank, divided by tp after sharding)
+_PLANS = {
+    "gpt2": (_gpt2_plan, {"attn": ("num_heads", "split_size", "embed_dim")}),
+    "opt": (_opt_plan, {"self_attn": ("num_heads", "embed_dim")}),
+    "bert": (_bert_plan, {"attention.self": ("num_attention_heads", "all_head_size")}),
+}
+
+
+def plan_for(model: nn.Module) -> dict[str, Any]:
+    """The tensor-parallel plan elixir applies to ``model`` (see the module docstring); raises
+    :class:`NoTensorParallelPlan` naming how to pass one when it has none."""
+    own = hf_plan(model)
+    if own is not None:
+        return own
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind in _PLANS:
+        return _PLANS[kind][0](model)
+    raise NoTensorParallelPlan(
+        f"elixir has no tensor-parallel plan for {type(model).__name__} (model_type {kind!r}; it ships plans for "
+        f"Hugging Face models with a base_model_tp_plan and for {', '.join(sorted(_PLANS))}); {_how_to_pass()}"
+    )
+
+
+def _check_divisible(model: nn.Module, tp: int) -> None:
+    cfg = getattr(model, "config", None)
+    for attr in ("num_attention_heads", "num_key_value_heads", "n_head", "intermediate_size", "ffn_dim", "n_inner"):
+        v = getattr(cfg, attr, None)
+        if isinstance(v, int) and v % tp:
+            raise ValueError(f"tensor parallelism over {tp} ranks needs {attr} ({v}) to divide by {tp}")
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for attr, p in m._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((m, attr))
+    return [h for h in holders.values() if len(h) > 1]
+
+
+def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    """Make every holder of a tied group hold the first holder's (parallelised) parameter again."""
+    for group in groups:
+        m0, a0 = group[0]
+        keep = m0._parameters[a0]
+        for m, a in group[1:]:
+            p = m._parameters[a]
+            if type(p) is not type(keep) or getattr(p, "placements", None) != getattr(keep, "placements", None):
+                raise ValueError(
+                    f"tied parameter {a0} is parallelised differently in two modules ({getattr(keep, 'placements', 'plain')} "
+                    f"vs {getattr(p, 'placements', 'plain')}): give both the same placement in the plan, or untie them"
+                )
+            m._parameters[a] = keep
+
+
+def _grad_allreduce(model: nn.Module, pattern: str, tp_mesh: Any) -> None:
+    """Parameters of the modules matching ``pattern`` stay plain and replicated; their gradient is
+    summed over tp before it accumulates (each rank's contribution comes from its own heads)."""
+    group = tp_mesh.get_group()
+
+    def summed(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        edist.all_reduce(g, group)
+        return g
+
+    rx = _pattern(pattern)
+    for name, m in model.named_modules():
+        if rx.fullmatch(name):
+            for p in m.parameters(recurse=False):
+                p.register_hook(summed)
+
+
+def _pattern(key: str) -> re.Pattern:
+    return re.compile(re.escape(key).replace(r"\*", r"[^.]+"))
+
+
+def _adjust_attributes(model: nn.Module, attrs: dict[str, tuple[str, ...]], tp: int) -> None:
+    for name, m in model.named_modules():
+        for suffix, names in attrs.items():
+            if name == suffix or name.endswith("." + suffix):
+                for a in names:
+                    if isinstance(getattr(m, a, None), int):
+                        setattr(m, a, getattr(m, a) // tp)
+
+
+def _tp_dim(mesh: Any) -> Any:
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim == 1:
+        return mesh
+    for n in ("tp", "tensor"):
+        if n in names:
+            return mesh[n]
+    raise ValueError(f"tensor_parallel needs a 1-D mesh or a DeviceMesh with a 'tp' dimension, got dimensions {names}")
+
+
+def tensor_parallel(model: nn.Module, mesh: Any, plan: Optional[dict[str, Any]] = None) -> nn.Module:
+    """Parallelise ``model`` over the ``tp`` dimension of ``mesh`` (a ``DeviceMesh``: 1-D, or
+    named with a ``tp`` dimension) with ``plan`` (torch's format: module path with ``*`` wildcards ->
+    ``ParallelStyle``; default :func:`plan_for`). Every rank must pass the same model (same
+    values: rank 0 of each tp group's are scattered). Returns the model, parallelised in place,
+    with tied weights tied again. Collective over the tp group."""
+    tp_mesh = _tp_dim(mesh)
+    tp = tp_mesh.size()
+    own_attrs: dict[str, tuple[str, ...]] = {}
+    if plan is None:
+        plan = plan_for(model)
+        own_attrs = _PLANS.get(getattr(getattr(model, "config", None), "model_type", None), (None, {}))[1]
+        _check_divisible(model, tp)
+    if tp == 1:
+        return model
+    tied = _tied_groups(model)
+    styles = {k: v for k, v in plan.items() if isinstance(v, ParallelStyle)}
+    for key, v in plan.items():
+        if v == GRAD_ALLREDUCE:
+            _grad_allreduce(model, key, tp_mesh)
+        elif not isinstance(v, ParallelStyle):
+            raise TypeError(f"plan entry {key!r}: {v!r} is not a torch ParallelStyle; {_how_to_pass()}")
+    for name, m in model.named_modules():
+        if name.endswith("attn.c_attn") and any(isinstance(s, Conv1DColwise) and _pattern(k).fullmatch(name)
+                                                for k, s in styles.items()):
+            qkv_to_tp_order(m, tp)
+    parallelize_module(model, tp_mesh, styles)
+    _adjust_attributes(model, own_attrs, tp)
+    _retie(tied)
+    return model
+
+
+def qkv_to_tp_order(conv: nn.Module, tp: int) -> None:
+    """Reorder a fused ``[q | k | v]`` projection's output columns (a GPT-2 ``Conv1D``: weight
+    ``[in, 3E]``) into ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` by tp rank, so that a contiguous
+    column shard holds one rank's heads of all three."""
+    with torch.no_grad():
+        conv.weight.copy_(_reorder(conv.weight, tp, to_tp=True))
+        if conv.bias is not None:
+            conv.bias.copy_(_reorder(conv.bias, tp, to_tp=True))
+
+
+def qkv_from_tp_order(t: torch.Tensor, tp: int) -> torch.Tensor:
+    """The inverse of :func:`qkv_to_tp_order` on a full weight or bias (last dim ``3E``)."""
+    return _reorder(t, tp, to_tp=False)
+
+
+def _reorder(t: torch.Tensor, tp: int, to_tp: bool) -> torch.Tensor:
+    e3 = t.shape[-1]
+    lead = t.shape[:-1]
+    if to_tp:  # [3, tp, E/tp] -> [tp, 3, E/tp]
+        return t.reshape(*lead, 3, tp, e3 // (3 * tp)).transpose(-3, -2).reshape(*lead, e3)
+    return t.reshape(*lead, tp, 3, e3 // (3 * tp)).transpose(-3, -2).reshape(*lead, e3)
+
+
+def distribute_like(t: torch.Tensor, mesh: Any, placements: tuple) -> torch.Tensor:
+    """This rank's local piece of the full tensor ``t`` under ``placements`` on ``mesh`` (for
+    comparing a parallelised model with a plain one)."""
+    return distribute_tensor(t, mesh, list(placements), src_data_rank=None).to_local()
+
+
+__all__ = ["tensor_parallel", "plan_for", "hf_plan", "NoTensorParallelPlan", "qkv_to_tp_order",
+           "qkv_from_tp_order", "distribute_like", "HF_STYLES", "Shard", "Replicate"]
