@@ -43,6 +43,7 @@ from elixir.hardware import default_profile
 from elixir.optim import HybridAdam
 from elixir.search import minimum_waste_search, optimal_search, print_plan
 from elixir.search.cost_model import unified_memory
+from elixir.tables import number_column, param_ranges, text_column
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
 PRESETS: dict[str, tuple[int, int, int]] = {
@@ -285,11 +286,13 @@ def print_chunks(console, plan) -> None:
     """Per chunk: what it holds, its size, its kind (sharded, ZeRO-2/1, replicated), where its
     shard and optimizer state live."""
     t = Table(title="chunks of the plan", title_justify="left")
-    for col in ("#", "parameters", "elements", "kind", "shard on", "optimizer on"):
-        t.add_column(col, justify="right" if col in ("#", "elements") else "left")
+    number_column(t, "#")
+    text_column(t, "parameters", min_width=24)
+    number_column(t, "elements")
+    for col in ("kind", "shard on", "optimizer on"):
+        text_column(t, col)
     for i, c in enumerate(plan.chunks):
-        names = c.params[0] if len(c.params) == 1 else f"{c.params[0]} .. {c.params[-1]} ({len(c.params)})"
-        t.add_row(str(i), names, f"{c.chunk_size:,}", c.sharding.value,
+        t.add_row(str(i), param_ranges(c.params), f"{c.chunk_size:,}", c.sharding.value,
                   c.shard_placement.value if c.sharded else "device (whole)", c.optim_placement.value)
     console.print(t)
 
