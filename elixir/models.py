@@ -131,6 +131,7 @@ REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
     _bert("bert-base", 768, 12, 12),
     _bert("bert-large", 1024, 24, 16),
 ]}
+"""The built-in model configs by name (`elixir plan --list-models` prints them)."""
 
 
 # Small variants of four registry models (3 layers, width 128, vocab 512): real-weight runs that

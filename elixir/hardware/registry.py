@@ -41,6 +41,7 @@ DEFAULT_RULE = (
     f"`elixir hwprofile` writes) if there is one; otherwise the shipped reference profile "
     f"{REFERENCE_CPU!r} on a machine without CUDA, {REFERENCE_GPU!r} with CUDA"
 )
+"""The rule that picks the hardware profile when none is given, in the words every report prints."""
 
 
 def local_profile_path() -> str:
