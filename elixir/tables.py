@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from rich.table import Table
 
-__all__ = ["param_ranges", "text_column", "number_column"]
+__all__ = ["param_ranges", "text_column", "number_column", "longest_word", "human_count", "human_bytes"]
 
 def _segments(names: Sequence[str]) -> list[list]:
     """Consecutive names merged: ``["range", prefix, lo, hi]`` for names under ``prefix.<i>.``
@@ -70,6 +70,27 @@ def text_column(table: Table, header: str, min_width: Optional[int] = None, **kw
     table.add_column(header, overflow="fold", min_width=min_width, **kwargs)
 
 
+def longest_word(texts: Sequence[str], cap: int = 40) -> int:
+    """The width a names column needs so that no name in ``texts`` is broken (at most ``cap``)."""
+    return min(cap, max((len(w) for t in texts for w in t.split()), default=1))
+
+
 def number_column(table: Table, header: str, **kwargs) -> None:
     """A right-aligned column of figures (a header wraps at spaces; a figure is never cut)."""
     table.add_column(header, justify="right", overflow="fold", **kwargs)
+
+
+def human_count(n: int) -> str:
+    """A count, short, in the unit that fits: 531.5M, 12.3k, 6.7B, 840."""
+    for unit, k in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= k:
+            return f"{n / k:.1f}{unit}"
+    return str(n)
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in the binary unit that fits, three significant figures: 300 KiB, 1.51 GiB, 40 GiB."""
+    for unit, k in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.3g} {unit}"
+    return f"{int(n)} B"

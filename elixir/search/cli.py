@@ -31,6 +31,7 @@ from elixir.hardware.registry import (
 from elixir.plan import dtype_from_name
 from elixir.search.optimal import DoesNotFitError, human_count, search_profile
 from elixir.search.step_profile import profile_by_layers, profile_step
+from elixir.tables import human_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -85,17 +86,13 @@ def _layer_key(cfg) -> tuple[str, int]:
     raise ValueError("the config names no layer count (num_hidden_layers / n_layer); use --full-trace")
 
 
-def _fmt_bytes(n: int) -> str:
-    return f"{n / 2**30:.0f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
 def not_this_machine(hw, world_size: int, device_memory: Optional[int]) -> Optional[str]:
     """Why a request cannot be planned against ``hw``, this machine's CPU profile (None if it can):
     a device memory on a machine without a GPU, or more ranks than it has cores."""
     if hw.device_type != "cpu":
         return None
     if device_memory is not None:
-        return f"--device-memory {_fmt_bytes(device_memory)} asks for accelerators, and this machine has none"
+        return f"--device-memory {human_bytes(device_memory)} asks for accelerators, and this machine has none"
     cores = os.cpu_count() or 1
     if world_size > cores:
         return f"{world_size} ranks cannot run on this machine's {cores} cores"

@@ -9,6 +9,7 @@ import torch
 from rich.console import Console
 
 from elixir import models
+from elixir.tables import human_count
 from elixir.tracer.memory_tracer import memory_profiling
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -47,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
     prof = memory_profiling(model, batch, models.lm_step_fn, getattr(torch, DTYPES[args.dtype]))
     t2 = time.perf_counter()
     ck = f", checkpointing ({'reentrant' if args.reentrant else 'non-reentrant'})" if args.checkpointing else ""
-    title = f"{args.model}: {n_params / 1e9:.2f}B params, batch {args.batch} x seq {args.seq}, {args.dtype}{ck}"
+    title = f"{args.model}: {human_count(n_params)} params, batch {args.batch} x seq {args.seq}, {args.dtype}{ck}"
     prof.print(console, title=title)
     console.print(f"built in {t1 - t0:.2f} s, traced in {t2 - t1:.2f} s")
     if args.json:
