@@ -17,6 +17,7 @@ import pytest
 import elixir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.dist  # runs mkdocs / the build and a fresh interpreter in subprocesses
 
 # Modules (not packages) whose __all__ the reference covers too.
 EXTRA_MODULES = ("elixir.models", "elixir.integrations.transformers")

@@ -117,6 +117,7 @@ def test_a_request_this_machine_can_be_keeps_its_profile(tmp_path, cpu_machine, 
     assert "Hardware profile cpu-box (a shipped reference profile" in out
 
 
+@pytest.mark.dist  # a fresh interpreter: transformers prints the line once per process
 def test_no_unrecognized_loss_type_line(tmp_path):
     """transformers printed "`loss_type=None` was set in the config but it is unrecognized" on every
     `elixir plan` and `elixir profile` of a GPT-2 config (a fresh process: the line prints once)."""

@@ -24,6 +24,7 @@ import pytest
 from elixir import _native
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.dist  # builds and runs the wheel in subprocesses
 DIST_NAME = "elixir_train"
 
 SMOKE = textwrap.dedent('''
