@@ -74,20 +74,26 @@ def venv(built, tmp_path_factory) -> pathlib.Path:
     env_dir = tmp_path_factory.mktemp("venv")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
     py = env_dir / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    (pathlib.Path(site) / "_deps_from_parent.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     wheel = next(built.glob(f"{DIST_NAME}-*.whl"))
+    # first, with nothing else on the path: pip must not take a source tree's egg-info for an install
     r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index",
-                        "--disable-pip-version-check", "-q", str(wheel)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+                        "--disable-pip-version-check", str(wheel)], capture_output=True, text=True, timeout=300,
+                       env=_clean_env(env_dir))
+    assert r.returncode == 0 and "Successfully installed elixir-train" in r.stdout, r.stdout + r.stderr
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, env=_clean_env(env_dir)).stdout.strip()
+    (pathlib.Path(site) / "_deps_from_parent.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return env_dir
 
 
-def _run(env_dir: pathlib.Path, args: list[str], cwd: pathlib.Path) -> str:
+def _clean_env(env_dir: pathlib.Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ELIXIR_DISABLE_NATIVE", "PYTHONHOME")}
     env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    r = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return env
+
+
+def _run(env_dir: pathlib.Path, args: list[str], cwd: pathlib.Path) -> str:
+    r = subprocess.run(args, cwd=cwd, env=_clean_env(env_dir), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"{args} failed:\n{r.stdout}\n{r.stderr}"
     return r.stdout
 
@@ -109,7 +115,7 @@ def test_build_makes_an_sdist_and_a_wheel_with_the_extension_inside(built):
 def test_installed_wheel_runs_info_and_a_training_step(venv, tmp_path):
     if not _native.native_available():
         pytest.skip(f"no native extension in this environment either ({_native.native_error()})")
-    info = json.loads(_run(venv, ["elixir", "info", "--json"], tmp_path))
+    info = json.loads(_run(venv, [str(venv / "bin" / "elixir"), "info", "--json"], tmp_path))
     assert info["native_extension"] is True, info
     where = _run(venv, [str(venv / "bin" / "python"), "-c",
                         "import elixir, elixir._C; print(elixir.__file__); print(elixir._C.__file__)"], tmp_path)
