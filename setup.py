@@ -27,6 +27,11 @@ def read_version() -> str:
         return re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
 
 
+def read_readme() -> str:
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
 def native_extensions():
     if Pybind11Extension is None or os.environ.get("ELIXIR_NO_NATIVE") == "1":
         return [], {}
@@ -45,14 +50,46 @@ def native_extensions():
 
 ext_modules, cmdclass = native_extensions()
 
+DIST_NAME = "elixir-train"  # "elixir" on PyPI is another project (a SQLAlchemy mapper); import name stays `elixir`
+DOCS_URL = "https://elixir-train.readthedocs.io"
+PYPI_URL = f"https://pypi.org/project/{DIST_NAME}/"
+
+DOCS_EXTRA = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
+
 setup(
-    name="elixir",
+    name=DIST_NAME,
     version=read_version(),
     description="Train PyTorch models larger than accelerator memory: chunked ZeRO-3 with searched plans.",
+    long_description=read_readme(),
+    long_description_content_type="text/markdown",
+    url=DOCS_URL,
+    project_urls={
+        "Documentation": DOCS_URL,
+        "Getting started": f"{DOCS_URL}/getting-started/",
+        "Changelog": f"{DOCS_URL}/changelog/",
+        "Package": PYPI_URL,
+    },
+    keywords=["pytorch", "zero", "fsdp", "offload", "distributed training", "large models"],
+    classifiers=[
+        "Development Status :: 4 - Beta",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: C++",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.9",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Typing :: Typed",
+    ],
     packages=find_packages(include=["elixir", "elixir.*"]),
-    package_data={"elixir": ["data/*.json", "data/**/*.json"]},
+    package_data={"elixir": ["py.typed", "data/*.json", "data/**/*.json"]},
     python_requires=">=3.9",
-    install_requires=["torch>=2.1", "numpy", "scipy", "networkx", "pybind11", "rich", "safetensors"],
+    install_requires=["torch>=2.1,<3", "numpy", "scipy", "networkx", "pybind11", "rich", "safetensors"],
     extras_require={
         "hf": ["transformers", "safetensors"],
         "peft": ["peft>=0.13", "transformers", "safetensors"],
@@ -60,9 +97,10 @@ setup(
         "lightning": ["lightning>=2.4"],
         "transformers": ["transformers>=4.46", "accelerate", "safetensors"],
         "bench": ["transformers", "safetensors", "psutil"],
+        "docs": DOCS_EXTRA,
         "dev": [
             "pytest", "pytest-timeout", "hypothesis", "ruff", "transformers", "accelerate", "safetensors", "psutil",
-            "matplotlib", "lightning>=2.4", "peft>=0.13",
+            "matplotlib", "lightning>=2.4", "peft>=0.13", "build", *DOCS_EXTRA,
         ],
     },
     ext_modules=ext_modules,

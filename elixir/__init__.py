@@ -6,6 +6,7 @@ parameters in flat chunks sharded across ranks.
 """
 
 __version__ = "0.1.0"
+"""The installed version of elixir (the distribution is `elixir-train`)."""
 
 from elixir._native import native_available  # noqa: E402
 

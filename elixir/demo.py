@@ -43,6 +43,7 @@ from elixir.hardware import default_profile
 from elixir.optim import HybridAdam
 from elixir.search import minimum_waste_search, optimal_search, print_plan
 from elixir.search.cost_model import unified_memory
+from elixir.tables import human_count, longest_word, number_column, param_ranges, text_column
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 
 PRESETS: dict[str, tuple[int, int, int]] = {
@@ -282,15 +283,17 @@ class Trainer:
 
 
 def print_chunks(console, plan) -> None:
-    """Per chunk: what it holds, its size, its kind (sharded, ZeRO-2/1, replicated), where its
-    shard and optimizer state live."""
-    t = Table(title="chunks of the plan", title_justify="left")
-    for col in ("#", "parameters", "elements", "kind", "shard on", "optimizer on"):
-        t.add_column(col, justify="right" if col in ("#", "elements") else "left")
-    for i, c in enumerate(plan.chunks):
-        names = c.params[0] if len(c.params) == 1 else f"{c.params[0]} .. {c.params[-1]} ({len(c.params)})"
-        t.add_row(str(i), names, f"{c.chunk_size:,}", c.sharding.value,
-                  c.shard_placement.value if c.sharded else "device (whole)", c.optim_placement.value)
+    """Per chunk: what it holds (names shortened by prefix), its size, its kind (sharded, ZeRO-2/1,
+    replicated), where its shard and optimizer state live; fits 80 columns."""
+    rows = [(param_ranges(c.params), human_count(c.chunk_size), c.sharding.value,
+             c.shard_placement.value if c.sharded else "device", c.optim_placement.value) for c in plan.chunks]
+    t = Table(title="chunks of the plan (in the order they are used)", title_justify="left")
+    text_column(t, "parameters", min_width=longest_word([r[0] for r in rows]))
+    number_column(t, "elements", no_wrap=True)
+    for col in ("kind", "shard\non", "optimizer\non"):
+        t.add_column(col, no_wrap=True)
+    for row in rows:
+        t.add_row(*row)
     console.print(t)
 
 

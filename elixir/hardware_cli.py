@@ -40,7 +40,7 @@ def render(profile, console=None) -> None:
     console = console or Console()
     t = Table(title=f"hardware profile {profile.name} ({'measured' if profile.measured else 'reference'})")
     t.add_column("quantity")
-    t.add_column("value", justify="right")
+    t.add_column("value")  # left-aligned: curves and long names wrap into a readable paragraph
     t.add_column("source")
 
     def gbs(x: float) -> str:

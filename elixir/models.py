@@ -6,6 +6,7 @@ a path to a ``config.json`` works wherever a name does. The search and plan CLIs
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass, field
@@ -13,11 +14,15 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
+from rich.table import Table
 
 __all__ = [
     "ModelSpec",
     "REGISTRY",
     "model_names",
+    "registry_table",
+    "registry_name",
+    "suggest_names",
     "load_config",
     "build_model",
     "make_batch",
@@ -55,6 +60,38 @@ def _llama(name: str, hidden: int, inter: int, layers: int, heads: int, kv_heads
     ))
 
 
+def _llama3(name: str, hidden: int, inter: int, layers: int, heads: int, kv_heads: int) -> ModelSpec:
+    return ModelSpec(name, "llama", dict(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False,
+    ))
+
+
+def _mistral(name: str, hidden: int, inter: int, layers: int, heads: int, kv_heads: int) -> ModelSpec:
+    return ModelSpec(name, "mistral", dict(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        sliding_window=4096, tie_word_embeddings=False,
+    ))
+
+
+def _qwen2(name: str, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, tie: bool = False) -> ModelSpec:
+    return ModelSpec(name, "qwen2", dict(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=152064 if not tie else 151936, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, tie_word_embeddings=tie,
+    ))
+
+
+def _qwen3(name: str, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, tie: bool = False) -> ModelSpec:
+    return ModelSpec(name, "qwen3", dict(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, tie_word_embeddings=tie,
+    ))
+
+
 def _bert(name: str, hidden: int, layers: int, heads: int) -> ModelSpec:
     return ModelSpec(name, "bert", dict(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden,
@@ -79,9 +116,22 @@ REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
     _llama("llama-7b", 4096, 11008, 32, 32, 32),
     _llama("llama-13b", 5120, 13824, 40, 40, 40),
     _llama("llama-70b", 8192, 28672, 80, 64, 8),
+    _llama("llama-2-7b", 4096, 11008, 32, 32, 32),
+    _llama("llama-2-13b", 5120, 13824, 40, 40, 40),
+    _llama("llama-2-70b", 8192, 28672, 80, 64, 8),
+    _llama3("llama-3-8b", 4096, 14336, 32, 32, 8),
+    _llama3("llama-3-70b", 8192, 28672, 80, 64, 8),
+    _mistral("mistral-7b", 4096, 14336, 32, 32, 8),
+    _qwen2("qwen2.5-0.5b", 896, 4864, 24, 14, 2, tie=True),
+    _qwen2("qwen2.5-7b", 3584, 18944, 28, 28, 4),
+    _qwen2("qwen2.5-72b", 8192, 29568, 80, 64, 8),
+    _qwen3("qwen3-0.6b", 1024, 3072, 28, 16, 8, tie=True),
+    _qwen3("qwen3-8b", 4096, 12288, 36, 32, 8),
+    _qwen3("qwen3-32b", 5120, 25600, 64, 64, 8),
     _bert("bert-base", 768, 12, 12),
     _bert("bert-large", 1024, 24, 16),
 ]}
+"""The built-in model configs by name (`elixir plan --list-models` prints them)."""
 
 
 # Small variants of four registry models (3 layers, width 128, vocab 512): real-weight runs that
@@ -105,7 +155,45 @@ class UnknownModel(KeyError):
 
 
 def model_names() -> list[str]:
+    """The registry's names, in its order (families together, smallest first)."""
     return list(REGISTRY)
+
+
+def registry_name(name: str) -> Optional[str]:
+    """The registry name that ``name`` spells, ignoring case (``LLaMA-7B`` is ``llama-7b``); None if none."""
+    key = str(name).strip().lower()
+    return key if key in REGISTRY else None
+
+
+def suggest_names(name: str, n: int = 3) -> list[str]:
+    """The registry names closest to ``name`` (difflib), best first."""
+    key = str(name).strip().lower()
+    return difflib.get_close_matches(key, list(REGISTRY), n=n, cutoff=0.5)
+
+
+def registry_table() -> Table:
+    """The registry's names as a table, one family (HF ``model_type``) a row."""
+    families: dict[str, list[str]] = {}
+    for spec in REGISTRY.values():
+        families.setdefault(spec.model_type, []).append(spec.name)
+    t = Table(title="built-in models", title_justify="left",
+              caption="Names are case-insensitive; a config.json path or a model folder works too.")
+    t.add_column("family", no_wrap=True)
+    t.add_column("names")
+    for family, names in families.items():
+        t.add_row(family, ", ".join(names))
+    return t
+
+
+def unknown_model_message(name: str) -> str:
+    """A short message for a name that is neither a registry name nor a config path."""
+    close = suggest_names(name)
+    hint = ""
+    if close:
+        hint = f" Did you mean {close[0]}?" if len(close) == 1 else f" Did you mean {', '.join(close[:-1])} or {close[-1]}?"
+    return (f"unknown model {name!r}.{hint}\n"
+            "  Give a built-in name (`elixir plan --list-models` lists them), a config.json path\n"
+            "  or a folder holding one (a local Hugging Face model directory).")
 
 
 def load_config(name_or_path: Union[str, os.PathLike], **overrides: Any):
@@ -114,18 +202,38 @@ def load_config(name_or_path: Union[str, os.PathLike], **overrides: Any):
     from transformers import AutoConfig
 
     key = str(name_or_path)
-    if key in REGISTRY:
-        spec = REGISTRY[key]
-        return AutoConfig.for_model(spec.model_type, **{**spec.fields, **overrides})
     path = os.path.join(key, "config.json") if os.path.isdir(key) else key
-    if not os.path.isfile(path):
-        raise UnknownModel(f"unknown model {key!r}: not a registry name ({', '.join(REGISTRY)}) nor a config.json path "
-                           "(or a folder holding one); `elixir profile --list` lists the names")
-    with open(path) as f:
-        d = json.load(f)
-    if "model_type" not in d:
-        raise ValueError(f"{path} has no 'model_type' field; it is not a Hugging Face config.json")
-    return AutoConfig.for_model(d.pop("model_type"), **{**d, **overrides})
+    if os.path.isfile(path):
+        with open(path) as f:
+            d = json.load(f)
+        if "model_type" not in d:
+            raise ValueError(f"{path} has no 'model_type' field; it is not a Hugging Face config.json")
+        model_type, fields = d.pop("model_type"), d
+    elif registry_name(key) is not None:
+        spec = REGISTRY[registry_name(key)]
+        model_type, fields = spec.model_type, dict(spec.fields)
+    else:
+        raise UnknownModel(unknown_model_message(key))
+    return AutoConfig.for_model(model_type, **_fit_per_layer_fields(fields, overrides))
+
+
+# Config fields that hold one entry per layer: a layer-count override must cut them to match,
+# or transformers refuses the config (Qwen3's and Gemma3's ``layer_types``).
+_LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+_PER_LAYER_FIELDS = ("layer_types", "no_rope_layers")
+
+
+def _fit_per_layer_fields(fields: dict, overrides: dict) -> dict:
+    """``{**fields, **overrides}``, with per-layer lists cut (or cycled) to an overridden layer count."""
+    out = {**fields, **overrides}
+    n = next((overrides[k] for k in _LAYER_COUNT_FIELDS if isinstance(overrides.get(k), int)), None)
+    if n is None:
+        return out
+    for k in _PER_LAYER_FIELDS:
+        v = fields.get(k)
+        if k not in overrides and isinstance(v, list) and v and len(v) != n:
+            out[k] = [v[i % len(v)] for i in range(n)]
+    return out
 
 
 def _is_masked_lm(config) -> bool:
@@ -140,9 +248,15 @@ def build_model(name_or_path: Union[str, os.PathLike], device: Union[str, torch.
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     cfg = load_config(name_or_path, **overrides)
-    cls = AutoModelForMaskedLM if _is_masked_lm(cfg) else AutoModelForCausalLM
+    masked = _is_masked_lm(cfg)
+    cls = AutoModelForMaskedLM if masked else AutoModelForCausalLM
     with torch.device(device):
         model = cls.from_config(cfg)
+    if getattr(model, "loss_type", "") is None:
+        # A class whose name transformers cannot map to a loss (GPT2LMHeadModel) gets the loss that
+        # transformers falls back to anyway, named, so it does not print "`loss_type=None` was set
+        # in the config but it is unrecognized" on every trace.
+        model.loss_type = "ForMaskedLM" if masked else "ForCausalLM"
     return model.train()
 
 

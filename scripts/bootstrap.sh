@@ -24,6 +24,11 @@ stamp="$VENV/.elixir-installed-$EXTRAS"
 if [ ! -f "$stamp" ] || [ "$ROOT/setup.py" -nt "$stamp" ] || [ -n "$(find "$ROOT/csrc" -newer "$stamp" -print -quit)" ]; then
   echo "[elixir] installing elixir[$EXTRAS] (editable, builds the native extension)" >&2
   pip_q setuptools wheel pybind11
+  # The distribution was called "elixir" before it took the free name elixir-train: an editable
+  # install of this tree under the old name would shadow the new one, so it goes first.
+  if "$VPY" -m pip show elixir 2>/dev/null | grep -qx "Editable project location: $ROOT"; then
+    "$VPY" -m pip uninstall -q -y elixir
+  fi
   pip_q --no-build-isolation -e "$ROOT[$EXTRAS]"
   touch "$stamp"
 fi

@@ -151,7 +151,7 @@ def test_zero_or_negative_learning_rate():
 
 
 @pytest.mark.parametrize("argv,text", [
-    (["profile", "no-such-model"], "unknown model 'no-such-model': not a registry name"),
+    (["profile", "no-such-model"], "unknown model 'no-such-model'."),
     (["plan", "no-such-model", "--world-size", "2", "--hardware", "cpu-box"], "unknown model 'no-such-model'"),
     (["plan", "gpt2", "--world-size", "2", "--hardware", "/no/such/profile.json"], "no hardware profile '/no/such/profile.json'"),
     (["checkpoint", "verify", "/no/such/checkpoint"], "no checkpoint at /no/such/checkpoint"),

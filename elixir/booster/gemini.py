@@ -115,3 +115,4 @@ class GeminiPlugin(ElixirRuntimePlugin):
         return result
 
 ElixirPlugin = GeminiPlugin
+"""Another name for :class:`GeminiPlugin` (the plugin that runs `ElixirModule` and `ElixirOptimizer`)."""

@@ -20,7 +20,9 @@ from elixir.checkpoint.format import dtype_name, dtype_of
 from elixir.fileio import atomic_write_json
 
 FORMAT = "elixir-checkpoint"
+"""The format name every checkpoint index records."""
 VERSION = 1
+"""The version of the checkpoint format this elixir writes."""
 INDEX = "index.json"
 
 

@@ -13,6 +13,7 @@ from elixir.hardware.profile import HARDWARE_SCHEMA_VERSION, BandwidthCurve, GiB
 from elixir.hardware.registry import (
     DEFAULT_RULE,
     choose_default_profile,
+    closest_reference_gpu,
     default_profile,
     load_profile,
     local_profile_path,
@@ -21,6 +22,6 @@ from elixir.hardware.registry import (
 
 __all__ = [
     "HARDWARE_SCHEMA_VERSION", "BandwidthCurve", "GiB", "HardwareProfile", "MiB",
-    "DEFAULT_RULE", "choose_default_profile", "default_profile", "load_profile", "local_profile_path",
-    "reference_profiles",
+    "DEFAULT_RULE", "choose_default_profile", "closest_reference_gpu", "default_profile", "load_profile",
+    "local_profile_path", "reference_profiles",
 ]

@@ -23,9 +23,12 @@ from typing import Any, Optional
 from elixir.fileio import atomic_write_json, read_json, require_version
 
 HARDWARE_SCHEMA_VERSION = 1
+"""The version of the hardware profile's JSON schema."""
 
 GiB = 1 << 30
+"""Bytes in a gibibyte (2**30)."""
 MiB = 1 << 20
+"""Bytes in a mebibyte (2**20)."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+from typing import Optional
 
 import torch
 
@@ -39,6 +41,7 @@ DEFAULT_RULE = (
     f"`elixir hwprofile` writes) if there is one; otherwise the shipped reference profile "
     f"{REFERENCE_CPU!r} on a machine without CUDA, {REFERENCE_GPU!r} with CUDA"
 )
+"""The rule that picks the hardware profile when none is given, in the words every report prints."""
 
 
 def local_profile_path() -> str:
@@ -58,10 +61,17 @@ def choose_default_profile() -> tuple[HardwareProfile, str]:
     if os.path.exists(local):
         return HardwareProfile.load(local), f"the local measured profile {local}"
     name = REFERENCE_GPU if torch.cuda.is_available() else REFERENCE_CPU
-    return load_profile(name), (
-        f"no local measured profile at {local}, so the shipped reference {name!r} "
-        f"(run `elixir hwprofile` to measure this machine)"
-    )
+    return load_profile(name), f"no local measured profile at {local}; `elixir hwprofile` makes one"
+
+
+def closest_reference_gpu(device_memory: Optional[int], world_size: int) -> HardwareProfile:
+    """The shipped GPU profile closest to a requested device memory (by ratio), among those with
+    collective measurements when ``world_size > 1``; :data:`REFERENCE_GPU` when no memory is given."""
+    profiles = [load_profile(n) for n in reference_profiles()]
+    gpus = [p for p in profiles if p.device_type == "cuda" and (world_size == 1 or p.all_gather is not None)]
+    if device_memory is None or not gpus:
+        return load_profile(REFERENCE_GPU)
+    return min(gpus, key=lambda p: abs(math.log(p.device_memory_bytes / device_memory)))
 
 
 def default_profile() -> HardwareProfile:

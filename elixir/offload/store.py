@@ -41,6 +41,8 @@ class Ledger(Protocol):
 
 
 class DiskState(enum.Enum):
+    """Where a disk-resident chunk's bytes are: only on disk, being read, in memory, or being written."""
+
     OFFLOADED = "offloaded"  # only on disk; flats hold 0 bytes
     READING = "reading"  # flats allocated, reads in flight
     RESIDENT = "resident"  # flats hold the current values (they may be newer than the disk)

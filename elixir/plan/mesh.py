@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+"""The mesh axes a layout names, outermost first: pipeline, replicated and sharded data parallelism, tensor."""
 # names other systems use for an axis (torchtitan flattens dp_replicate x dp_shard into "dp")
 _ALIASES = {"dp": "dp_shard", "data": "dp_shard", "tensor": "tp", "pipeline": "pp"}
 

@@ -37,6 +37,7 @@ from elixir.fileio import atomic_write_json, read_json, require_version
 from elixir.plan.mesh import MeshLayout
 
 PLAN_FORMAT_VERSION = 1
+"""The version of the plan's JSON format that `SearchResult.save` writes and `load` reads."""
 
 
 class Placement(str, enum.Enum):
@@ -48,11 +49,14 @@ class Placement(str, enum.Enum):
 
 
 MASTER_BYTES = 4  # the fp32 master copy of one element
+"""Bytes of the fp32 master copy of one element."""
 ADAM_STATE_BYTES = 8  # Adam's two fp32 moments per element
+"""Bytes of Adam's two fp32 moments for one element."""
 # A trainable chunk with shard and state on disk (KK) stores no shard: each read derives it from the
 # fp32 master, streamed through two read buffers of this many elements (elixir/offload/derived.py;
 # the cost model counts their bytes in the disk staging)
 DERIVED_SHARD_PIECE_ELEMENTS = 2 << 20
+"""Elements per read buffer when a disk-resident shard is derived from its fp32 master."""
 
 
 def disk_bytes_per_element(optimizer_state_bytes: int = ADAM_STATE_BYTES) -> int:
@@ -72,6 +76,7 @@ _DTYPES = {
 
 # dtypes a chunk (trainable or frozen) can hold
 CHUNKABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The parameter dtypes a chunk may hold."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -83,6 +88,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype a plan names (``"bfloat16"`` -> ``torch.bfloat16``); ``ValueError`` for others."""
     try:
         return _DTYPES[name]
     except KeyError:

@@ -202,6 +202,7 @@ def measure_optimizer(n_params: int, device: torch.device, repeats: int) -> tupl
 
 
 def measure_matmul(n: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
+    """FLOP/s of an ``n x n`` by ``n x n`` matrix product in ``dtype`` on ``device`` (the median of ``repeats`` timings)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     with widened_gemms(dtype, device):  # as the runtime computes it (elixir.lowp_gemm)

@@ -13,16 +13,25 @@ whole model instead).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import time
+from typing import Optional
 
 from rich.console import Console
 
 from elixir import models
-from elixir.hardware.registry import DEFAULT_RULE, choose_default_profile, load_profile
+from elixir.hardware.registry import (
+    DEFAULT_RULE,
+    choose_default_profile,
+    closest_reference_gpu,
+    load_profile,
+    reference_profiles,
+)
 from elixir.plan import dtype_from_name
 from elixir.search.optimal import DoesNotFitError, human_count, search_profile
 from elixir.search.step_profile import profile_by_layers, profile_step
+from elixir.tables import human_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -40,8 +49,11 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a registry name (e.g. opt-175b, llama-7b) or a path to a config.json")
-    parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks of the target")
+    parser.add_argument("model", nargs="?",
+                        help="a built-in name (e.g. opt-175b, llama-3-8b; --list-models lists them), a config.json "
+                             "path, or a local Hugging Face model folder holding one")
+    parser.add_argument("--list-models", action="store_true", help="list the built-in model names and exit")
+    parser.add_argument("--world-size", type=int, default=None, help="data-parallel ranks of the target (required)")
     parser.add_argument("--device-memory", type=parse_size, default=None,
                         help="memory of one device, e.g. 40GiB (default: the hardware profile's)")
     parser.add_argument("--host-memory", type=parse_size, default=None,
@@ -49,9 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk", type=parse_size, default=None,
                         help="offload disk space of one node (default: no disk offload)")
     parser.add_argument("--hardware", default=None,
-                        help="hardware profile: a JSON from `elixir hwprofile` or a reference name "
-                             "(8xA100-40GB, 8xH100-80GB, 1x24GB-workstation, cpu-box). Default: "
-                             + DEFAULT_RULE.replace("%", "%%") + ". The report names the profile used")
+                        help="hardware profile: a JSON from `elixir hwprofile` or a shipped name ("
+                             + ", ".join(reference_profiles()) + "). Default: " + DEFAULT_RULE.replace("%", "%%")
+                             + "; a target that cannot be this machine (more ranks than its cores, or "
+                             "--device-memory on a machine without a GPU) gets the closest shipped GPU profile, "
+                             "with a warning. The report names the profile used")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="ranks sharing one node's host memory (default: from the hardware profile)")
     parser.add_argument("--batch", type=int, default=1, help="batch size per rank")
@@ -70,6 +84,45 @@ def _layer_key(cfg) -> tuple[str, int]:
         if k in d and isinstance(d[k], int):
             return k, d[k]
     raise ValueError("the config names no layer count (num_hidden_layers / n_layer); use --full-trace")
+
+
+def not_this_machine(hw, world_size: int, device_memory: Optional[int]) -> Optional[str]:
+    """Why a request cannot be planned against ``hw``, this machine's CPU profile (None if it can):
+    a device memory on a machine without a GPU, or more ranks than it has cores."""
+    if hw.device_type != "cpu":
+        return None
+    if device_memory is not None:
+        return f"--device-memory {human_bytes(device_memory)} asks for accelerators, and this machine has none"
+    cores = os.cpu_count() or 1
+    if world_size > cores:
+        return f"{world_size} ranks cannot run on this machine's {cores} cores"
+    return None
+
+
+def choose_hardware(args: argparse.Namespace):
+    """(profile, why, warning or None): ``--hardware`` if given; else the default rule, unless the
+    request cannot be this machine, then the closest shipped GPU profile (and a warning naming
+    ``--hardware`` and the shipped profiles)."""
+    if args.hardware is not None:
+        return load_profile(args.hardware), f"--hardware {args.hardware}", None
+    hw, why = choose_default_profile()
+    reason = not_this_machine(hw, args.world_size, args.device_memory)
+    if reason is None:
+        return hw, why, None
+    gpu = closest_reference_gpu(args.device_memory, args.world_size)
+    warning = (f"warning: {reason}, so the plan is not for this machine. Planning with the shipped "
+               f"profile {gpu.name}, the closest to the request; choose with --hardware "
+               f"({', '.join(reference_profiles())}, or a JSON from `elixir hwprofile` on the target).")
+    return gpu, "the closest shipped GPU profile to the request", warning
+
+
+def _profile_kind(hw, why: str) -> str:
+    """The footer's words for the profile, from the same choice the header prints."""
+    if why.startswith("--hardware"):
+        return "given with --hardware; " + ("measured" if hw.measured else "reference figures, not measured")
+    if why.startswith("the local measured profile"):
+        return "this machine's measured profile"
+    return "a shipped reference profile" + ("" if hw.measured else ": reference figures, not measured")
 
 
 def build_profile(model_name: str, batch: int, seq: int, dtype, checkpointing: bool, full_trace: bool):
@@ -95,14 +148,20 @@ def build_profile(model_name: str, batch: int, seq: int, dtype, checkpointing: b
 def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     console = Console()
-    if args.hardware is not None:
-        hw, hw_why = load_profile(args.hardware), f"--hardware {args.hardware}"
-    else:
-        hw, hw_why = choose_default_profile()
-    console.print(f"hardware profile: {hw.name} ({hw_why})", soft_wrap=True)
+    if args.list_models:
+        console.print(models.registry_table())
+        return 0
+    if not args.model or args.world_size is None:
+        console.print("[red]elixir plan needs a MODEL and --world-size N[/red] (--list-models lists the names)")
+        return 2
     if args.world_size < 1:
         console.print("[red]--world-size must be >= 1[/red]")
         return 2
+    models.load_config(args.model)  # an unknown name or a bad path fails here, before any profile is chosen
+    hw, hw_why, warning = choose_hardware(args)
+    console.print(f"hardware profile: {hw.name} ({hw_why})")
+    if warning:
+        console.print(f"[yellow]{warning}[/yellow]")
     if args.world_size > 1 and hw.all_gather is None:
         console.print(f"[red]hardware profile {hw.name} has no collective measurements (single-device); "
                       "use a multi-GPU profile or --world-size 1[/red]")
@@ -133,7 +192,6 @@ def main(args: argparse.Namespace) -> int:
     console.print(
         f"{human_count(profile.total_numel)} trainable parameters; traced in {t_trace:.2f} s "
         f"({profile.info.get('source')}); total {time.perf_counter() - t0:.2f} s. "
-        f"Hardware {hw.name} ({'measured' if hw.measured else 'reference figures, not measured'}).",
-        soft_wrap=True,
+        f"Hardware profile {hw.name} ({_profile_kind(hw, hw_why)}).",
     )
     return 0

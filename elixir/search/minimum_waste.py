@@ -17,7 +17,6 @@ Nothing here allocates tensors: it works on meta-device models too.
 
 from __future__ import annotations
 
-import shutil
 import time
 from typing import Callable, Optional, Sequence, Union
 
@@ -29,6 +28,7 @@ from rich.table import Table
 from torch.distributed.tensor import DTensor
 
 from elixir.plan import CHUNKABLE_DTYPES, ChunkPlan, MeshLayout, Placement, SearchResult, dtype_name
+from elixir.tables import number_column
 from elixir.tracer import generate_tf_order
 
 ALIGN = 16  # elements per rank a shard is aligned to
@@ -382,13 +382,14 @@ def _frozen_chunks(named: list, shapes: dict, align: int, dt: str, place: Placem
     return out
 
 
-def print_plan(result: SearchResult, dtype: torch.dtype = torch.float) -> None:
-    """Rich table: chunk size, chunk count, waste, rCache blocks, per-rank bytes, search time."""
+def print_plan(result: SearchResult, dtype: torch.dtype = torch.float, console: Optional[Console] = None) -> None:
+    """Rich table: chunk size, chunk count, waste, rCache blocks, per-rank bytes, search time
+    (headers wrap, so it fits 80 columns)."""
     el = torch.empty((), dtype=dtype).element_size()
     sharded = [c for c in result.chunks if c.sharded]
     table = Table(title=f"elixir plan ({result.search}, world size {result.world_size})")
     for col in ("chunk size", "chunks", "replicated", "waste %", "rCache blocks", "shard MiB/rank", "cache MiB", "search s"):
-        table.add_column(col, justify="right")
+        number_column(table, col)
     table.add_row(
         f"{result.chunk_size:,}",
         str(len(sharded)),
@@ -399,4 +400,4 @@ def print_plan(result: SearchResult, dtype: torch.dtype = torch.float) -> None:
         f"{result.cache_bytes(el) / 2**20:.1f}",
         f"{result.info.get('search_time_s', 0.0):.3f}",
     )
-    Console(width=max(110, shutil.get_terminal_size().columns)).print(table)
+    (console or Console()).print(table)

@@ -52,6 +52,7 @@ from elixir.search.cost_model import (
 )
 from elixir.search.minimum_waste import best_chunk_size
 from elixir.search.step_profile import RECOMPUTE, StepProfile, profile_from_module, profile_step
+from elixir.tables import human_bytes, human_count, longest_word
 
 GRID_POINTS = 48  # geometric chunk-size candidates
 REPLICATED_POINTS = 8  # chunk sizes (all-reduce bucket sizes) tried for the fully replicated plan
@@ -456,14 +457,6 @@ class _Searcher:
         return self.fits(profile=dataclasses.replace(self.profile, activation_bytes=act))
 
 
-def human_count(n: int) -> str:
-    """A count, short, in the unit that fits: 531.5M, 12.3k, 6.7B, 840."""
-    for unit, k in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= k:
-            return f"{n / k:.1f}{unit}"
-    return str(n)
-
-
 def _fmt(n: int) -> str:
     if n >= INF // 2:
         return "unlimited"
@@ -706,7 +699,7 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     sharded = [c for c in result.chunks if c.state_sharded]
     t = Table(title=f"elixir optimal plan: world {result.world_size}, hardware {info.get('hardware')}")
     t.add_column("what")
-    t.add_column("value", justify="right")
+    t.add_column("value")  # left-aligned: long values wrap into a readable paragraph at 80 columns
     t.add_row("hardware profile", f"{info.get('hardware')} ({info.get('hardware_choice', 'given')}; "
                                   f"{info.get('hardware_source', '')})")
     if sharded:
@@ -742,20 +735,36 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
         t.add_row(f"  {k}", f"{v:.4f} s")
     t.add_row("search time", f"{info.get('search_time_s', 0):.2f} s ({info.get('candidates_scored')} candidates)")
     console.print(t)
-    r = Table(title="runner-ups (best per chunk size and tied chunking)", expand=False)
-    for col in ("chunk", "tied", "blocks", "depth", "placements", "device", "host", "step s", "vs best"):
-        r.add_column(col, justify="right", no_wrap=col != "placements")
-    best = runners[0].step_time if runners else 0
-    for e in runners:
-        tied = "-" if not info.get("tied") else ("sharded" if e.shard_shared else "repl.")
-        r.add_row(human_count(e.chunk_size), tied, str(e.blocks), str(e.prefetch_depth), _summary(e), _fmt(e.device_bytes),
-                  _fmt(e.host_bytes), f"{e.step_time:.4f}", f"{e.step_time / best:.3f}x" if best else "")
-    console.print(r)
+    _print_runner_ups(console, runners, bool(info.get("tied")))
     console.print("placements: DD shard+optimizer on device, DH shard on device / optimizer on host, HH both on host, "
                   "DK/HK optimizer on disk, R* replicated chunk (optimizer on D/H), 1*/2* ZeRO-1/2 chunk: parameters "
                   "whole, optimizer state split (on D/H/K)")
     if why:
         console.print(f"why: {why}")
+
+
+def _print_runner_ups(console, runners: list[Evaluation], tied: bool) -> None:
+    """The runner-ups, in columns that fit 80: the tied column only when the model ties weights,
+    the cache as ``blocks/depth``, the step time relative to the best (whose own is in the report
+    above), and the placements column wrapping at spaces."""
+    r = Table(title="runner-ups (best per chunk size and tied chunking)", expand=False,
+              caption="cache: rCache blocks / prefetch depth", caption_justify="left")
+    cols = ["chunk", *(["tied"] if tied else []), "cache", "placements", "device", "host", "step vs best"]
+    placements = [_summary(e) for e in runners]
+    for col in cols:
+        if col == "placements":
+            r.add_column(col, overflow="fold", min_width=longest_word([col, *placements]))
+        elif col == "step vs best":
+            r.add_column("step\nvs best", justify="right", no_wrap=True)
+        else:
+            r.add_column(col, justify="right", no_wrap=True)
+    best = runners[0].step_time if runners else 0
+    for e, placed in zip(runners, placements):
+        row = [human_count(e.chunk_size), *(["sharded" if e.shard_shared else "repl."] if tied else []),
+               f"{e.blocks}/{e.prefetch_depth}", placed, human_bytes(e.device_bytes), human_bytes(e.host_bytes),
+               f"{e.step_time / best:.3f}x" if best else ""]
+        r.add_row(*row)
+    console.print(r)
 
 
 def optimal_search(

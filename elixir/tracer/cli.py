@@ -9,13 +9,15 @@ import torch
 from rich.console import Console
 
 from elixir import models
+from elixir.tables import human_count
 from elixir.tracer.memory_tracer import memory_profiling
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="a registry name (e.g. opt-175b, gpt2, llama-7b, bert-base) or a config.json path")
+    p.add_argument("model", nargs="?", help="a built-in name (e.g. opt-175b, gpt2, llama-3-8b; --list-models lists them), a config.json "
+                                             "path, or a local Hugging Face model folder")
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     p.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="training dtype (default fp32)")
@@ -24,16 +26,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the profile summary as JSON")
     p.add_argument("--timeline", action="store_true", help="include the per-op timeline and step order in --json")
     p.add_argument("--plot", metavar="PNG", help="save a plot of the live-bytes timeline (needs matplotlib)")
-    p.add_argument("--list", action="store_true", help="list the registry's model names and exit")
+    p.add_argument("--list-models", "--list", dest="list", action="store_true",
+                   help="list the built-in model names and exit")
 
 
 def main(args: argparse.Namespace) -> int:
     console = Console()
     if args.list:
-        console.print("\n".join(models.model_names()))
+        console.print(models.registry_table())
         return 0
     if not args.model:
-        console.print("[red]error:[/red] give a MODEL (a registry name, see --list, or a config.json path)")
+        console.print("[red]error:[/red] give a MODEL (a built-in name, see --list-models, or a config.json path)")
         return 2
     t0 = time.perf_counter()
     model = models.build_model(args.model)
@@ -45,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
     prof = memory_profiling(model, batch, models.lm_step_fn, getattr(torch, DTYPES[args.dtype]))
     t2 = time.perf_counter()
     ck = f", checkpointing ({'reentrant' if args.reentrant else 'non-reentrant'})" if args.checkpointing else ""
-    title = f"{args.model}: {n_params / 1e9:.2f}B params, batch {args.batch} x seq {args.seq}, {args.dtype}{ck}"
+    title = f"{args.model}: {human_count(n_params)} params, batch {args.batch} x seq {args.seq}, {args.dtype}{ck}"
     prof.print(console, title=title)
     console.print(f"built in {t1 - t0:.2f} s, traced in {t2 - t1:.2f} s")
     if args.json:

@@ -144,7 +144,7 @@ class MemoryProfile:
              f"peak in the {self.peak.where()}"),
             *((f"  {ph} peak", v, "activations") for ph, v in self.phase_peaks.items()),
             ("input_occ", self.input_occ, "the batch"),
-            ("total_peak", self.total_peak, "params+buffers+inputs+grads+activations"),
+            ("total_peak", self.total_peak, "params + buffers + inputs + grads + activations"),
         ]
         if self.largest_temporary is not None:
             lt = self.largest_temporary
