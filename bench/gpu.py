@@ -701,7 +701,7 @@ def main(argv: Optional[list] = None) -> int:
         if system not in ("plain", "fsdp2-offload", "elixir") or size not in SIZES:
             p.error(f"--cap-sizes {pair!r}: want SYSTEM=SIZE with SYSTEM plain, fsdp2-offload or elixir and SIZE one of {sorted(SIZES)}")
     if args.tiny:
-        args.size = "tiny" if args.size == "1.1B" else args.size
+        args.size = args.size if args.size.startswith("tiny") else "tiny"
         args.batch, args.seq, args.cap_seq, args.steps = min(args.batch, 2), min(args.seq, 32), min(args.cap_seq, 32), min(args.steps, 2)
         args.cap_gib = min(args.cap_gib, 1.0)
     bench = Bench(args)

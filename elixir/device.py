@@ -440,6 +440,12 @@ def max_memory_allocated(device: DeviceLike = None) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
+def max_memory_reserved(device: DeviceLike = None) -> int:
+    """The most bytes the caching allocator held on an accelerator since the last peak reset; 0 on CPU."""
+    device = as_device(device)
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+
+
 def memory_reserved(device: DeviceLike = None) -> int:
     """Bytes the caching allocator holds on an accelerator (allocated plus cached); 0 on CPU."""
     device = as_device(device)
