@@ -568,7 +568,7 @@ class Bench:
         elif "hw" in parts:
             self.part_hw(min(60.0, 0.12 * a.budget_s))
         if "adam" in parts:
-            self.part_adam(min(45.0, 0.08 * a.budget_s))
+            self.part_adam(min(45.0, 0.08 * a.budget_s) if len(parts) > 1 else self.remaining())
         rest = self.remaining()
         if "step" in parts:
             self.part_step(rest * (0.45 if "capacity" in parts else 1.0))

@@ -69,7 +69,7 @@ def test_each_mode_is_planned_within_six_minutes():
 def test_bench_picks_the_systems_and_the_capacity_rung(tmp_path, monkeypatch):
     bench = _bench()
     ran = []
-    monkeypatch.setattr(bench.Bench, "trial", lambda self, spec, timeout: ran.append(spec) or {"status": "ok"})
+    monkeypatch.setattr(bench.Bench, "trial", lambda self, spec, timeout: ran.append(spec) or {"status": "ok", "system": spec["system"], "size": spec["size"]})
     bench.main(["--out", str(tmp_path), "--parts", "step", "--systems", "elixir", "fsdp2-offload", "--size", "0.7B"])
     assert [(s["system"], s["size"]) for s in ran] == [("elixir", "0.7B"), ("fsdp2-offload", "0.7B")]
     ran.clear()
