@@ -28,6 +28,7 @@ def _script(*args, env=None, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.dist  # starts processes
 @pytest.mark.parametrize("mode", [[], ["bench"]])
 def test_script_stops_at_the_first_cuda_step_without_a_gpu(tmp_path, mode):
     env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
@@ -43,12 +44,14 @@ def test_script_stops_at_the_first_cuda_step_without_a_gpu(tmp_path, mode):
         assert not (out / later).exists(), later
 
 
+@pytest.mark.dist  # starts processes
 def test_script_refuses_bad_usage(tmp_path):
     r = _script(timeout=30)
     assert r.returncode == 2 and "usage" in r.stderr
     assert _script(str(tmp_path), "everything", timeout=30).returncode == 2
 
 
+@pytest.mark.dist  # starts processes
 def test_each_mode_is_planned_within_six_minutes():
     r = _script("--print-budget", timeout=30)
     assert r.returncode == 0, r.stderr
@@ -80,6 +83,7 @@ def test_bench_picks_the_systems_and_the_capacity_rung(tmp_path, monkeypatch):
         bench.main(["--out", str(tmp_path), "--cap-sizes", "elixir=12B"])
 
 
+@pytest.mark.dist  # starts processes
 def test_smoke_rehearses_every_case_against_plain_torch_on_cpu(tmp_path):
     """scripts/gpu_smoke.py --allow-cpu: every case (GPT-2 and LLaMA, HH/DH/HK/DD, fused_step on and
     off, the gathering plan) and the sanitizer reruns, each compared with plain torch."""

@@ -13,15 +13,16 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk import Chunk, ChunkSpec, MemoryLedger
-from elixir.profiling import calibrate
 from elixir.optim import HybridAdam, functional
 from elixir.plan import Placement
+from elixir.profiling.calibrate import timed_collectives
 from elixir.search import minimum_waste_search
 from elixir.testing.reference import train_wrapped
 from elixir.testing.zoo import ZOO, build_model
@@ -200,6 +201,7 @@ def _bench():
     return mod
 
 
+@pytest.mark.dist  # starts processes
 def test_bench_keeps_a_result_written_before_the_trial_hung_at_exit(tmp_path):
     bench = _bench()
     args = bench.argparse.Namespace(out=str(tmp_path), budget_s=60.0, tiny=True, name="b", hardware=None)
@@ -219,6 +221,7 @@ def test_bench_keeps_a_result_written_before_the_trial_hung_at_exit(tmp_path):
     assert bench.settle_result({"status": "running"}, True)["status"] == "timeout"
 
 
+@pytest.mark.dist  # starts processes
 def test_a_trial_process_leaves_even_with_a_thread_still_running():
     code = ("import threading, time, importlib.util, sys\n"
             "threading.Thread(target=time.sleep, args=(120,)).start()  # not a daemon: would block exit\n"
@@ -243,7 +246,7 @@ class _Copies(TorchDispatchMode):
 
 
 def test_world_one_host_shard_gather_is_one_copy_into_the_payload(monkeypatch):
-    spec = ChunkSpec(0, 4096, True, 1, 0, dtype=torch.bfloat16, shard_on_host=True, master_on_host=True)
+    spec = ChunkSpec(0, 4096, True, 1, 0, dtype=torch.bfloat16, shard_placement=Placement.HOST, optim_placement=Placement.HOST)
     c = Chunk(spec, MemoryLedger())
     c.init_from(torch.arange(4096, dtype=torch.float32))
     c.release()
@@ -305,12 +308,12 @@ def test_calibration_times_accelerator_collectives_with_device_events(monkeypatc
     monkeypatch.setattr(dev, "is_accelerator", lambda d: True)
     monkeypatch.setattr(dev, "timing_event", lambda d=None: _Ev())
     monkeypatch.setattr(dev, "synchronize", lambda d=None: syncs.append(d))
-    with calibrate.timed_collectives(torch.device("cpu")) as clock:
+    with timed_collectives(torch.device("cpu")) as clock:
         edist.all_reduce(torch.zeros(1))
         edist.all_reduce(torch.zeros(1), async_op=True).wait()
     assert clock.calls == 2 and abs(clock.seconds - 0.12) < 1e-9 and syncs
     monkeypatch.undo()
-    with calibrate.timed_collectives(torch.device("cpu")) as clock:  # CPU: the host clock, as before
+    with timed_collectives(torch.device("cpu")) as clock:  # CPU: the host clock, as before
         edist.all_reduce(torch.zeros(1))
     assert clock.calls == 1 and clock.pairs == [] and clock.seconds >= 0
 
