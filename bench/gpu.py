@@ -70,7 +70,8 @@ LADDERS = {  # capacity: sizes tried per system, smallest first (coarse: a big t
     "elixir": ("2.0B", "4.9B", "6.7B", "9.0B"),
 }
 TINY_LADDERS = {k: ("tiny", "tiny2") for k in LADDERS}
-STEP_SYSTEMS = ("elixir", "plain", "fsdp2", "elixir-host")
+STEP_SYSTEMS = ("elixir", "plain", "fsdp2", "elixir-host")  # the step part's default line-up
+ALL_STEP_SYSTEMS = STEP_SYSTEMS + ("fsdp2-offload",)
 TARGETS = {"step_vs_plain": 1.05, "capacity_vs_fsdp2_offload": 2.0, "capacity_vs_plain": 5.0,
            "memory_error": 0.15, "time_error": 0.25}
 
@@ -384,8 +385,38 @@ def _child(args: argparse.Namespace) -> int:
         text = traceback.format_exc()
         res = {"system": spec["system"], "size": spec.get("size"), "status": _classify(text), "error": f"{type(e).__name__}: {e}"[:500]}
         print(text, file=sys.stderr, flush=True)
-    _write_json(args.result, res)
+    _write_json(args.result, dict(res, final=True))
+    _end_trial()
     return 0
+
+
+def _end_trial() -> None:
+    """End the trial process now that its result is written: destroy a process group it made (an
+    NCCL group never destroyed can keep the process from exiting), then leave without running
+    the interpreter's teardown (CUDA contexts and backend threads have hung there), so the
+    parent never sees a finished trial as a timeout."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - the result is written; only the exit is left
+        print(f"[trial] destroy_process_group failed: {e}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def settle_result(res: dict, timed_out: bool) -> dict:
+    """A trial's result once its process ended or was killed: a result the trial wrote as final
+    stands even when the process then hung at exit and was killed (noted in ``exit``); a killed
+    trial without one timed out (its partial steps kept)."""
+    if timed_out:
+        if res.get("final"):
+            res["exit"] = "killed after writing its result (hung at exit)"
+        else:
+            res["status"] = "timeout"
+    return res
 
 
 def _classify(text: str) -> str:
@@ -412,6 +443,7 @@ class Bench:
             "hw": None, "step": [], "capacity": [], "notes": [],
         }
         self.hardware = "cpu-box" if args.tiny else "8xH100-80GB"
+        self.child_cmd = [sys.executable, os.path.abspath(__file__)]  # a trial: this file with --trial
 
     def remaining(self) -> float:
         return self.t_end - time.monotonic()
@@ -431,8 +463,11 @@ class Bench:
         print(f"[bench] {name}: up to {timeout:.0f} s", flush=True)
         t0 = time.monotonic()
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # every system on the same allocator settings: expandable segments, so memory freed on
+        # one stream is not held as reserved beside what another stream allocates
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         with open(log, "w") as f:
-            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--trial", json.dumps(spec), "--result", result],
+            proc = subprocess.Popen(self.child_cmd + ["--trial", json.dumps(spec), "--result", result],
                                     stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
                 proc.wait(timeout=max(1.0, timeout))
@@ -445,9 +480,8 @@ class Bench:
         if os.path.exists(result):
             with open(result) as f:
                 res = json.load(f)
-        if timed_out:
-            res["status"] = "timeout"
-        elif not res:
+        res = settle_result(res, timed_out)
+        if not res:
             with open(log) as f:
                 tail = f.read()[-4000:]
             res = {"status": _classify(tail) if proc.returncode else "error", "error": f"exit code {proc.returncode}"}
@@ -481,7 +515,7 @@ class Bench:
     def part_step(self, budget: float) -> None:
         a = self.args
         end = time.monotonic() + budget
-        systems = list(STEP_SYSTEMS)
+        systems = [x for x in a.systems or STEP_SYSTEMS if x in ALL_STEP_SYSTEMS]
         for i, system in enumerate(systems):
             left = min(end - time.monotonic(), self.remaining())
             if left < 15:
@@ -496,11 +530,16 @@ class Bench:
         a = self.args
         end = time.monotonic() + budget
         cap = int(a.cap_gib * GiB)
-        ladders = {k: list(v) for k, v in (TINY_LADDERS if a.tiny else LADDERS).items()}
+        ladders = {k: list(v) for k, v in (TINY_LADDERS if a.tiny else LADDERS).items()
+                   if not a.systems or k in a.systems}
+        for pair in a.cap_sizes or []:  # one rung: system=size
+            system, size = pair.split("=", 1)
+            if system in ladders:
+                ladders[system] = ["tiny" if a.tiny else size]
         alive = {k: True for k in ladders}
         best: dict[str, Optional[str]] = {k: None for k in ladders}
         for rung in range(max(len(v) for v in ladders.values())):
-            for system in ("plain", "fsdp2-offload", "elixir"):
+            for system in [x for x in ("plain", "fsdp2-offload", "elixir") if x in ladders]:
                 if not alive[system] or rung >= len(ladders[system]):
                     continue
                 left = min(end - time.monotonic(), self.remaining())
@@ -529,7 +568,7 @@ class Bench:
         elif "hw" in parts:
             self.part_hw(min(60.0, 0.12 * a.budget_s))
         if "adam" in parts:
-            self.part_adam(min(45.0, 0.08 * a.budget_s))
+            self.part_adam(min(45.0, 0.08 * a.budget_s) if len(parts) > 1 else self.remaining())
         rest = self.remaining()
         if "step" in parts:
             self.part_step(rest * (0.45 if "capacity" in parts else 1.0))
@@ -608,15 +647,17 @@ def render_markdown(r: dict) -> str:
     preds = [s for s in step + cap if s.get("predicted_step_s") and s.get("status") == "ok"]
     if preds:
         lines += ["## The search's predictions against the measurements", "",
-                  "| run | predicted peak (GiB) | measured peak (GiB) | error | predicted step (s) | measured step (s) | error |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| run | predicted peak (GiB) | measured peak (GiB) | error | peak reserved (GiB) | predicted step (s) | measured step (s) | error |",
+                  "|---|---|---|---|---|---|---|---|"]
         for s in preds:
             meas_t = s.get("step_s") or (statistics.median(s["step_times"][1:]) if len(s.get("step_times", [])) > 1 else None)
             lines.append(f"| {s['system']} {s['size']}{' (cap)' if s.get('cap_bytes') else ''} | {_gib(s['predicted_peak_device_bytes'])} | "
                          f"{_gib(s.get('peak_device_bytes'))} | {_pct(s['predicted_peak_device_bytes'], s.get('peak_device_bytes'))} | "
+                         f"{_gib(s.get('peak_reserved_bytes'))} | "
                          f"{s['predicted_step_s']:.3f} | {meas_t:.3f} | {_pct(s['predicted_step_s'], meas_t)} |" if meas_t else
                          f"| {s['system']} {s['size']} | {_gib(s['predicted_peak_device_bytes'])} | {_gib(s.get('peak_device_bytes'))} | "
-                         f"{_pct(s['predicted_peak_device_bytes'], s.get('peak_device_bytes'))} | {s['predicted_step_s']:.3f} | - | - |")
+                         f"{_pct(s['predicted_peak_device_bytes'], s.get('peak_device_bytes'))} | {_gib(s.get('peak_reserved_bytes'))} | "
+                         f"{s['predicted_step_s']:.3f} | - | - |")
         lines += ["", "Targets: memory within 15%, step time within 25%. Measured peak: `torch.cuda.max_memory_allocated` "
                   "over the timed steps (all steps for capacity runs).", ""]
     for n in r.get("notes", []):
@@ -643,6 +684,10 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--trial-max-s", type=float, default=150.0, help="longest one capacity trial may run")
     p.add_argument("--name", default="gpu_bench", help="results go to OUT/NAME.json and OUT/NAME.md")
     p.add_argument("--hardware", default=None, help="plan with this hardware profile (skips the hw part)")
+    p.add_argument("--systems", nargs="+", default=None, choices=sorted(set(ALL_STEP_SYSTEMS)),
+                   help="run only these systems (step and capacity parts; default: each part's line-up)")
+    p.add_argument("--cap-sizes", nargs="+", default=None, metavar="SYSTEM=SIZE",
+                   help="capacity: one rung, this size per system (e.g. elixir=6.7B plain=1.1B)")
     p.add_argument("--tiny", action="store_true", help="tiny models and short sequences (a smoke test; CPU works)")
     p.add_argument("--trial", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -651,8 +696,12 @@ def main(argv: Optional[list] = None) -> int:
         return _child(args)
     if not args.out:
         p.error("--out is required")
+    for pair in args.cap_sizes or []:
+        system, _, size = pair.partition("=")
+        if system not in ("plain", "fsdp2-offload", "elixir") or size not in SIZES:
+            p.error(f"--cap-sizes {pair!r}: want SYSTEM=SIZE with SYSTEM plain, fsdp2-offload or elixir and SIZE one of {sorted(SIZES)}")
     if args.tiny:
-        args.size = "tiny" if args.size == "1.1B" else args.size
+        args.size = args.size if args.size.startswith("tiny") else "tiny"
         args.batch, args.seq, args.cap_seq, args.steps = min(args.batch, 2), min(args.seq, 32), min(args.cap_seq, 32), min(args.steps, 2)
         args.cap_gib = min(args.cap_gib, 1.0)
     bench = Bench(args)

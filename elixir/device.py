@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import os
 import sys
 import threading
+import time
 from typing import Callable, Iterator, Optional, Union
 
 import torch
@@ -20,9 +22,13 @@ DeviceLike = Union[str, torch.device, None]
 
 
 def default_device() -> torch.device:
-    """The compute device for this process: the local CUDA device when there is one, else CPU."""
+    """The compute device for this process: the local CUDA device when there is one (``LOCAL_RANK``'s,
+    else torch's current device: the one :func:`elixir.distributed.bind_device` or the user set),
+    else CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        if "LOCAL_RANK" in os.environ:
+            return torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -138,6 +144,38 @@ def new_event(device: DeviceLike = None):
     if device.type == "cuda":
         return torch.cuda.Event()
     return _NullEvent()
+
+
+class _HostTimingEvent:
+    """Stands in for a timing event on CPU, where work is done when the call returns: the host
+    clock when it was recorded."""
+
+    def __init__(self) -> None:
+        self.t: Optional[float] = None
+
+    def record(self, stream: object = None) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        if self.t is None:
+            raise UnrecordedEventError("synchronizing a timing event that was never recorded")
+
+    def elapsed_time(self, end: _HostTimingEvent) -> float:
+        """Milliseconds from this event to ``end`` (as ``torch.cuda.Event.elapsed_time``)."""
+        if self.t is None or end.t is None:
+            raise UnrecordedEventError("elapsed_time between events that were not both recorded")
+        return 1e3 * (end.t - self.t)
+
+
+def timing_event(device: DeviceLike = None):
+    """An event that measures device time: recorded on a stream, it completes when the stream's
+    work before it is done, and ``start.elapsed_time(end)`` is the device's milliseconds between
+    two of them (after both completed). Time accelerator work with these, not the host clock: the
+    host only queues it. On CPU, the host clock at ``record``."""
+    device = as_device(device)
+    if device.type == "cuda":
+        return torch.cuda.Event(enable_timing=True)
+    return _HostTimingEvent()
 
 
 def record_stream(tensor: torch.Tensor, stream) -> None:
@@ -285,22 +323,94 @@ def pin_memory_available() -> bool:
     return torch.cuda.is_available()
 
 
+class _CudaRegistrar:
+    """Page-locks host ranges for the accelerator: ``cudaHostRegister`` / ``cudaHostUnregister``."""
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"elixir: cudaHostRegister of {nbytes} bytes failed (error {int(err)}): "
+                               "lower the host memory the plan pins, or build the plan with pin_memory=False")
+
+    def unregister(self, ptr: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class _PinnedBlock(mmap.mmap):
+    """An anonymous mapping of exactly the bytes asked for (rounded to a page), page-locked while
+    it lives. A tensor made on it by ``torch.frombuffer`` keeps it alive; when the tensor's storage
+    goes, the block is unregistered and unmapped."""
+
+    registrar: Optional[object] = None
+    ptr = 0
+
+    def __del__(self) -> None:
+        if self.registrar is not None:
+            self.registrar.unregister(self.ptr)
+            _PINNED[0] -= len(self)
+
+
+#: How host memory is page-locked: torch's ``pin_memory=True`` goes through its pinned caching
+#: allocator, which rounds every block up to a power of two and keeps it (a 600 MiB shard takes
+#: 1 GiB, and shard gradients allocated every step pile up): host RSS up to about 2x the
+#: prediction. elixir pins exact-size mappings of its own instead. Tests put a recorder here (the
+#: CPU stand-in, see :func:`empty_host`).
+PINNED_REGISTRAR: Optional[object] = None
+_PINNED = [0]  # bytes page-locked now by empty_host
+
+
+def pinned_bytes() -> int:
+    """Host bytes :func:`empty_host` holds page-locked now (exact sizes, page-rounded)."""
+    return _PINNED[0]
+
+
+def _registrar():
+    if PINNED_REGISTRAR is not None:
+        return PINNED_REGISTRAR
+    return _CudaRegistrar() if pin_memory_available() else None
+
+
 def empty_host(shape, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
-    """A host tensor, page-locked when an accelerator is present and ``pin`` is set."""
-    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin and pin_memory_available())
+    """A host tensor, page-locked when an accelerator is present and ``pin`` is set: an
+    exact-size mapping registered with the accelerator (not torch's power-of-two pinned cache;
+    see :data:`PINNED_REGISTRAR`). Freed (and unregistered) with its last tensor; free it only once
+    no non-blocking copy reads or writes it (the runtime synchronises its side streams first)."""
+    registrar = _registrar() if pin else None
+    if registrar is None:
+        return torch.empty(shape, dtype=dtype, device="cpu")
+    numel = 1
+    for n in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)):
+        numel *= int(n)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype, device="cpu")
+    block = _PinnedBlock(-1, nbytes)
+    flat = torch.frombuffer(block, dtype=dtype, count=numel)
+    block.ptr = flat.data_ptr()
+    registrar.register(block.ptr, nbytes)
+    block.registrar = registrar
+    _PINNED[0] += len(block)
+    return flat.view(shape)
 
 
 def pin(tensor: torch.Tensor) -> torch.Tensor:
-    """Page-lock a host tensor when that helps copies (returns it unchanged on CPU-only machines)."""
-    if pin_memory_available() and tensor.device.type == "cpu" and not tensor.is_pinned():
-        return tensor.pin_memory()
+    """Page-lock a host tensor when that helps copies (returns it unchanged on CPU-only machines):
+    a copy in an exact-size pinned block (:func:`empty_host`)."""
+    if _registrar() is not None and tensor.device.type == "cpu" and not _is_pinned(tensor):
+        out = empty_host(tuple(tensor.shape), tensor.dtype)
+        out.copy_(tensor)
+        return out
     return tensor
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    return pin_memory_available() and t.is_pinned()
 
 
 def non_blocking_ok(src: torch.Tensor, dst_device: DeviceLike) -> bool:
     """Whether a copy from ``src`` to ``dst_device`` may be issued non-blocking."""
     dst = as_device(dst_device)
-    return dst.type == "cuda" or (src.device.type == "cuda") or (src.is_pinned() if src.device.type == "cpu" else False)
+    return dst.type == "cuda" or (src.device.type == "cuda") or (_is_pinned(src) if src.device.type == "cpu" else False)
 
 
 def device_capacity(device: DeviceLike = None) -> int:
@@ -328,6 +438,12 @@ def memory_allocated(device: DeviceLike = None) -> int:
 def max_memory_allocated(device: DeviceLike = None) -> int:
     device = as_device(device)
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def max_memory_reserved(device: DeviceLike = None) -> int:
+    """The most bytes the caching allocator held on an accelerator since the last peak reset; 0 on CPU."""
+    device = as_device(device)
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
 
 
 def memory_reserved(device: DeviceLike = None) -> int:

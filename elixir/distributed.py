@@ -132,6 +132,31 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
     return DistInfo(0, 1, 0, None, default_device())
 
 
+def bind_device() -> Optional[torch.device]:
+    """Make this rank's CUDA device the current one; return it (None without CUDA).
+
+    :func:`init_distributed` does this, but a user who creates the process group himself may not
+    have: every rank then runs NCCL's object collectives and ``barrier()`` on ``cuda:0``. The
+    device is ``LOCAL_RANK``'s when the launcher set it; else, in an initialised process group
+    whose current device is still ``cuda:0``, the rank modulo the ranks per node
+    (``LOCAL_WORLD_SIZE``, else the devices visible); else the current device stays (a device the
+    user chose). :class:`~elixir.wrapper.ElixirModule` calls it first thing."""
+    if not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    current = torch.cuda.current_device()
+    if "LOCAL_RANK" in os.environ:
+        index = int(os.environ["LOCAL_RANK"]) % count
+    elif is_initialized() and current == 0:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or count
+        index = dist.get_rank() % per_node % count
+    else:
+        index = current
+    if index != current:
+        torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

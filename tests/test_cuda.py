@@ -51,6 +51,28 @@ def _exact():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic = saved
 
 
+def test_streams_are_real_and_host_memory_is_pinned():
+    """On CUDA the side streams are distinct CUDA streams, host shards and gradients are pinned,
+    and a step leaves no side-stream work unjoined."""
+    from elixir.testing.reference import to_device
+    from elixir.testing.zoo import ZOO, build_model
+
+    zc = ZOO["gpt2"]
+    model = build_model("gpt2")
+    em = ElixirModule(model, placed(minimum_waste_search(model, 1), "host"))
+    opt = ElixirOptimizer(em, torch.optim.AdamW([p for p in em.parameters() if p.requires_grad], lr=1e-2))
+    s = em.streams
+    assert isinstance(s.gather, torch.cuda.Stream) and len({s.gather, s.reduce, s.copy}) == 3
+    assert s.gather != torch.cuda.current_stream()
+    zc.loss(em, to_device(zc.make_batch(BATCH, 0), em.device)).backward()
+    opt.step()
+    host = [c for c in em.chunks if c.spec.shard_on_host]
+    assert host and all(c.shard.is_pinned() and c.master.is_pinned() for c in host)
+    assert all(c.shard_grad.is_pinned() for c in host if c.shard_grad is not None)
+    assert s.issued > 0
+    dev.synchronize()
+
+
 def placed(plan, where: str):
     """``plan`` with every chunk's shard and optimizer state moved: "device" keeps the plan,
     "host" puts shards and optimizer state in (pinned) host memory, "disk" puts the optimizer
@@ -86,17 +108,20 @@ def _train(case: Case, where: str, offload_dir=None) -> dict:
 
 
 def _matrix() -> list:
-    out = []
+    """The cases, host and disk placements first (the paths the CPU suite runs least like a GPU)."""
+    out = [
+        (Case("gpt2", True), "host"), (Case("gpt2", False), "host"), (Case("llama", True), "host"),
+        (Case("gpt2", True), "disk"), (Case("tied", False), "disk"),
+        (Case("gpt2", True, "nonreentrant"), "host"), (Case("routed", True, optim="sgd"), "host"),
+        (Case("llama", False, "reentrant"), "device"),
+    ]
     for name in ("gpt2", "llama", "opt", "tied", "frozen", "routed", "shared", "convnet", "buffers"):
         for pf in (False, True):
             out.append((Case(name, pf), "device"))
-    out += [
-        (Case("gpt2", True), "host"), (Case("gpt2", False), "host"), (Case("llama", True), "host"),
-        (Case("gpt2", True), "disk"), (Case("tied", False), "disk"),
-        (Case("gpt2", True, "nonreentrant"), "host"), (Case("llama", False, "reentrant"), "device"),
-        (Case("routed", True, optim="sgd"), "host"),
-    ]
     return out
+
+
+MATRIX = _matrix()
 
 
 def _matrix_worker(cases: list, offload_dir: str) -> list:
@@ -115,14 +140,16 @@ def _check(cases: list, results: list, world: int) -> None:
     assert not errors, "\n".join(errors)
 
 
-def test_matrix_one_gpu(tmp_path):
-    cases = _matrix()
+@pytest.mark.parametrize("case,where", MATRIX, ids=[f"{w}-{c.label}" for c, w in MATRIX])
+def test_matrix_one_gpu(tmp_path, case, where):
+    """One case per test, so one failure hides no other (scripts/gpu_check.sh runs them in this order)."""
+    cases = [(case, where)]
     _check(cases, _matrix_worker(cases, str(tmp_path)), 1)
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
 def test_matrix_two_gpus_nccl(tmp_path):
-    cases = [(c, w) for c, w in _matrix() if c.model != "buffers"]  # BatchNorm: batch-dependent
+    cases = [(c, w) for c, w in MATRIX if c.model != "buffers"]  # BatchNorm: batch-dependent
     results = run_distributed(_matrix_worker, 2, cases, str(tmp_path), timeout=600, backend="nccl")
     _check(cases, results[0], 2)
     for (case, where), a, b in zip(cases, results[0], results[1]):
@@ -178,25 +205,3 @@ def test_checkpoint_round_trip_one_gpu(tmp_path, where, dtype):
     for e in (em, em2):
         if e.disk_store is not None:
             e.disk_store.close()
-
-
-def test_streams_are_real_and_host_memory_is_pinned():
-    """On CUDA the side streams are distinct CUDA streams, host shards and gradients are pinned,
-    and a step leaves no side-stream work unjoined."""
-    from elixir.testing.reference import to_device
-    from elixir.testing.zoo import ZOO, build_model
-
-    zc = ZOO["gpt2"]
-    model = build_model("gpt2")
-    em = ElixirModule(model, placed(minimum_waste_search(model, 1), "host"))
-    opt = ElixirOptimizer(em, torch.optim.AdamW([p for p in em.parameters() if p.requires_grad], lr=1e-2))
-    s = em.streams
-    assert isinstance(s.gather, torch.cuda.Stream) and len({s.gather, s.reduce, s.copy}) == 3
-    assert s.gather != torch.cuda.current_stream()
-    zc.loss(em, to_device(zc.make_batch(BATCH, 0), em.device)).backward()
-    opt.step()
-    host = [c for c in em.chunks if c.spec.shard_on_host]
-    assert host and all(c.shard.is_pinned() and c.master.is_pinned() for c in host)
-    assert all(c.shard_grad.is_pinned() for c in host if c.shard_grad is not None)
-    assert s.issued > 0
-    dev.synchronize()

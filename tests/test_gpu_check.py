@@ -23,26 +23,92 @@ def _bench():
     return mod
 
 
-def test_script_stops_at_the_first_cuda_step_without_a_gpu(tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable, ELIXIR_GPU_CHECK_INSTALL="0", CUDA_VISIBLE_DEVICES="")
+def _script(*args, env=None, timeout=120):
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.dist  # starts processes
+@pytest.mark.parametrize("mode", [[], ["bench"]])
+def test_script_stops_at_the_first_cuda_step_without_a_gpu(tmp_path, mode):
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    env.pop("ELIXIR_GPU_CHECK_ALLOW_CPU", None)
     out = tmp_path / "out"
-    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out)], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = _script(str(out), *mode, env=env)
     assert r.returncode == 3, r.stdout + r.stderr
     assert "NO GPU" in r.stdout and "did not run" in r.stdout
-    assert "would run: " in r.stdout and "pip install --no-deps --no-build-isolation -e ." in r.stdout
     env_txt = (out / "env.txt").read_text()
     assert "torch" in env_txt and "available False" in env_txt and "elixir" in env_txt
     assert "NO GPU" in (out / "summary.txt").read_text()
-    assert not (out / "cuda_tests.log").exists() and not (out / "gpu_bench.json").exists()
+    for later in ("probe.txt", "smoke.jsonl", "cuda_tests.log", "gpu_bench.json", "gpu_bench_step.json"):
+        assert not (out / later).exists(), later
 
 
+@pytest.mark.dist  # starts processes
 def test_script_refuses_bad_usage(tmp_path):
-    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], capture_output=True, text=True, timeout=30)
+    r = _script(timeout=30)
     assert r.returncode == 2 and "usage" in r.stderr
-    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(tmp_path), "everything"],
-                       capture_output=True, text=True, timeout=30)
-    assert r.returncode == 2
+    assert _script(str(tmp_path), "everything", timeout=30).returncode == 2
+
+
+@pytest.mark.dist  # starts processes
+def test_each_mode_is_planned_within_six_minutes():
+    r = _script("--print-budget", timeout=30)
+    assert r.returncode == 0, r.stderr
+    steps: dict = {}
+    totals = {}
+    for line in r.stdout.splitlines():
+        parts = line.split()
+        if parts[1] == "total":
+            totals[parts[0]] = int(parts[2])
+        else:
+            steps.setdefault(parts[0], []).append((parts[1], int(parts[2])))
+    assert set(totals) == {"main", "bench"}
+    for mode, total in totals.items():
+        assert total == sum(s for _, s in steps[mode]) and total <= 360, (mode, total)
+    assert [n for n, _ in steps["main"]] == ["env", "smoke", "tests", "ckpt", "adam", "slack"]
+
+
+def test_bench_picks_the_systems_and_the_capacity_rung(tmp_path, monkeypatch):
+    bench = _bench()
+    ran = []
+    monkeypatch.setattr(bench.Bench, "trial", lambda self, spec, timeout: ran.append(spec) or {"status": "ok", "system": spec["system"], "size": spec["size"]})
+    bench.main(["--out", str(tmp_path), "--parts", "step", "--systems", "elixir", "fsdp2-offload", "--size", "0.7B"])
+    assert [(s["system"], s["size"]) for s in ran] == [("elixir", "0.7B"), ("fsdp2-offload", "0.7B")]
+    ran.clear()
+    bench.main(["--out", str(tmp_path), "--parts", "capacity", "--cap-sizes", "plain=1.1B", "elixir=6.7B",
+                "--systems", "plain", "elixir"])
+    assert [(s["system"], s["size"]) for s in ran] == [("plain", "1.1B"), ("elixir", "6.7B")]
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path), "--cap-sizes", "elixir=12B"])
+
+
+@pytest.mark.dist  # starts processes
+def test_smoke_rehearses_every_case_against_plain_torch_on_cpu(tmp_path):
+    """scripts/gpu_smoke.py --allow-cpu: every case (GPT-2 and LLaMA, HH/DH/HK/DD, fused_step on and
+    off, the gathering plan) and the sanitizer reruns, each compared with plain torch."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_smoke.py"), "--out", str(tmp_path), "--allow-cpu"],
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "smoke.jsonl").read_text().splitlines()]
+    cases = [x for x in lines if "case" in x]
+    spec = importlib.util.spec_from_file_location("gpu_smoke", os.path.join(ROOT, "scripts", "gpu_smoke.py"))
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    assert [c["case"] for c in cases] == [c[0] for c in smoke.all_cases()]
+    for c in cases:
+        assert c["status"] == "ok", c
+        assert len(c["losses"]) == len(c["ref_losses"]) == smoke.STEPS and c["masters_compared"] > 0
+        assert c["max_loss_rel_diff"] <= smoke.LOSS_RTOL and c["max_master_diff"] <= smoke.MASTER_ATOL
+        assert c["fused_step_active"] == c["fused_step"]
+        for key in ("max_memory_allocated", "max_memory_reserved", "ledger_peak_device_bytes", "rss_bytes",
+                    "predicted_peak_device_bytes"):
+            assert key in c, key
+        if c["placement"][0] in "HK":
+            assert c["gathers"] > 0, c["case"]
+    assert lines[-1]["summary"]["failed"] == [] and lines[-1]["summary"]["cases"] == len(cases) + len(smoke.SANITIZED)
+    sanitized = [json.loads(x) for x in (tmp_path / "smoke_sanitizer.jsonl").read_text().splitlines() if '"case"' in x]
+    assert sorted(c["case"] for c in sanitized) == sorted(smoke.SANITIZED) and all(c["status"] == "ok" for c in sanitized)
 
 
 def test_bench_model_builder_counts_and_buffers():
@@ -96,16 +162,23 @@ def test_bench_report_renders_partial_and_failed_results():
 
 
 @pytest.mark.slow
-def test_script_rehearsal_on_cpu_runs_every_step(tmp_path):
-    """ELIXIR_GPU_CHECK_ALLOW_CPU=1: the whole script past the GPU check, the cuda tests (all
-    skipped here) and the bench's hw, adam and step parts at tiny sizes (about 4 minutes on 2 cores)."""
-    env = dict(os.environ, PYTHON=sys.executable, ELIXIR_GPU_CHECK_INSTALL="0", ELIXIR_GPU_CHECK_ALLOW_CPU="1",
-               CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(tmp_path)], env=env,
-                       capture_output=True, text=True, timeout=900)
+@pytest.mark.parametrize("mode", ["main", "bench"])
+def test_script_rehearsal_on_cpu_runs_every_step_within_six_minutes(tmp_path, mode):
+    """ELIXIR_GPU_CHECK_ALLOW_CPU=1: every step of the mode on CPU (CUDA tests skipped, tiny bench)."""
+    env = dict(os.environ, PYTHON=sys.executable, ELIXIR_GPU_CHECK_ALLOW_CPU="1", CUDA_VISIBLE_DEVICES="")
+    r = _script(str(tmp_path), mode, env=env, timeout=420)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert (tmp_path / "cuda_tests.xml").exists() and "cuda tests: passed" in r.stdout
-    res = json.loads((tmp_path / "gpu_bench.json").read_text())
-    assert res["hw"]["status"] == "ok" and res["adam"]["status"] == "ok"
-    assert [s["status"] for s in res["step"]] == ["ok"] * 4, res["step"]
-    assert res["finished"] and "## Step time" in (tmp_path / "gpu_bench.md").read_text()
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "TIMED OUT" not in summary and "FAILED" not in summary and "SKIPPED" not in summary, summary
+    seconds = int(summary.rsplit("done in ", 1)[1].split("s", 1)[0])
+    assert seconds <= 360, summary
+    if mode == "main":
+        assert (tmp_path / "cuda_tests.xml").exists() and (tmp_path / "ckpt_tests.xml").exists()
+        assert json.loads((tmp_path / "smoke.jsonl").read_text().splitlines()[-1])["summary"]["failed"] == []
+        assert json.loads((tmp_path / "gpu_bench.json").read_text())["adam"]["status"] == "ok"
+    else:
+        step = json.loads((tmp_path / "gpu_bench_step.json").read_text())["step"]
+        assert [s["system"] for s in step] == ["elixir", "plain", "fsdp2", "fsdp2-offload"]
+        assert all(s["status"] == "ok" for s in step), step
+        cap = json.loads((tmp_path / "gpu_bench_capacity.json").read_text())["capacity"]
+        assert sorted(c["system"] for c in cap) == ["elixir", "fsdp2-offload", "plain"]

@@ -152,8 +152,21 @@ class Chunk:
         streams = self.streams
         if self.spec.shard_on_disk:
             self._stage_shard_on_every_rank()  # read it in; dropped once the gather is done (wait)
+        # Host shard on an accelerator: brought in non-blocking from pinned memory. At world size
+        # 1 that copy is the gather itself (straight into the payload: no staging copy and then
+        # a device-to-device one); else it goes through a staging buffer allocated here, on the
+        # compute stream like the payload, so every chunk buffer comes from one stream's pool.
+        # On CPU host and device are one memory: gather from the shard itself (a copy here was a
+        # transient chunk's worth of RSS that no prediction counted).
+        h2d = self.spec.shard_on_host and dev.is_accelerator(self.spec.device)
+        direct = h2d and edist.get_world_size(self.group) == 1
+        staging = torch.empty_like(self.shard, device=self.spec.device) if h2d and not direct else None
         with streams.issue(streams.gather) as ready:
-            self._work = self.comm.all_gather(self.payload, self.storage.gather_source(), async_op=True)
+            if direct:
+                self.payload.copy_(self.shard, non_blocking=dev.non_blocking_ok(self.shard, self.spec.device))
+                self._work = None
+            else:
+                self._work = self.comm.all_gather(self.payload, self.storage.gather_source(staging), async_op=True)
         self._ready = ready
         self.state = ChunkState.GATHERING
         if not async_op or self.spec.shard_on_disk:

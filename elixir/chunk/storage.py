@@ -108,14 +108,21 @@ class ChunkStorage:
 
     # ---- the shard --------------------------------------------------------------------------
 
-    def gather_source(self) -> torch.Tensor:
+    def gather_source(self, staging: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What this rank contributes to a gather: the shard, brought to the device first when it
-        lives in host memory and the device is an accelerator (non-blocking from pinned memory).
+        lives in host memory and the device is an accelerator (non-blocking from pinned memory),
+        into ``staging`` when given (allocated by the caller on the compute stream, so every chunk
+        buffer comes from one stream's pool; marked in use on the current, gather, stream).
         On a CPU host and device are one memory: the shard itself (a copy there was a transient
         chunk's worth of RSS that no prediction counted)."""
         src = self.shard
         if self.spec.shard_on_host and dev.is_accelerator(self.spec.device):
-            src = src.to(self.spec.device, non_blocking=dev.non_blocking_ok(src, self.spec.device), copy=True)
+            non_blocking = dev.non_blocking_ok(src, self.spec.device)
+            if staging is None:
+                return src.to(self.spec.device, non_blocking=non_blocking, copy=True)
+            staging.copy_(src, non_blocking=non_blocking)
+            dev.record_stream(staging, dev.current_stream(self.spec.device))
+            return staging
         return src
 
     def stage_shard(self) -> None:

@@ -220,9 +220,59 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def _torch_adam(params, grads, exp_avgs, exp_avg_sqs, out_lowps, *, step, lr, beta1, beta2, eps,
-                weight_decay, adamw_mode, bias_correction, div_scale) -> None:
+#: The most gradient elements the pure-torch path widens to fp32 at once. A bf16/fp16 gradient is
+#: widened (and unscaled) into a new fp32 tensor before torch's fused Adam reads it; over a whole
+#: model at once that is 4 extra bytes per parameter at the step (4.4 GB at 1.1B) that neither the
+#: ledger nor the search counts. Per block of at most this many elements (64 Mi: 256 MiB of fp32),
+#: or one tensor when a single tensor is larger, it is a bounded transient (:func:`widen_block_bytes`).
+WIDEN_BLOCK_NUMEL = 64 << 20
+_widened_live = [0, 0]  # test hook: [elements widened and alive now, the most alive at once]
+
+
+def widen_block_bytes(largest_numel: int) -> int:
+    """The fp32 bytes the device Adam step widens at once: one block, or the largest tensor."""
+    return 4 * max(WIDEN_BLOCK_NUMEL, int(largest_numel))
+
+
+def _blocks(idx: Sequence[int], grads: Sequence[torch.Tensor]) -> Iterator[List[int]]:
+    """``idx`` split into runs whose gradients total at most :data:`WIDEN_BLOCK_NUMEL` elements (a
+    single larger tensor is a run of its own)."""
+    block: List[int] = []
+    size = 0
+    for i in idx:
+        n = grads[i].numel()  # widened, or (div_scale != 1) divided into a new fp32 tensor
+        if block and size + n > WIDEN_BLOCK_NUMEL:
+            yield block
+            block, size = [], 0
+        block.append(i)
+        size += n
+    if block:
+        yield block
+
+
+def _torch_adam(params, grads, exp_avgs, exp_avg_sqs, out_lowps, **hyper) -> None:
+    """:func:`_torch_adam_block` over blocks of tensors, so at most one block of gradients is
+    widened to fp32 at a time (see :data:`WIDEN_BLOCK_NUMEL`)."""
+    for block in _blocks(range(len(params)), grads):
+        _torch_adam_block(*([xs[i] for i in block] for xs in (params, grads, exp_avgs, exp_avg_sqs, out_lowps)), **hyper)
+
+
+def _torch_adam_block(params, grads, exp_avgs, exp_avg_sqs, out_lowps, *, step, lr, beta1, beta2, eps,
+                      weight_decay, adamw_mode, bias_correction, div_scale) -> None:
     grads32 = [_unscaled(g, div_scale) for g in grads]
+    widened = sum(g.numel() for g, g0 in zip(grads32, grads) if g is not g0)
+    _widened_live[0] += widened
+    _widened_live[1] = max(_widened_live[1], _widened_live[0])
+    try:
+        _torch_adam_widened(params, grads32, exp_avgs, exp_avg_sqs, out_lowps, step=step, lr=lr, beta1=beta1,
+                            beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+                            bias_correction=bias_correction)
+    finally:
+        _widened_live[0] -= widened
+
+
+def _torch_adam_widened(params, grads32, exp_avgs, exp_avg_sqs, out_lowps, *, step, lr, beta1, beta2, eps,
+                        weight_decay, adamw_mode, bias_correction) -> None:
     fused_idx, explicit_idx = [], []
     for i, p in enumerate(params):
         fusable = bias_correction and p.dtype == torch.float32 and p.is_contiguous()

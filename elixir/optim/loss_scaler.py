@@ -106,16 +106,16 @@ def found_inf_across_ranks(tensors: Iterable[torch.Tensor], group=None, device: 
 
     One all-reduce (MAX) of a single flag: every rank returns the same answer.
     """
-    flag = None
+    per_device: dict = {}  # the flags stay on their tensors' devices: one transfer per device
     for t in tensors:
         if t.numel() == 0:
             continue
         bad = ~torch.isfinite(t).all()
-        flag = bad if flag is None else flag | bad
-    if flag is None:
-        flag = torch.zeros((), dtype=torch.bool, device=device)
-    flag = flag.to(torch.float32).reshape(1)
-    if device is not None:
-        flag = flag.to(device)
+        per_device[t.device] = bad if t.device not in per_device else per_device[t.device] | bad
+    flags = [f.to(device or torch.device("cpu"), torch.float32).reshape(1) for f in per_device.values()]
+    if flags:
+        flag = torch.stack(flags).amax(0)
+    else:
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
     edist.all_reduce(flag, group=group, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item() > 0)

@@ -99,42 +99,84 @@ def _step_fn(model: nn.Module, batch: dict) -> torch.Tensor:
 
 @dataclass
 class _Clock:
-    seconds: float = 0.0
+    """Time spent in collectives. On CPU the host clock around each call (and the ``wait`` of an
+    asynchronous one): the host blocks there. On an accelerator the host only queues a
+    collective (NCCL returns at once, and ``wait`` orders a stream, not the host), so host time
+    comes out near zero: there each collective is bracketed by timing events on the device
+    (:func:`elixir.device.timing_event`) and :attr:`seconds` sums their elapsed device time once
+    the device is synchronised."""
+
+    host_seconds: float = 0.0
     calls: int = 0
+    device: Optional[torch.device] = None
+    pairs: list = dataclasses.field(default_factory=list)  # (start, end) device timing events
+
+    @property
+    def seconds(self) -> float:
+        if not self.pairs:
+            return self.host_seconds
+        dev.synchronize(self.device)
+        return self.host_seconds + sum(a.elapsed_time(b) for a, b in self.pairs) / 1e3
+
+    def start(self) -> tuple[float, Any]:
+        if self.device is None:
+            return time.perf_counter(), None
+        ev = dev.timing_event(self.device)
+        ev.record(dev.current_stream(self.device))
+        return 0.0, ev
+
+    def stop(self, started: tuple[float, Any]) -> None:
+        t0, ev = started
+        if ev is None:
+            self.host_seconds += time.perf_counter() - t0
+            return
+        end = dev.timing_event(self.device)
+        end.record(dev.current_stream(self.device))  # after the collective, on the stream that waits for it
+        self.pairs.append((ev, end))
 
 
 class _TimedWork:
-    """A collective's work handle whose ``wait`` is timed."""
+    """A collective's work handle whose ``wait`` is timed (on an accelerator: from the issue to
+    the stream that waits for it being ordered after it)."""
 
-    def __init__(self, work: Any, clock: _Clock) -> None:
-        self._work, self._clock = work, clock
+    def __init__(self, work: Any, clock: _Clock, started: tuple[float, Any]) -> None:
+        self._work, self._clock, self._started = work, clock, started
 
     def wait(self, *a: Any, **k: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return self._work.wait(*a, **k)
         finally:
-            self._clock.seconds += time.perf_counter() - t0
+            if self._started[1] is None:
+                self._clock.host_seconds += time.perf_counter() - t0
+            else:
+                self._clock.stop(self._started)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
 
 
 @contextlib.contextmanager
-def timed_collectives() -> Iterator[_Clock]:
+def timed_collectives(device: Optional[torch.device] = None) -> Iterator[_Clock]:
     """Time every all-gather, reduce-scatter and all-reduce elixir issues inside the block (the
-    call, plus ``wait`` on an asynchronous one)."""
-    clock = _Clock()
+    call, plus ``wait`` on an asynchronous one): by the host clock on CPU, by device timing
+    events on an accelerator (``device``, default the process's device)."""
+    device = dev.as_device(device)
+    clock = _Clock(device=device if dev.is_accelerator(device) else None)
     names = ("all_gather_into", "reduce_scatter_into", "all_reduce")
     saved = {n: getattr(edist, n) for n in names}
 
     def wrap(fn: Any) -> Any:
         def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
+            started = clock.start()
             out = fn(*a, **k)
-            clock.seconds += time.perf_counter() - t0
             clock.calls += 1
-            return _TimedWork(out, clock) if out is not None and hasattr(out, "wait") else out
+            if out is not None and hasattr(out, "wait"):
+                if started[1] is None:
+                    clock.host_seconds += time.perf_counter() - started[0]
+                return _TimedWork(out, clock, started)
+            clock.stop(started)
+            return out
         return timed
 
     try:
@@ -155,7 +197,7 @@ def _train(size: tuple, plan_json: dict, dtype: str, prefetch: bool) -> tuple:
 
 def _timed_step(em: Any, opt: Any, batch: dict) -> tuple[float, float, float]:
     batch = {k: v.to(em.device) for k, v in batch.items()}
-    with timed_collectives() as clock:
+    with timed_collectives(em.device) as clock:
         dev.synchronize(em.device)  # on an accelerator the host only queues work: time the device
         t0 = time.perf_counter()
         em(**batch).backward()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Container, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -222,6 +222,7 @@ class ElixirModule(nn.Module):
         self.grad_dtype = mp_policy.grad_dtype or dtype_from_name(search_result.grad_dtype)
         self.module = module
         self.plan = search_result
+        edist.bind_device()  # before any collective: NCCL and object collectives use the current device
         self.mesh = resolve_mesh(process_group, mesh)
         require_runnable(self.mesh.layout)  # the same on every rank: raised before any collective
         # DTensor (tensor-parallel) parameters become plain ones over their local shards
@@ -261,7 +262,6 @@ class ElixirModule(nn.Module):
         # malloc's heap every step, so backward's end trims it (see _finalize_backward)
         self._gathers_on_host = self.device.type == "cpu" and self.world_size > 1 and any(
             cp.sharded for cp in list(search_result.chunks) + list(search_result.frozen_chunks))
-        dev.reset_peak_memory(self.device)  # torch's peak statistics beside the ledger's
         self.cache = BlockCache(search_result.cache_blocks, strict=strict_cache)
 
         named = dict(module.named_parameters())
@@ -858,11 +858,13 @@ class ElixirModule(nn.Module):
         for hook in list(self._pre_step_hooks):
             hook(self)
 
-    def after_optimizer_step(self) -> None:
-        """The masters changed: refresh compute shards, publish the ZeRO-1/2 chunks' updated
-        slices and drop every gathered (now stale) payload. Collective when any chunk publishes."""
+    def after_optimizer_step(self, fresh: Container[int] = ()) -> None:
+        """The masters changed: refresh compute shards (but those of the chunks in ``fresh``,
+        already equal to their masters), publish the ZeRO-1/2 chunks' updated slices and drop
+        every gathered (now stale) payload. Collective when any chunk publishes."""
         for c in self.chunks:
-            c.refresh_from_master()  # on the copy stream
+            if c.index not in fresh:
+                c.refresh_from_master()  # on the copy stream
         self.publish_updates()
         self.streams.join()  # the next forward's compute waits for the refreshed shards
         self.cache.release_all()
@@ -934,7 +936,8 @@ class ElixirModule(nn.Module):
         it); ``disk_staged_bytes`` masters+state of disk chunks staged in host memory.
 
         Process (CPU box: device and host are one pool): ``rss_bytes`` / ``peak_rss_bytes``;
-        ``elixir_bytes`` what the ledger and the optimizer account for; ``untracked_bytes`` = RSS
+        ``elixir_bytes`` what the ledger and the optimizer account for in host memory (with an
+        accelerator, its device bytes are not in RSS and not counted here); ``untracked_bytes`` = RSS
         less elixir's bytes: the interpreter and libraries (the search's ``process`` term), the
         model's other tensors, activations alive now, transient copies and allocator slack;
         ``heap_free_bytes`` memory malloc holds free in its heap (slack: resident unless trimmed;
@@ -949,7 +952,11 @@ class ElixirModule(nn.Module):
         for fn in self._memory_reporters:
             extra.update(fn())
         store = self.disk_store
-        tracked = sum(L.current.values()) + extra.get("optimizer_state_bytes", 0)
+        # RSS counts host memory only: on an accelerator the ledger's device bytes and the
+        # optimizer state held there are not in it (on a CPU device both are host memory)
+        on_host = ("host", "device") if not dev.is_accelerator(self.device) else ("host",)
+        tracked = sum(n for (_, loc), n in L.current.items() if loc in on_host) + extra.get(
+            "optimizer_state_host_bytes", extra.get("optimizer_state_bytes", 0))
         heap = dev.host_allocator_stats()
         rss = dev.rss_bytes()
         process = {
@@ -1002,7 +1009,6 @@ class ElixirModule(nn.Module):
     def register_memory_reporter(self, fn) -> None:
         """``fn()`` returns a dict of byte counts merged into :meth:`memory_report`."""
         self._memory_reporters.append(fn)
-        dev.reset_peak_memory(self.device)
 
     # ------------------------------------------------------------------------------------------
     # state dict (full, unsharded, keys of the wrapped model)

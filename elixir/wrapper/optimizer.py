@@ -317,19 +317,14 @@ class ElixirOptimizer:
             self._grad_factor = None
             self._found_inf = None
             self._detach_grads()
-        if self.kernel is UpdateKernel.FUSED and len(fresh) == len(self.module.chunks):
-            # the kernel wrote every compute shard: skip the master -> shard copies of
-            # after_optimizer_step(), publish the ZeRO-1/2 slices and drop the stale payloads
-            self.module.publish_updates()
-            self.module.cache.release_all()
-        else:
-            self.module.after_optimizer_step()
+        # the chunks whose compute shard the kernel wrote need no master -> shard copy
+        self.module.after_optimizer_step(fresh=fresh)
         return None
 
     def _memory_report(self) -> dict[str, int]:
         """Host/device bytes of the inner optimizer's tensor state resident now (a disk chunk's
         state counts only while staged)."""
-        seen, total = set(), 0
+        seen, total, host = set(), 0, 0
         for st in self.optim.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() >= 1:
@@ -337,7 +332,8 @@ class ElixirOptimizer:
                     if key and key not in seen:
                         seen.add(key)
                         total += v.untyped_storage().nbytes()
-        return {"optimizer_state_bytes": total}
+                        host += v.untyped_storage().nbytes() if v.device.type == "cpu" else 0
+        return {"optimizer_state_bytes": total, "optimizer_state_host_bytes": host}
 
     def retire(self) -> None:
         """A newer ElixirOptimizer was built on this module: take this one's hooks off the module
@@ -514,8 +510,11 @@ class ElixirOptimizer:
                     self._plain_chunk(i)
                     written = False
                 if not written and c.shard is not c.master:
-                    with torch.no_grad():
-                        c.shard.copy_(c.master)
+                    if c.spec.master_on_disk:  # the staged master goes when this block ends
+                        with torch.no_grad():
+                            c.shard.copy_(c.master)
+                    else:  # on the copy stream, non-blocking: step() waits for it (host and device)
+                        c.refresh_from_master()
         finally:
             self._detach_grads(frags)
         # ZeRO-1/2: the other ranks' updated slices, left running while backward goes on (its
