@@ -356,3 +356,26 @@ def test_loss_scaler_flag_is_one_transfer_per_device():
     assert found_inf_across_ranks([torch.ones(3), torch.tensor([1.0, float("nan")])])
     assert not found_inf_across_ranks([])
 
+
+
+def test_grad_norm_takes_no_host_copy_per_chunk(monkeypatch):
+    """Item 10: the gradient norm's per-chunk terms stay on their device and come to the host
+    together (here, on the CPU device, no copy at all), and the norm is still torch's."""
+    from elixir.wrapper.clipping import global_grad_norm
+
+    zc = ZOO["gpt2"]
+    model = build_model("gpt2")
+    ref = build_model("gpt2")
+    em = ElixirModule(model, minimum_waste_search(model, 1))
+    assert len(em.chunks) > 1
+    batch = zc.make_batch(4, 0)
+    zc.loss(em, batch).backward()
+    zc.loss(ref, batch).backward()
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(1) or real_cpu(self, *a, **k))
+    norm = global_grad_norm(em, 2.0)
+    monkeypatch.undo()
+    assert copies == []
+    want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None], 2.0)
+    assert norm.norm == pytest.approx(want.item(), rel=1e-6) and not norm.found_inf

@@ -45,36 +45,40 @@ def _check_norm_type(norm_type: float) -> float:
 
 
 def global_grad_norm(em: ChunkedModel, norm_type: float = 2.0) -> GradNorm:
-    """The ``norm_type``-norm of all reduced gradients across the group (collective)."""
+    """The ``norm_type``-norm of all reduced gradients across the group (collective).
+
+    Each chunk's term stays on its gradient's device until all are taken; then one copy per
+    device brings them to the host (no host sync per chunk on an accelerator)."""
     p = _check_norm_type(norm_type)
     is_inf = math.isinf(p)
-    partial = torch.zeros((), dtype=torch.float64)
-    tp_partial = torch.zeros((), dtype=torch.float64)  # of Shard-placed tensor-parallel elements
     tp = em.tensor_parallel
-    has_inf = False
-    has_nan = False
-    for c in em.chunks:
-        if not c.grad_valid or c.shard_grad is None:
-            continue
-        if not c.spec.state_sharded and not is_inf and em.rank != 0:
-            continue
+    counted = [c for c in em.chunks if c.grad_valid and c.shard_grad is not None and c.shard_grad.numel() > 0
+               and (c.spec.state_sharded or is_inf or em.rank == 0)]
+    terms = []  # per chunk: (replicated term, Shard-placed tensor-parallel term), on the chunk's device
+    for c in counted:
         g = c.shard_grad
-        if g.numel() == 0:
-            continue
         if is_inf:
             lo, hi = torch.aminmax(g)  # one pass, no |g| temporary; NaN propagates
-            v = torch.maximum(-lo, hi).double().cpu()
-            partial = torch.maximum(partial, v)
+            terms.append((torch.maximum(-lo, hi).double(), None))
         elif tp is not None:
-            v, v_tp = _tp_split(em, c, g, p)
-            partial, tp_partial = partial + v, tp_partial + v_tp
-            v = v + v_tp  # (a p-th power sum: only its finiteness is read below)
+            terms.append(_tp_split(em, c, g, p))
+        else:  # fp32 per chunk, as torch's per tensor (bf16/fp16 gradients are upcast on the fly)
+            terms.append((_power(torch.linalg.vector_norm(g, p, dtype=torch.float32).double(), p), None))
+    partial = torch.zeros((), dtype=torch.float64)
+    tp_partial = torch.zeros((), dtype=torch.float64)  # of Shard-placed tensor-parallel elements
+    has_inf = False
+    has_nan = False
+    for c, (v, v_tp) in zip(counted, _on_host(terms)):
+        if is_inf:
+            partial = torch.maximum(partial, v)
         else:
-            # fp32 per chunk, as torch's per tensor (bf16/fp16 gradients are upcast on the fly)
-            v = torch.linalg.vector_norm(g, p, dtype=torch.float32).double().cpu()
-            partial = partial + (v * v if p == 2.0 else v**p)
+            partial = partial + v
+            if v_tp is not None:
+                tp_partial = tp_partial + v_tp
+                v = v + v_tp  # (a p-th power sum: only its finiteness is read below)
         if not torch.isfinite(v):
             # find out which (the partial goes to 0 so MAX/SUM across ranks stay well defined)
+            g = c.shard_grad
             finite = torch.isfinite(g)
             has_nan = has_nan or bool(torch.isnan(g).any())
             has_inf = has_inf or bool((~finite & ~torch.isnan(g)).any())
@@ -122,10 +126,33 @@ def _tp_split(em: ChunkedModel, c, g: torch.Tensor, p: float) -> tuple[torch.Ten
         mask[a:b] = True
 
     def power(x: torch.Tensor) -> torch.Tensor:
-        v = torch.linalg.vector_norm(x, p, dtype=torch.float32).double().cpu()
-        return v * v if p == 2.0 else v**p
+        return _power(torch.linalg.vector_norm(x, p, dtype=torch.float32).double(), p)
 
     return power(g[~mask]), power(g[mask])
+
+
+def _power(v: torch.Tensor, p: float) -> torch.Tensor:
+    return v * v if p == 2.0 else v**p
+
+
+def _on_host(terms: list) -> list:
+    """``terms`` (pairs of 0-d float64 tensors, the second possibly None) copied to the host with
+    one transfer per device they live on, in the same order."""
+    flat = [t for pair in terms for t in pair if t is not None]
+    by_device: dict = {}
+    for i, t in enumerate(flat):
+        by_device.setdefault(t.device, []).append(i)
+    host: list = [None] * len(flat)
+    for device, idx in by_device.items():
+        stacked = torch.stack([flat[i] for i in idx])
+        values = stacked if device.type == "cpu" else stacked.cpu()
+        for j, i in enumerate(idx):
+            host[i] = values[j]
+    out, k = [], 0
+    for _, b in terms:
+        out.append((host[k], None if b is None else host[k + 1]))
+        k += 1 if b is None else 2
+    return out
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> torch.Tensor:
