@@ -169,3 +169,13 @@ def test_cli_given_a_missing_file_or_an_unknown_model(argv, text, capsys):
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc != 0 and text in err and "Traceback" not in err, err
+
+
+def test_load_state_dict_assign_is_refused_not_ignored():
+    """Before: assign=True was silently ignored. The parameters are views of elixir's chunks, so the
+    state dict's tensors cannot become them: refused, naming assign=False (which copies the values)."""
+    em = _wrapped()
+    sd = em.state_dict()
+    with pytest.raises(ValueError, match=r"assign=True\) is not supported.*Use assign=False"):
+        em.load_state_dict(sd, assign=True)
+    em.load_state_dict(sd, assign=False)

@@ -122,7 +122,7 @@ def results():
 @pytest.mark.dist
 @pytest.mark.parametrize("name, depth", [("gemini_static_depth2", 2), ("gemini_cuda_depth1", 1), ("lightning_prefetch", 1)])
 def test_prefetch_depth_takes_effect(results, name, depth):
-    for rank, got in enumerate(results):
+    for got in results:
         r = got[name]
         assert not r["plan_order"] and r["sharded"] > 1, r  # an untraced plan with chunks to prefetch
         assert r["lookahead"] == depth, r

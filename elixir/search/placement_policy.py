@@ -128,7 +128,7 @@ def make_plan(
     docstring). ``pin_memory``: whether host-placed shards are page-locked, set on the plan
     whichever way it was made (None: the plan's own choice, pinned by default)."""
     result = _make_plan(model, world_size, dtype, plan, search, placement_policy, verbose, fractions)
-    if pin_memory is not None and bool(result.info.get("pin_memory", True)) != pin_memory:
+    if pin_memory is not None and result.info.get("pin_memory") is not bool(pin_memory):
         result = dataclasses.replace(result, info={**result.info, "pin_memory": bool(pin_memory)})
     return result
 
