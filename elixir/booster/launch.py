@@ -16,8 +16,8 @@ from elixir import distributed as edist
 def _seed(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-    try:  # numpy is optional
-        import numpy as np
+    try:
+        import numpy as np  # optional dependency: seeded when installed, as ColossalAI does
 
         np.random.seed(seed)
     except ImportError:
