@@ -18,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -41,7 +42,7 @@ from elixir import distributed as edist
 from elixir.data import eval_batches, load_corpus, sample_batch
 from elixir.hardware import default_profile
 from elixir.optim import HybridAdam
-from elixir.search import minimum_waste_search, optimal_search, print_plan
+from elixir.search import DoesNotFitError, minimum_waste_search, optimal_search, print_plan
 from elixir.search.cost_model import unified_memory
 from elixir.tables import human_count, longest_word, number_column, param_ranges, text_column
 from elixir.wrapper import ElixirModule, ElixirOptimizer
@@ -57,6 +58,8 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 
 DTYPES = ("fp32", "bf16")
 SEARCHES = ("optimal", "minimum_waste")
+STATUS_ENV = "ELIXIR_DEMO_STATUS"  # launch() -> workers: the file where rank 0 records a refusal
+NO_FIT_EXIT = 1  # the exit status when no plan fits the budget (as `elixir plan` returns)
 TIMING_WARMUP = 3  # steps left out of the measured step time (first gathers, allocator warm-up)
 
 
@@ -178,10 +181,18 @@ def launch(cfg: DemoConfig) -> int:
     env["OMP_NUM_THREADS"] = str(cfg.threads_per_rank())  # also silences torchrun's warning about it
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    fd, status = tempfile.mkstemp(prefix="elixir-demo-", suffix=".status")
+    os.close(fd)
+    env[STATUS_ENV] = status
     try:
-        return subprocess.run(cmd, env=env).returncode
+        rc = subprocess.run(cmd, env=env).returncode
+        with open(status) as f:
+            refused = f.read().strip()
+        return NO_FIT_EXIT if rc == 0 and refused else rc
     except KeyboardInterrupt:
         return 130
+    finally:
+        os.unlink(status)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +329,10 @@ def run_worker(cfg: DemoConfig) -> int:
     say(f"corpus: {corpus.train.numel() / 1e6:.2f} MB train ({corpus.train_files} files), "
         f"{corpus.val.numel() / 1e6:.2f} MB val ({corpus.val_files} files) of Python source from {corpus.source}")
 
-    trainer = Trainer(model, cfg, world, console, sample_batch(corpus.train, cfg.batch, cfg.seq, 0, cfg.seed, rank, world))
+    try:
+        trainer = Trainer(model, cfg, world, console, sample_batch(corpus.train, cfg.batch, cfg.seq, 0, cfg.seed, rank, world))
+    except DoesNotFitError as e:  # the same on every rank (the search is deterministic): say it once, as `elixir plan` does
+        return _does_not_fit(console, e)
 
     sched = torch.optim.lr_scheduler.LambdaLR(trainer.inner_optimizer, lr_lambda(cfg))
     val_set = eval_batches(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, world)
@@ -355,6 +369,21 @@ def run_worker(cfg: DemoConfig) -> int:
             with open(cfg.json_path, "w") as f:
                 json.dump(summary, f, indent=1)
     edist.shutdown()  # drain elixir's async work, then barrier and destroy on every rank together
+    return 0
+
+
+def _does_not_fit(console, error: DoesNotFitError) -> int:
+    """Rank 0 prints the search's message (its suggestions included) as ``elixir plan`` does, with
+    no traceback. Under :func:`launch` every rank then exits 0, so torchrun adds no failure report
+    of its own, and the status file tells :func:`launch` to return :data:`NO_FIT_EXIT`."""
+    if console is not None:
+        console.print(f"[red]{error}[/red]")
+    status = os.environ.get(STATUS_ENV)
+    if status is None:
+        return NO_FIT_EXIT
+    if console is not None:
+        with open(status, "w") as f:
+            f.write("does not fit\n")
     return 0
 
 

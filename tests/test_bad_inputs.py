@@ -64,9 +64,15 @@ def test_second_optimizer_on_one_module_takes_over():
         old.step()
 
 
-def test_prefetch_with_a_plan_without_order_warns():
-    with pytest.warns(UserWarning, match="no traced parameter order .* nothing is prefetched.*prefetch=False"):
-        _wrapped(prefetch=True)
+def test_prefetch_with_a_plan_without_order_learns_it():
+    """Before: a warning, and nothing was ever prefetched. Now the runtime follows the order the
+    first training iteration took (tests/test_prefetch_front_ends.py checks the gathers ahead)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        em = _wrapped(prefetch=True)
+    assert em.schedule is None and em.plan.param_order is None
 
 
 @pytest.mark.parametrize("change", ["replaced", "added"])
@@ -163,3 +169,13 @@ def test_cli_given_a_missing_file_or_an_unknown_model(argv, text, capsys):
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc != 0 and text in err and "Traceback" not in err, err
+
+
+def test_load_state_dict_assign_is_refused_not_ignored():
+    """Before: assign=True was silently ignored. The parameters are views of elixir's chunks, so the
+    state dict's tensors cannot become them: refused, naming assign=False (which copies the values)."""
+    em = _wrapped()
+    sd = em.state_dict()
+    with pytest.raises(ValueError, match=r"assign=True\) is not supported.*Use assign=False"):
+        em.load_state_dict(sd, assign=True)
+    em.load_state_dict(sd, assign=False)

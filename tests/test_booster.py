@@ -204,10 +204,8 @@ def test_plugins_match_reference_and_resume(tmp_path):
 @pytest.mark.parametrize(
     "kw, says",
     [
-        ({"enable_flash_attention": True}, "attn_implementation='sdpa'"),
         ({"tp_size": 2}, "tensor parallelism"),
-        ({"chunk_config_dict": {}}, "plan="),
-        ({"gpu_margin_mem_ratio": 0.5}, "optimal_search"),
+        ({"extra_dp_size": 2}, "extra_dp_size=1"),
         ({"master_weights": False}, "fp32 master"),
         ({"placement_policy": "auto", "offload_optim_frac": 0.5}, "placement_policy='static'"),
         ({"offload_param_frac": 0.5, "shard_param_frac": 0.5}, "shard_param_frac=1.0"),
@@ -222,11 +220,86 @@ def test_gemini_refuses_what_it_cannot_honour(kw, says):
     assert says in str(err.value)
 
 
+# ColossalAI 0.5's GeminiPlugin and LowLevelZeroPlugin signatures (colossalai/booster/plugin/*.py at
+# v0.5.0), each name with a value other than its default
+GEMINI_05 = dict(
+    chunk_config_dict={2: {"chunk_size": 1 << 20}}, chunk_init_device="cpu", placement_policy="static",
+    enable_gradient_accumulation=True, max_prefetch=1, shard_param_frac=1.0, offload_optim_frac=0.5,
+    offload_param_frac=0.0, warmup_non_model_data_ratio=0.5, steady_cuda_cap_ratio=0.5, precision="bf16",
+    pin_memory=True, force_outputs_fp32=True, strict_ddp_mode=True, search_range_m=64, hidden_dim=768,
+    min_chunk_size_m=8, memstats=object(), gpu_margin_mem_ratio=0.5, initial_scale=2**8, min_scale=2, growth_factor=4,
+    backoff_factor=0.25, growth_interval=10, hysteresis=3, max_scale=2**20, max_norm=1.0, norm_type=2.0,
+    enable_all_optimization=True, enable_fused_normalization=True, enable_flash_attention=True,
+    enable_sequence_parallelism=True, enable_jit_fused=True, enable_async_reduce=False, use_fp8=True, verbose=False,
+    fp8_communication=True,
+)
+LOW_LEVEL_ZERO_05 = dict(
+    stage=2, precision="bf16", initial_scale=2**8, min_scale=2, growth_factor=4, backoff_factor=0.25, growth_interval=10,
+    hysteresis=3, max_scale=2**20, max_norm=1.0, norm_type=2.0, reduce_bucket_size_in_m=4,
+    communication_dtype=torch.float32, overlap_communication=False, overlap_allgather=True, cpu_offload=True,
+    verbose=False, cast_inputs=False, fp8_communication=True, use_fp8=True,
+)
+
+
+def test_every_colossalai_05_argument_is_accepted_and_what_is_ignored_says_so():
+    """Before: strict_ddp_mode, chunk_init_device, device= were TypeErrors, hidden_dim a ValueError.
+    Now each argument is honoured or ignored with a one-line note naming what elixir does."""
+    import warnings
+
+    from elixir.booster import Booster, GeminiPlugin, LowLevelZeroPlugin
+
+    for plugin, kw, ignored in (
+        (GeminiPlugin, GEMINI_05, {"chunk_config_dict", "chunk_init_device", "search_range_m", "hidden_dim", "min_chunk_size_m",
+                                   "memstats", "warmup_non_model_data_ratio", "steady_cuda_cap_ratio", "gpu_margin_mem_ratio",
+                                   "enable_fused_normalization", "enable_jit_fused", "enable_sequence_parallelism",
+                                   "enable_async_reduce", "use_fp8", "fp8_communication", "enable_all_optimization"}),
+        (LowLevelZeroPlugin, LOW_LEVEL_ZERO_05, {"overlap_communication", "overlap_allgather", "cast_inputs",
+                                                 "fp8_communication", "use_fp8"}),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            p = plugin(**kw)
+        said = [str(w.message) for w in caught]
+        for name in ignored:
+            assert any(f"({name}=" in m and m.startswith("elixir: ") for m in said), (name, said)
+        assert all("\n" not in m for m in said)  # one line each
+        if plugin is GeminiPlugin:
+            assert p.use_fused_kernels and p.output_fp32 is True and p.pin_memory and p.max_prefetch == 1
+        # at ColossalAI's defaults nothing is said
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            plugin(strict_ddp_mode=False) if plugin is GeminiPlugin else plugin(overlap_communication=True, cast_inputs=True)
+    with pytest.warns(UserWarning, match=r"device=.* is ignored: elixir computes on its default device"):
+        GeminiPlugin(device="cpu")
+    # Booster: ColossalAI's arguments and positional order
+    g = GeminiPlugin(precision="fp32")
+    with pytest.warns(UserWarning, match="Booster\\(device='cuda'\\) is ignored"):
+        assert Booster("cuda", None, g).plugin is g
+    with pytest.warns(UserWarning, match="precision= sets the compute dtype"):
+        Booster(plugin=g, mixed_precision="bf16")
+    assert Booster(g).plugin is g
+
+
+def test_pin_memory_reaches_the_plan_on_every_path():
+    """Before: dropped on the 'auto' and plan= paths (GeminiPlugin(placement_policy='auto', pin_memory=False) pinned)."""
+    from elixir.booster import GeminiPlugin
+    from elixir.search import minimum_waste_search
+    from elixir.testing.zoo import build_model
+
+    model = build_model("gpt2")
+    pinned = minimum_waste_search(model, 1)
+    assert pinned.info.get("pin_memory", True) is True
+    for kw in ({"placement_policy": "auto"}, {"plan": pinned}, {"placement_policy": "cpu"}, {}):
+        for pin in (False, True):
+            plan = GeminiPlugin(precision="fp32", pin_memory=pin, **kw).make_plan(model)
+            assert plan.info["pin_memory"] is pin, (kw, pin)
+
+
 def test_booster_argument_errors():
-    from elixir.booster import Booster, GeminiPlugin
+    from elixir.booster import Booster, GeminiPlugin, TorchDDPPlugin
 
     with pytest.raises(ValueError, match="precision on the plugin"):
-        Booster(plugin=GeminiPlugin(), mixed_precision="bf16")
+        Booster(plugin=TorchDDPPlugin(), mixed_precision="bf16")
     with pytest.raises(ValueError, match="'auto'"):
         Booster(plugin="gemini")
     with pytest.raises(TypeError, match="unexpected argument"):
@@ -281,7 +354,6 @@ def test_booster_gemini_example_smoke(tmp_path):
     [
         ({"stage": 3}, "GeminiPlugin"),
         ({"precision": "fp8"}, "precision must be one of"),
-        ({"overlap_communication": False}, "overlap_communication"),
         ({"communication_dtype": torch.float16, "precision": "bf16"}, "torch.float32"),
         ({"master_weights": False}, "fp32 master"),
         ({"extra_dp_size": 2}, "extra_dp_size=1"),

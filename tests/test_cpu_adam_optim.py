@@ -241,3 +241,42 @@ def test_elixir_simd_env_selects_variant(tmp_path, simd):
         same = scenario()
     for k, t in same.items():
         assert torch.equal(res[k], t), k
+
+
+def _on_accelerator(params) -> set:
+    """The CPU stand-in for HybridAdam's accelerator parameters: these ids take the device branch
+    (``_kernel_eligible`` says no), the rest the native kernel, in the same optimizer step."""
+    return {id(p) for p in params}
+
+
+@pytest.mark.parametrize("adamw_mode, fallback", [(True, False), (False, False), (True, True)])
+def test_hybrid_device_branch_matches_torch(monkeypatch, adamw_mode, fallback):
+    """HybridAdam's device branch (torch's fused multi-tensor Adam/AdamW, or the explicit ops where a
+    device has no fused kernel) against torch.optim.AdamW/Adam, through a CPU stand-in: the first
+    layer is "on the accelerator", the rest on the native kernel, stepped together. Before, the only
+    HybridAdam test compared two objects running the same CPU code and could not fail."""
+    a, b = mlp((32, 17, 3)), mlp((32, 17, 3))
+    device_ids = _on_accelerator(a[0].parameters())
+    eligible = F._kernel_eligible
+    taken = []
+
+    def stand_in(p, g, m, v, o):
+        if id(p) in device_ids:
+            taken.append(id(p))
+            return False
+        return eligible(p, g, m, v, o)
+
+    monkeypatch.setattr(F, "_kernel_eligible", stand_in)
+    if fallback:  # a device without torch's fused kernel: the explicit ops
+        def no_fused(*args, **kwargs):
+            raise NotImplementedError("no fused kernel on this device")
+
+        monkeypatch.setattr(torch, "_fused_adamw_", no_fused)
+    kw = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
+    train(a, HybridAdam(a.parameters(), adamw_mode=adamw_mode, **kw), 10)
+    monkeypatch.undo()
+    ref = (torch.optim.AdamW if adamw_mode else torch.optim.Adam)(b.parameters(), foreach=False, **kw)
+    train(b, ref, 10)
+    assert device_ids <= set(taken)  # the stand-in really routed them through the device branch
+    for x, y in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(x, y, rtol=2e-5, atol=2e-6)

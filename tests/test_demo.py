@@ -109,3 +109,18 @@ def test_tiny_demo_trains_on_two_ranks(tmp_path):
     assert "predicted by the search vs measured" in proc.stdout
     assert s["predicted_step_s"] > 0 and s["measured_step_s"] > 0
     assert 0.5 < mem[0]["device_peak"] / s["predicted_runtime_bytes"] < 1.5, s
+
+
+@pytest.mark.dist
+def test_budget_that_fits_nothing_prints_the_message_once_without_a_traceback():
+    """Before: every rank printed a 40-line DoesNotFitError traceback, then torchrun its own report.
+    Now rank 0 prints the search's message and suggestions as `elixir plan` does; exit status 1."""
+    cmd = [sys.executable, "-m", "elixir", "demo", "--preset", "tiny", "--steps", "2", "--world-size", "2",
+           "--batch", "8", "--seq", "64", "--corpus-bytes", "1000000", "--budget-mib", "0.01"]
+    env = dict(os.environ, COLUMNS="200")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    both = proc.stdout + proc.stderr
+    assert "Traceback" not in both and "ChildFailedError" not in both, both[-3000:]
+    assert proc.stdout.count("no plan fits") == 1, proc.stdout[-3000:]  # rank 0 only
+    assert "summary" not in proc.stdout

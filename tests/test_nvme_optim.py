@@ -102,8 +102,9 @@ def test_full_disk_is_refused_up_front(tmp_path, monkeypatch):
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(1 << 30, 1 << 30, 1000))
-    with pytest.raises(OffloadDirError, match="MiB free"):
+    with pytest.raises(OffloadDirError, match=r"has 1000 bytes free but .* needs \d+\.\d KiB .* at least \d+\.\d KiB free") as err:
         CPUAdam(_model().parameters(), nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path))
+    assert "0.0 MiB" not in str(err.value)  # before: "with at least 0.0 MiB free" for a need of tens of KiB
     assert os.listdir(tmp_path) == []  # nothing left behind
 
 

@@ -352,3 +352,17 @@ def test_gathers_pay_their_payloads_first_touch_on_a_cpu_box():
     a = comm_times(profile, lay, plain, gathers=10)["all_gather"]
     b = comm_times(profile, lay, touched, gathers=10)["all_gather"]
     assert b - a == pytest.approx(10 * lay.chunk_size * 4 / 1e9)
+
+
+@pytest.mark.parametrize("body, kinds", [("sharded", {"sharded"}), ("zero", {"zero1", "zero2"})])
+def test_pure_body_sharding_is_honoured_when_no_budget_binds(body, kinds):
+    """Before: with memory to spare, optimal_search(body_sharding="sharded") returned the fully
+    replicated (data parallel) plan, which is neither pure ZeRO-3 nor pure ZeRO-1/2."""
+    from elixir.search import Sharding, optimal_search
+    from elixir.testing.zoo import build_model
+
+    plan = optimal_search(build_model("gpt2"), 2, body_sharding=body, process_bytes=0)
+    assert not all(c.sharding is Sharding.REPLICATED for c in plan.chunks)
+    assert any(c.sharding.value in kinds for c in plan.chunks), [c.sharding for c in plan.chunks]
+    other = {"sharded": ("zero1", "zero2"), "zero": ("sharded",)}[body]
+    assert not any(c.sharding.value in other for c in plan.chunks), [c.sharding for c in plan.chunks]

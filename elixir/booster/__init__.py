@@ -4,12 +4,18 @@
 :class:`GeminiPlugin` (alias :class:`ElixirPlugin`, on ElixirModule/ElixirOptimizer), or
 ``plugin="auto"`` (the search chooses), and :class:`LowLevelZeroPlugin` (ZeRO-1/2: a plan whose
 chunks keep parameters whole and split masters and optimizer state, on the same runtime).
+``launch`` / ``launch_from_torch`` start the process group as ColossalAI's do, so a ColossalAI
+program runs with ``import elixir.booster as colossalai``.
 """
 
 from elixir.booster.booster import Booster
 from elixir.booster.gemini import ElixirPlugin, GeminiPlugin
+from elixir.booster.launch import launch, launch_from_torch
 from elixir.booster.low_level_zero import LowLevelZeroPlugin
 from elixir.booster.plugin import Plugin
-from elixir.booster.torch_plugins import TorchDDPPlugin, TorchFSDPPlugin
+from elixir.booster.torch_plugins import OptimizerWrapper, TorchDDPPlugin, TorchFSDPPlugin
 
-__all__ = ["Booster", "ElixirPlugin", "GeminiPlugin", "LowLevelZeroPlugin", "Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
+__all__ = [
+    "Booster", "ElixirPlugin", "GeminiPlugin", "LowLevelZeroPlugin", "OptimizerWrapper", "Plugin", "TorchDDPPlugin",
+    "TorchFSDPPlugin", "launch", "launch_from_torch",
+]

@@ -35,7 +35,9 @@ def choose_plugin(model: nn.Module, dtype: torch.dtype = torch.float32, verbose:
     runtime runs that plan with the searched chunk size, cache and prefetch.
     """
     world = edist.get_world_size()
-    result = optimal_search(model, world, unified_dtype=dtype, verbose=verbose and edist.get_rank() == 0)
+    # overlap=True: the search decides whether gathering ahead pays; the runtime follows the order
+    # the first iteration takes (the plan is untraced) at the depth the search chose
+    result = optimal_search(model, world, unified_dtype=dtype, overlap=True, verbose=verbose and edist.get_rank() == 0)
     n = len(result.chunks)
     sharded = sum(c.sharded for c in result.chunks)
     off = sum(c.shard_placement is not Placement.DEVICE or c.optim_placement is not Placement.DEVICE for c in result.chunks)
@@ -47,7 +49,8 @@ def choose_plugin(model: nn.Module, dtype: torch.dtype = torch.float32, verbose:
             f"({step}): that is data parallelism, so TorchDDPPlugin runs it",
         )
     return AutoChoice(
-        GeminiPlugin(plan=result, precision={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")),
+        GeminiPlugin(plan=result, precision={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32"),
+                     max_prefetch=result.prefetch_depth),
         f"optimal_search's fastest plan that fits shards {sharded} of {n} chunks and offloads {off} "
         f"({dtype_name(dtype)}, {step}): only GeminiPlugin executes such a plan",
     )

@@ -20,11 +20,14 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from elixir import checkpoint
+from elixir import checkpoint as ckpt
 from elixir import distributed as edist
 from elixir.booster import model_io
 from elixir.booster.auto import choose_plugin
+from elixir.booster.compat import LOAD, SAVE_MODEL, SAVE_OPTIMIZER, check_compat, note
 from elixir.booster.plugin import Plugin
+from elixir.booster.runtime_plugin import ElixirRuntimePlugin
+from elixir.booster.torch_plugins import OptimizerWrapper
 from elixir.wrapper import ElixirModule
 
 _MIXED = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -38,17 +41,36 @@ class Booster:
         plugin: a :class:`~elixir.booster.plugin.Plugin` (TorchDDPPlugin, TorchFSDPPlugin,
             GeminiPlugin/ElixirPlugin, LowLevelZeroPlugin) or ``"auto"``.
         mixed_precision: with ``plugin="auto"``, the compute dtype to plan for (``"fp16"``,
-            ``"bf16"``, ``"fp32"``). With a given plugin it must be None: Gemini takes
-            ``precision=``, FSDP2 a ``MixedPrecisionPolicy`` (DDP runs in the model's dtype).
+            ``"bf16"``, ``"fp32"``). With GeminiPlugin or LowLevelZeroPlugin it is ignored with a
+            note, as in ColossalAI (the plugin's ``precision=`` sets the dtype); with the torch
+            plugins it is refused naming their own argument (FSDP2's ``MixedPrecisionPolicy``).
+        device: ColossalAI's device argument; the plugins place the model on elixir's default
+            device, so another value is ignored with a note (as ColossalAI does for plugins that
+            control the device).
+
+    ColossalAI's positional order ``Booster(device, mixed_precision, plugin)`` is recognised too
+    (a device first, a plugin third); ``Booster(plugin)`` takes the plugin.
     """
 
-    def __init__(self, plugin: Union[Plugin, str, None] = None, mixed_precision: Optional[str] = None) -> None:
+    def __init__(
+        self, plugin: Union[Plugin, str, None] = None, mixed_precision: Optional[str] = None,
+        device: Union[str, torch.device, int, None] = None,
+    ) -> None:
+        if (isinstance(device, Plugin) or device == "auto") and not (isinstance(plugin, Plugin) or plugin == "auto"):
+            plugin, device = device, plugin  # ColossalAI's positional order: Booster(device, mixed_precision, plugin)
         if mixed_precision is not None and mixed_precision not in _MIXED:
             raise ValueError(f"mixed_precision must be one of {tuple(_MIXED)} or None, got {mixed_precision!r}")
         if isinstance(plugin, str) and plugin != "auto":
             raise ValueError(f"plugin must be a Plugin instance or 'auto', got {plugin!r}")
         if plugin is None:
             raise ValueError("Booster needs plugin= (TorchDDPPlugin(), TorchFSDPPlugin(), GeminiPlugin(...) or 'auto')")
+        if device is not None:
+            note(f"Booster(device={device!r}) is ignored: the plugin places the model on elixir's default device "
+                 "(the current CUDA device, else the CPU)", stacklevel=2)
+        if isinstance(plugin, ElixirRuntimePlugin) and mixed_precision is not None:
+            note(f"Booster(mixed_precision={mixed_precision!r}) is ignored: {type(plugin).__name__}'s precision= sets "
+                 f"the compute dtype (here {plugin.precision!r})", stacklevel=2)
+            mixed_precision = None
         if isinstance(plugin, Plugin) and mixed_precision is not None:
             raise ValueError(
                 f"Booster(mixed_precision={mixed_precision!r}) with {type(plugin).__name__} is not supported: set the "
@@ -94,54 +116,92 @@ class Booster:
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
-    def save_model(self, model: nn.Module, path: str, shard: bool = True, size_per_shard: float = 1024, use_safetensors: bool = True) -> None:
-        """The full model in HF's safetensors layout in the directory ``path`` (shards of at most
-        ``size_per_shard`` MiB with an index when ``shard``), written by
-        :func:`elixir.checkpoint.save_pretrained`: for a model on elixir's runtime one gathered
-        chunk at a time, files spread over the ranks (no rank holds the whole model); for DDP and
-        FSDP2 from the full state dict on rank 0. Collective: every rank calls it."""
+    def save_model(
+        self, model: nn.Module, checkpoint: str, shard: bool = True, gather_dtensor: bool = True, prefix: Optional[str] = None,
+        size_per_shard: float = 1024, use_safetensors: bool = True, use_async: bool = False,
+    ) -> None:
+        """The full model. ``shard=True`` (elixir's default): the directory ``checkpoint`` in HF's
+        safetensors layout (``model.safetensors``, or shards of at most ``size_per_shard`` MiB
+        with an index), written by :func:`elixir.checkpoint.save_pretrained`: for a model on
+        elixir's runtime one gathered chunk at a time, files spread over the ranks (no rank holds
+        the whole model); for DDP and FSDP2 from the full state dict on rank 0. ``shard=False``
+        (ColossalAI's default): the single file ``checkpoint``, safetensors or (``use_safetensors=False``)
+        ``torch.save``, written by rank 0 from the gathered state dict. ColossalAI's
+        ``gather_dtensor``, ``prefix`` and ``use_async`` are noted and ignored. Collective: every
+        rank calls it."""
+        check_compat("Booster.save_model", {"gather_dtensor": gather_dtensor, "prefix": prefix, "use_async": use_async},
+                     SAVE_MODEL)
+        if not shard:
+            self._save_model_file(model, checkpoint, use_safetensors)
+            return
         if not use_safetensors:
-            raise ValueError("save_model writes safetensors only; use_safetensors=False is not supported")
-        limit = max(1, int(size_per_shard * 2**20)) if shard else 2**62  # bytes
+            note("Booster.save_model(shard=True, use_safetensors=False): the shards are written as safetensors "
+                 "(Hugging Face's layout, which load_model and from_pretrained read)", stacklevel=2)
+        limit = max(1, int(size_per_shard * 2**20))  # bytes
         if isinstance(model, ElixirModule):
-            checkpoint.save_pretrained(path, model, max_shard_size=limit)
+            ckpt.save_pretrained(checkpoint, model, max_shard_size=limit)
             return
         state = self._plugin().full_state_dict(model)
         error = None
         if edist.get_rank() == 0:
             try:
-                checkpoint.save_state_dict_pretrained(path, state, _unwrap(model), max_shard_size=limit)
-            except (OSError, checkpoint.CheckpointError) as e:
+                ckpt.save_state_dict_pretrained(checkpoint, state, _unwrap(model), max_shard_size=limit)
+            except (OSError, ckpt.CheckpointError) as e:
+                error = f"save_model({checkpoint!r}) failed: {e}"
+        _agree(error)
+
+    def _save_model_file(self, model: nn.Module, path: str, use_safetensors: bool) -> None:
+        state = self._plugin().full_state_dict(model)
+        error = None
+        if edist.get_rank() == 0:
+            try:
+                model_io.write_file(path, state, use_safetensors)
+            except OSError as e:
                 error = f"save_model({path!r}) failed: {e}"
         _agree(error)
 
-    def load_model(self, model: nn.Module, path: str, strict: bool = True) -> None:
-        """Load what :meth:`save_model` (or HF ``save_pretrained``) wrote. Every rank reads it."""
-        state = model_io.fill_tied(model_io.read(path), _unwrap(model))
-        self._plugin().load_full_state_dict(model, state, strict)
+    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True, low_cpu_mem_mode: bool = True,
+                   num_threads: int = 1) -> None:
+        """Load what :meth:`save_model` (or HF ``save_pretrained``) wrote: a directory, or a single
+        safetensors or ``torch.save`` file. Every rank reads it. ``model`` may be boosted or plain."""
+        check_compat("Booster.load_model", {"low_cpu_mem_mode": low_cpu_mem_mode, "num_threads": num_threads}, LOAD)
+        state = model_io.fill_tied(model_io.read(checkpoint), _unwrap(model))
+        if isinstance(model, (ElixirModule, DistributedDataParallel)) or self.plugin is None:
+            self._plugin().load_full_state_dict(model, state, strict)
+        elif any(hasattr(p, "device_mesh") for p in model.parameters()):  # FSDP2's DTensors
+            self._plugin().load_full_state_dict(model, state, strict)
+        else:  # a model that was never boosted: it is a plain module
+            model.load_state_dict(state, strict=strict)
 
-    def save_optimizer(self, optimizer: Any, path: str, shard: bool = True) -> None:
-        """Optimizer state in the directory ``path``: each rank writes only its own shard
-        (replicated state: rank 0 writes it once). Collective."""
+    def save_optimizer(self, optimizer: Any, checkpoint: str, shard: bool = True, gather_dtensor: bool = True,
+                       prefix: Optional[str] = None, size_per_shard: int = 1024, use_async: bool = False) -> None:
+        """Optimizer state in the directory ``checkpoint``: each rank writes only its own shard
+        (replicated state: rank 0 writes it once). ``shard=False`` (ColossalAI's single file) is
+        noted: the directory is written all the same, and :meth:`load_optimizer` reads it.
+        Collective."""
+        check_compat("Booster.save_optimizer", {"gather_dtensor": gather_dtensor, "prefix": prefix,
+                                                "size_per_shard": size_per_shard, "use_async": use_async}, SAVE_OPTIMIZER)
         if not shard:
-            raise ValueError("save_optimizer writes one shard per rank; shard=False is not supported")
-        self._plugin().save_optimizer(optimizer, path)
+            note(f"Booster.save_optimizer(shard=False): elixir writes one file per rank into the directory "
+                 f"{checkpoint!r} (it never gathers the optimizer state); load_optimizer reads it", stacklevel=2)
+        self._plugin().save_optimizer(_inner_optimizer(optimizer), checkpoint)
         model_io.barrier()
 
-    def load_optimizer(self, optimizer: Any, path: str) -> None:
+    def load_optimizer(self, optimizer: Any, checkpoint: str, low_cpu_mem_mode: bool = True, num_threads: int = 1) -> None:
         """Load what :meth:`save_optimizer` wrote, each rank its own shard."""
-        self._plugin().load_optimizer(optimizer, path)
+        check_compat("Booster.load_optimizer", {"low_cpu_mem_mode": low_cpu_mem_mode, "num_threads": num_threads}, LOAD)
+        self._plugin().load_optimizer(_inner_optimizer(optimizer), checkpoint)
 
-    def save_lr_scheduler(self, lr_scheduler: Any, path: str) -> None:
-        """``lr_scheduler.state_dict()`` to the file ``path`` (rank 0)."""
+    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        """``lr_scheduler.state_dict()`` to the file ``checkpoint`` (rank 0)."""
         if edist.get_rank() == 0:
-            tmp = path + ".tmp"
+            tmp = checkpoint + ".tmp"
             torch.save(lr_scheduler.state_dict(), tmp)
-            os.replace(tmp, path)
+            os.replace(tmp, checkpoint)
         model_io.barrier()
 
-    def load_lr_scheduler(self, lr_scheduler: Any, path: str) -> None:
-        lr_scheduler.load_state_dict(torch.load(path, weights_only=False))
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        lr_scheduler.load_state_dict(torch.load(checkpoint, weights_only=False))
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -150,6 +210,12 @@ def _unwrap(model: nn.Module) -> nn.Module:
     if isinstance(model, ElixirModule):
         return model.module
     return model
+
+
+def _inner_optimizer(optimizer: Any) -> Any:
+    """The optimizer a torch plugin's :class:`~elixir.booster.torch_plugins.OptimizerWrapper` wraps
+    (others as they are)."""
+    return optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer
 
 
 def _agree(error: Optional[str]) -> None:

@@ -8,30 +8,10 @@ from typing import Any, Optional, Union
 import torch
 
 from elixir import distributed as edist
+from elixir.booster.compat import GEMINI, note
 from elixir.booster.runtime_plugin import ElixirRuntimePlugin
 from elixir.search import SearchResult
 from elixir.search.placement_policy import PLACEMENT_POLICIES, StaticFractions, make_plan
-
-# GeminiPlugin arguments the runtime cannot honour: name -> (value that means "off", the alternative)
-_SHARDFORMER = "Shardformer model rewrites are out of scope for elixir (it runs the model's own modules)"
-UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "tp_size": (1, "elixir is data parallel (chunked ZeRO-3); tensor parallelism is not supported: leave tp_size=1"),
-    "extra_dp_size": (1, "elixir shards over the whole default group; leave extra_dp_size=1"),
-    "enable_sequence_parallelism": (False, "sequence parallelism is not supported (data parallel only)"),
-    "enable_flash_attention": (False, f"{_SHARDFORMER}; load the HF model with attn_implementation='sdpa' for fused attention"),
-    "enable_fused_normalization": (False, f"{_SHARDFORMER}; the model's own normalization layers run as they are"),
-    "enable_jit_fused": (False, f"{_SHARDFORMER}; the model's own modules run as they are"),
-    "enable_all_optimization": (False, f"{_SHARDFORMER}; see enable_flash_attention"),
-    "chunk_config_dict": (None, "chunk sizes come from the search: pass plan= (a SearchResult or `elixir plan --out` JSON)"),
-    "search_range_m": (None, "chunk sizes come from the search: pass plan= or placement_policy='auto'"),
-    "hidden_dim": (None, "chunk sizes come from the search: pass plan= or placement_policy='auto'"),
-    "min_chunk_size_m": (None, "chunk sizes come from the search: pass plan= or placement_policy='auto'"),
-    "warmup_non_model_data_ratio": (None, "'auto' budgets memory from the traced step: use optimal_search(device_memory=...) and plan="),
-    "steady_cuda_cap_ratio": (None, "'auto' budgets memory from the traced step: use optimal_search(device_memory=...) and plan="),
-    "gpu_margin_mem_ratio": (None, "'auto' budgets memory from the traced step: use optimal_search(device_memory=...) and plan="),
-    "master_weights": (True, "elixir always keeps fp32 master weights for low-precision chunks"),
-    "memstats": (None, "memory statistics come from the tracer: use elixir.tracer / `elixir plan`"),
-}
 
 
 class GeminiPlugin(ElixirRuntimePlugin):
@@ -49,14 +29,24 @@ class GeminiPlugin(ElixirRuntimePlugin):
             :class:`~elixir.wrapper.LossScalePolicy`, ColossalAI's names; fp16).
         max_norm, norm_type: gradient clipping inside the step (0 disables).
         enable_gradient_accumulation: allow :meth:`Booster.no_sync` (accumulate without reducing).
-        max_prefetch: chunks gathered ahead (0: none).
-        pin_memory: pinned host memory for host-placed shards (CUDA).
+        max_prefetch: chunks gathered ahead (0: none). A plan made without a traced step has no
+            parameter order; the runtime then learns it from the first training iteration and
+            prefetches from the second.
+        pin_memory: pinned host memory for host-placed shards (CUDA), on every path (``plan=``
+            and ``"auto"`` included).
+        force_outputs_fp32: the model's floating outputs in fp32 (None, elixir's default: whenever
+            ``precision`` is low; False: in the compute dtype, as ColossalAI's default).
+        enable_flash_attention, enable_all_optimization: switch Hugging Face models running eager
+            attention to torch's fused SDPA (``ElixirModule(use_fused_kernels=True)``).
         offload_dir: where disk-placed state goes (plans with disk placement).
         verbose: print the plan.
         plan: a ready plan (a SearchResult or a plan JSON path); overrides the policy.
 
-    Any other GeminiPlugin argument (Shardformer switches, chunk-size knobs, memory ratios) raises
-    ``ValueError`` naming elixir's alternative when given a value that would change anything.
+    Every other argument of ColossalAI 0.5's GeminiPlugin is accepted: at a value other than
+    ColossalAI's default it is ignored with a one-line note saying what elixir does instead
+    (chunk-size hints, Gemini's memory ratios, devices), or refused naming the alternative where
+    it cannot be honoured (``tp_size > 1``, ``extra_dp_size > 1``, ``master_weights=False``); see
+    :data:`elixir.booster.compat.GEMINI`.
     """
 
     name = "gemini"
@@ -74,13 +64,15 @@ class GeminiPlugin(ElixirRuntimePlugin):
         enable_gradient_accumulation: bool = False,
         max_prefetch: int = 0,
         pin_memory: bool = False,
+        force_outputs_fp32: Optional[bool] = None,
+        enable_flash_attention: bool = False,
+        enable_all_optimization: bool = False,
         offload_dir: Optional[str] = None,
         verbose: bool = False,
         plan: Optional[Union[SearchResult, str]] = None,
-        enable_async_reduce: bool = True,
         **options: Any,
     ) -> None:
-        super().__init__(UNSUPPORTED, options, precision, max_norm, norm_type, enable_gradient_accumulation, verbose, plan)
+        super().__init__(GEMINI, options, precision, max_norm, norm_type, enable_gradient_accumulation, verbose, plan)
         if placement_policy not in PLACEMENT_POLICIES:
             raise ValueError(f"placement_policy must be one of {PLACEMENT_POLICIES}, got {placement_policy!r}")
         fractions = StaticFractions(shard_param_frac, offload_param_frac, offload_optim_frac)
@@ -92,19 +84,22 @@ class GeminiPlugin(ElixirRuntimePlugin):
             )
         if max_prefetch < 0:
             raise ValueError(f"max_prefetch must be >= 0, got {max_prefetch}")
-        if not enable_async_reduce:
-            raise ValueError("enable_async_reduce=False is not supported: elixir always overlaps the reductions with backward")
+        if enable_all_optimization:
+            note("GeminiPlugin(enable_all_optimization=True): of Shardformer's optimizations elixir applies fused "
+                 "attention (use_fused_kernels); fused normalization and JIT fusion are not applied")
         self.placement_policy = placement_policy
         self.fractions = fractions
         self.max_prefetch = max_prefetch
         self.pin_memory = pin_memory
         self.offload_dir = offload_dir
+        self.output_fp32 = force_outputs_fp32
+        self.use_fused_kernels = bool(enable_flash_attention or enable_all_optimization)
 
     def make_plan(self, model: torch.nn.Module) -> SearchResult:
         world = edist.get_world_size()
         verbose = self.verbose and edist.get_rank() == 0
         if self.plan is not None:
-            result = make_plan(model, world, self.dtype, plan=self.plan)
+            result = make_plan(model, world, self.dtype, plan=self.plan, pin_memory=self.pin_memory)
         else:
             result = make_plan(
                 model, world, self.dtype, placement_policy=self.placement_policy, verbose=verbose,

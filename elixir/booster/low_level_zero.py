@@ -15,21 +15,12 @@ from typing import Any, Optional
 import torch
 
 from elixir import distributed as edist
+from elixir.booster.compat import LOW_LEVEL_ZERO
 from elixir.booster.runtime_plugin import ElixirRuntimePlugin
 from elixir.search import Placement, SearchResult, Sharding, minimum_waste_search
 from elixir.search.minimum_waste import print_plan
 
 STAGES = {1: Sharding.ZERO1, 2: Sharding.ZERO2}
-
-# LowLevelZeroPlugin arguments the runtime cannot honour: name -> (value that means "off", the alternative)
-UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "master_weights": (True, "elixir always keeps fp32 master weights for low-precision chunks"),
-    "extra_dp_size": (1, "elixir shards over the whole default group; leave extra_dp_size=1"),
-    "fp8_communication": (False, "gradients are reduced in the compute dtype or fp32 (communication_dtype=torch.float32)"),
-    "use_fp8": (False, "fp8 compute is not supported; use precision='bf16' or 'fp16'"),
-    "partition_grad": (False, "use stage=2 for partitioned (reduce-scattered) gradients"),
-}
-
 
 class LowLevelZeroPlugin(ElixirRuntimePlugin):
     """ZeRO stage 1 or 2 on :class:`~elixir.wrapper.ElixirModule` / :class:`~elixir.wrapper.ElixirOptimizer`
@@ -47,8 +38,6 @@ class LowLevelZeroPlugin(ElixirRuntimePlugin):
             the unit gradients are reduced in (a parameter larger than it gets a chunk of its own).
         communication_dtype: the dtype gradients are reduced in: None (the compute dtype) or
             ``torch.float32`` (reduce in fp32 while computing in bf16/fp16).
-        overlap_communication: must be True: each chunk's reduction is issued as soon as its
-            gradients are complete, while backward goes on.
         cpu_offload: keep the fp32 master shards and optimizer state in host memory (gradients
             are copied there once reduced; the step runs on the host, e.g. with HybridAdam).
         enable_gradient_accumulation: allow :meth:`Booster.no_sync` (both stages; nothing is
@@ -57,8 +46,11 @@ class LowLevelZeroPlugin(ElixirRuntimePlugin):
         plan: a ready plan (a SearchResult or a plan JSON path) whose chunks are made ZeRO-1/2;
             ``reduce_bucket_size_in_m`` then does not apply.
 
-    ``master_weights=False``, ``extra_dp_size > 1`` and the fp8 switches raise ``ValueError``
-    naming the alternative.
+    Every other argument of ColossalAI 0.5's LowLevelZeroPlugin is accepted
+    (:data:`elixir.booster.compat.LOW_LEVEL_ZERO`): ``overlap_communication``,
+    ``overlap_allgather``, ``cast_inputs`` and the fp8 switches at other values than ColossalAI's
+    defaults are ignored with a one-line note saying what elixir does; ``master_weights=False`` and
+    ``extra_dp_size > 1`` raise ``ValueError`` naming the alternative.
     """
 
     name = "low_level_zero"
@@ -72,14 +64,13 @@ class LowLevelZeroPlugin(ElixirRuntimePlugin):
         norm_type: float = 2.0,
         reduce_bucket_size_in_m: Optional[float] = 12,
         communication_dtype: Optional[torch.dtype] = None,
-        overlap_communication: bool = True,
         cpu_offload: bool = False,
         enable_gradient_accumulation: bool = True,
         verbose: bool = False,
         plan: Optional[SearchResult | str] = None,
         **options: Any,
     ) -> None:
-        super().__init__(UNSUPPORTED, options, precision, max_norm, norm_type, enable_gradient_accumulation, verbose, plan,
+        super().__init__(LOW_LEVEL_ZERO, options, precision, max_norm, norm_type, enable_gradient_accumulation, verbose, plan,
                          initial_scale=2.0**32)
         if stage not in STAGES:
             raise ValueError(f"stage must be 1 or 2, got {stage!r} (for ZeRO-3 use GeminiPlugin)")
@@ -91,11 +82,6 @@ class LowLevelZeroPlugin(ElixirRuntimePlugin):
             )
         if reduce_bucket_size_in_m is not None and not reduce_bucket_size_in_m > 0:
             raise ValueError(f"reduce_bucket_size_in_m must be > 0 (or None for the search's choice), got {reduce_bucket_size_in_m}")
-        if not overlap_communication:
-            raise ValueError(
-                "overlap_communication=False is not supported: elixir always reduces each chunk while "
-                "backward goes on; leave it True"
-            )
         self.stage = stage
         self.sharding = STAGES[stage]
         self.reduce_always_fp32 = communication_dtype is torch.float32 and dtype is not torch.float32

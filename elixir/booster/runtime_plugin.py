@@ -11,23 +11,13 @@ from typing import Any, Optional
 import torch
 
 from elixir import checkpoint
+from elixir.booster.compat import Compat, check_compat
 from elixir.booster.plugin import Plugin
 from elixir.search import SearchResult
 from elixir.wrapper import ElixirModule, ElixirOptimizer, LossScalePolicy
 from elixir.wrapper.policies import SCALE_KEYWORDS, loss_scale_policy
 
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def refuse_unsupported(plugin: str, given: dict[str, Any], table: dict[str, tuple[Any, str]]) -> None:
-    """Raise for every argument in ``given`` that ``table`` does not allow: ``TypeError`` for an
-    unknown name, ``ValueError`` naming the alternative for a value other than the one meaning "off"."""
-    for k, v in given.items():
-        if k not in table:
-            raise TypeError(f"{plugin} got an unexpected argument {k!r}")
-        off, why = table[k]
-        if v != off:
-            raise ValueError(f"{plugin}({k}={v!r}) is not supported: {why}")
 
 
 def pop_loss_scale(options: dict[str, Any], **defaults: float) -> LossScalePolicy:
@@ -53,6 +43,9 @@ class ElixirRuntimePlugin(Plugin):
         enable_gradient_accumulation: whether :meth:`no_sync` is allowed.
         max_prefetch: chunks gathered ahead (0: none).
         offload_dir: where disk-placed state goes.
+        output_fp32: the model's floating outputs in fp32 (None: whenever the chunks compute in
+            low precision).
+        use_fused_kernels: ElixirModule's ``use_fused_kernels`` (fused SDPA attention).
         precision, verbose, plan: the plugin's arguments of these names.
     """
 
@@ -64,10 +57,12 @@ class ElixirRuntimePlugin(Plugin):
     enable_gradient_accumulation: bool = True
     max_prefetch: int = 0
     offload_dir: Optional[str] = None
+    output_fp32: Optional[bool] = None
+    use_fused_kernels: bool = False
 
     def __init__(
         self,
-        unsupported: dict[str, tuple[Any, str]],
+        compat: dict[str, Compat],
         options: dict[str, Any],
         precision: str,
         max_norm: float,
@@ -79,10 +74,10 @@ class ElixirRuntimePlugin(Plugin):
     ) -> None:
         """Check and keep the arguments every runtime plugin takes. ``options``: the subclass's
         remaining keyword arguments: the loss-scale ones (:func:`pop_loss_scale`, with the
-        subclass's ``scale_defaults``), else arguments ``unsupported`` lists
-        (:func:`refuse_unsupported`)."""
+        subclass's ``scale_defaults``), else ColossalAI arguments ``compat`` lists
+        (:func:`~elixir.booster.compat.check_compat`: noted or refused)."""
         self.loss_scale = pop_loss_scale(options, **scale_defaults)
-        refuse_unsupported(type(self).__name__, options, unsupported)
+        check_compat(type(self).__name__, options, compat)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
         if max_norm < 0:
@@ -98,9 +93,11 @@ class ElixirRuntimePlugin(Plugin):
 
     def configure(self, model, optimizer, criterion, dataloader, lr_scheduler) -> tuple:
         if not isinstance(model, ElixirModule):
+            output_fp32 = self.dtype != torch.float32 if self.output_fp32 is None else self.output_fp32
             model = ElixirModule(
-                model, self.make_plan(model), dtype=self.dtype, output_fp32=self.dtype != torch.float32,
+                model, self.make_plan(model), dtype=self.dtype, output_fp32=output_fp32,
                 prefetch=self.max_prefetch > 0, offload_dir=self.offload_dir, reduce_always_fp32=self.reduce_always_fp32,
+                use_fused_kernels=self.use_fused_kernels,
             )
         if optimizer is not None and not isinstance(optimizer, ElixirOptimizer):
             optimizer = ElixirOptimizer(model, optimizer, max_norm=self.max_norm, norm_type=self.norm_type,

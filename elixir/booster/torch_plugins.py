@@ -27,6 +27,61 @@ def _save(obj: Any, path: str) -> None:
     os.replace(tmp, path)  # a reader never sees half a file
 
 
+class OptimizerWrapper:
+    """ColossalAI's ``OptimizerWrapper`` for the torch plugins: the boosted optimizer, with
+    ``backward``, ``clip_grad_by_norm`` and ``clip_grad_by_value`` beside the wrapped optimizer's
+    own methods (``step``, ``zero_grad``, ``param_groups``, ``state_dict`` ... pass through).
+    :meth:`unwrap` returns the torch optimizer (an LR scheduler built on it before ``boost`` stays
+    valid)."""
+
+    def __init__(self, optim: torch.optim.Optimizer) -> None:
+        self.optim = optim
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["optim"], name)
+
+    @property
+    def param_groups(self) -> list:
+        return self.optim.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optim.state
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.optim.step(*args, **kwargs)
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        self.optim.zero_grad(*args, **kwargs)
+
+    def state_dict(self) -> dict:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optim.load_state_dict(state)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(*args, **kwargs)
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the gradients' global norm to ``max_norm``; return the norm (before clipping)."""
+        params = [p for g in self.optim.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def clip_grad_by_value(self, clip_value: float) -> None:
+        torch.nn.utils.clip_grad_value_([p for g in self.optim.param_groups for p in g["params"]], clip_value)
+
+    def unwrap(self) -> torch.optim.Optimizer:
+        return self.optim
+
+
+def _wrap_optimizer(optimizer: Any) -> Any:
+    if optimizer is None or isinstance(optimizer, OptimizerWrapper):
+        return optimizer
+    return OptimizerWrapper(optimizer)
+
+
 class TorchDDPPlugin(Plugin):
     """``torch.nn.parallel.DistributedDataParallel`` over the default group; keyword arguments go
     to DDP (``broadcast_buffers``, ``bucket_cap_mb``, ``find_unused_parameters``, ...).
@@ -41,7 +96,7 @@ class TorchDDPPlugin(Plugin):
     def configure(self, model, optimizer, criterion, dataloader, lr_scheduler) -> tuple:
         if not isinstance(model, DistributedDataParallel):
             model = DistributedDataParallel(model, **self.ddp_kwargs)
-        return model, optimizer, criterion, dataloader, lr_scheduler
+        return model, _wrap_optimizer(optimizer), criterion, dataloader, lr_scheduler
 
     def no_sync(self, model, optimizer) -> contextlib.AbstractContextManager:
         return model.no_sync()
@@ -113,7 +168,7 @@ class TorchFSDPPlugin(Plugin):
             new = dict(model.named_parameters())
             for g in optimizer.param_groups:
                 g["params"] = [new[name_of[id(p)]] for p in g["params"]]
-        return model, optimizer, criterion, dataloader, lr_scheduler
+        return model, _wrap_optimizer(optimizer), criterion, dataloader, lr_scheduler
 
     def no_sync(self, model, optimizer) -> contextlib.AbstractContextManager:
         @contextlib.contextmanager

@@ -9,12 +9,12 @@ from elixir.chunk.cache import BlockCache
 from elixir.chunk.chunk import Chunk
 from elixir.chunk.comm import ChunkComm
 from elixir.chunk.grads import ChunkGrads
-from elixir.chunk.schedule import Schedule, collapse
+from elixir.chunk.schedule import Schedule, collapse, learned_schedule
 from elixir.chunk.spec import ChunkSpec
 from elixir.chunk.state import ChunkKind, ChunkState, GradState, IllegalTransition
 from elixir.chunk.storage import ChunkStorage
 
 __all__ = [
     "BlockCache", "Chunk", "ChunkComm", "ChunkGrads", "ChunkKind", "ChunkSpec", "ChunkStorage", "ChunkState", "ElixirMemoryError", "GradBufferPool",
-    "GradState", "IllegalTransition", "MemoryLedger", "Schedule", "collapse",
+    "GradState", "IllegalTransition", "MemoryLedger", "Schedule", "collapse", "learned_schedule",
 ]

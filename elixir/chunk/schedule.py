@@ -4,6 +4,10 @@ The order is a sequence of steps, each the set of sharded chunk indices one hook
 The runtime reports each step it actually takes; while they match the order it can look ahead.
 On a mismatch (different control flow) the schedule switches itself off until the next iteration,
 and the runtime falls back to on-demand gathering with LRU eviction.
+
+A plan made without a traced step (the front ends' ``placement_policy="auto"``, ``plugin="auto"``,
+``GeminiPlugin(max_prefetch=...)`` on an untraced plan) has no order; the runtime then follows the
+order its first training iteration took (:func:`learned_schedule`), from the second on.
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ def collapse(steps: Sequence[frozenset]) -> list[frozenset]:
         if s and (not out or out[-1] != s):
             out.append(s)
     return out
+
+
+def learned_schedule(observed: Sequence[frozenset], depth: int) -> Optional[Schedule]:
+    """The schedule of the order one iteration took (its hooked steps' sharded chunk sets), looking
+    ``depth`` steps ahead (at least 1); None when it used no sharded chunk (nothing to prefetch)."""
+    steps = collapse(observed)
+    return Schedule(steps, lookahead=max(1, depth)) if steps else None
 
 
 class Schedule:

@@ -29,9 +29,17 @@ class OffloadDirError(OSError):
     """The offload directory is unusable (not writable, or too little free space)."""
 
 
+def _size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at least 1 (never "0.0 MiB" for a small need)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
 def _fix(need: int) -> str:
     return (
-        f"pass offload_dir= a writable directory on a local disk with at least {need / 2**20:.1f} MiB free "
+        f"pass offload_dir= a writable directory on a local disk with at least {_size(need)} free "
         "(ElixirModule(..., offload_dir=...)), or place fewer chunks on disk in the plan"
     )
 
@@ -121,8 +129,8 @@ def open_offload_file(offload_dir: Optional[str], need_bytes: int, rank: int = 0
         free = shutil.disk_usage(directory).free
         if free < need_bytes:
             raise OffloadDirError(
-                f"offload_dir {directory!r} has {free / 2**20:.1f} MiB free but the disk-placed chunks need "
-                f"{need_bytes / 2**20:.1f} MiB on this rank; {_fix(need_bytes)}"
+                f"offload_dir {directory!r} has {_size(free)} free but the disk-placed state needs "
+                f"{_size(need_bytes)} on this rank; {_fix(need_bytes)}"
             )
         if need_bytes > 0 and hasattr(os, "posix_fallocate"):
             try:

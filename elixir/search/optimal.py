@@ -289,7 +289,9 @@ class _Searcher:
                 n, found = self._run_group((ci, ti), self.layouts(c, tied), prune and self.world > 1)
                 scored += n
                 keyed += found
-        if self.world > 1:  # every chunk replicated (data parallel), where the memory allows it
+        # every chunk replicated (data parallel), where the memory allows it; not when the caller
+        # asked for pure plans (body_sharding "sharded" / "zero"): that twin is neither
+        if self.world > 1 and self.body_sharding == "mixed":
             for ri, c in enumerate(chunk_size_candidates(self.profile, self.world, points=REPLICATED_POINTS)):
                 scored += 1
                 self.priced += 1

@@ -10,6 +10,10 @@ What it changes, and only where the result stays the same computation:
   position the mask keeps, up to floating-point rounding (a fully padded query row has no defined
   output in either, and no loss should read it); the tests check that against the eager model.
 
+Current transformers already picks SDPA by default for every model that supports it, so the flag
+helps only models loaded or built with ``attn_implementation="eager"`` (or whose checkpoint
+config asks for eager); the warning when nothing changed names the implementation each model runs.
+
 It refuses (``ValueError``, naming the fix) where the fused path cannot be exact: a model asked to
 return attention probabilities (``output_attentions=True``: the fused kernel never forms them), or
 a model class without an SDPA implementation. It warns when there is nothing to change (the model
@@ -65,9 +69,14 @@ def apply_fused_kernels(model: nn.Module) -> list[str]:
             ) from e
         changed.append(f"{type(m).__name__}: attention eager -> sdpa")
     if not changed:
+        found = sorted({f"{type(m).__name__} ({getattr(m.config, '_attn_implementation', None)})" for m in _hf_configs(model)})
         warnings.warn(
-            "use_fused_kernels=True changed nothing: no Hugging Face model with eager attention was "
-            "found (it already runs torch's fused attention, or is not a transformers model)",
+            "use_fused_kernels=True changed nothing: "
+            + (f"the Hugging Face models here already run {', '.join(found)} attention" if found
+               else "there is no Hugging Face transformers model here")
+            + ". It helps only models running eager attention: those loaded or built with "
+            "attn_implementation='eager' (transformers picks 'sdpa' by default wherever a model supports it), "
+            "where it switches them to torch's fused SDPA exactly; drop the flag otherwise",
             stacklevel=3,
         )
     return changed

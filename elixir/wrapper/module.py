@@ -40,6 +40,7 @@ from elixir.chunk import (
     GradState,
     MemoryLedger,
     Schedule,
+    learned_schedule,
 )
 from elixir.lowp_gemm import widened_gemms
 from elixir.offload.derived import DerivedShards
@@ -134,8 +135,9 @@ class ElixirModule(nn.Module):
             parallelised over ``mesh["tp"]`` (:func:`elixir.parallel.tensor_parallel`): chunks
             hold each rank's local shards (:mod:`elixir.wrapper.dtensor_params`). Pipeline and
             replica axes are refused with the reason.
-        prefetch: follow the plan's traced order (``param_order``) to gather ahead and evict with
-            Belady's rule; without an order this only enables LRU caching.
+        prefetch: follow the plan's traced order (``param_order``) to gather ahead
+            (``plan.prefetch_depth`` steps, at least 1) and evict with Belady's rule; a plan
+            without an order follows the order the first training iteration took, from the second.
         dtype: compute dtype of the chunks (fp32 masters are kept for bf16/fp16); an alias of
             ``mp_policy``'s ``param_dtype``, as are ``reduce_always_fp32`` (``reduce_dtype=torch.float32``),
             ``output_fp32`` (``output_dtype=torch.float32``) and ``grad_dtype``. On a CPU where torch
@@ -302,13 +304,7 @@ class ElixirModule(nn.Module):
         self._backward_end_hooks: list = []
         self._drift_warned = False
         self.observed_order: list[frozenset] = []  # sharded chunk sets of the last iteration
-        self.schedule = self._build_schedule() if prefetch else None
-        if prefetch and self.schedule is None:
-            warnings.warn(
-                "elixir: prefetch=True, but the plan has no traced parameter order (param_order), so nothing "
-                "is prefetched. Make the plan with a traced step (minimum_waste_search(..., inp=, step_fn=), "
-                "optimal_search, or `elixir plan`), or pass prefetch=False", stacklevel=2,
-            )
+        self.schedule = self._build_schedule() if prefetch else None  # untraced plan: learned in the first backward
         self._hook_handles: list = []
         self._mod_info: dict[nn.Module, _ModInfo] = {}
         self._register_hooks()
@@ -713,6 +709,8 @@ class ElixirModule(nn.Module):
             self._unwind_forward()
             self.cache.release_all()
             self._settle_reductions()
+            if self.prefetch and self.schedule is None:  # an untraced plan: follow the order this iteration took
+                self.schedule = learned_schedule(self.observed_order, self.plan.prefetch_depth)
             if self.streams_from_disk or self._gathers_on_host:
                 # backward freed the activations (and, with sharded chunks, the gathered payloads,
                 # which malloc's heap did not reuse: GPT-2 medium in 18 MB chunks grew 0.25-0.75
@@ -1020,8 +1018,9 @@ class ElixirModule(nn.Module):
         return full_state_dict(self, rank0_only=rank0_only)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
-        """Load a full state dict (keys of the wrapped model). Every rank needs the full dict."""
-        return load_full_state_dict(self, state_dict, strict=strict)
+        """Load a full state dict (keys of the wrapped model). Every rank needs the full dict.
+        ``assign=True`` is refused (the parameters are views of elixir's chunks)."""
+        return load_full_state_dict(self, state_dict, strict=strict, assign=assign)
 
     def extra_repr(self) -> str:
         kinds: dict[str, int] = {}

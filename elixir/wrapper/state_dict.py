@@ -94,7 +94,18 @@ def full_state_dict(em: ChunkedModel, rank0_only: bool = False) -> dict[str, tor
     return out
 
 
-def load_full_state_dict(em: ChunkedModel, state_dict: dict, strict: bool = True):
+def load_full_state_dict(em: ChunkedModel, state_dict: dict, strict: bool = True, assign: bool = False):
+    """Copy a full state dict (the wrapped model's keys) into the chunks and buffers.
+
+    ``assign=True`` (torch: the state dict's tensors become the module's parameters) is refused:
+    the parameters are views of chunks elixir owns, so another tensor cannot take their place."""
+    if assign:
+        raise ValueError(
+            "ElixirModule.load_state_dict(assign=True) is not supported: the parameters are views of chunks "
+            "elixir owns, so the state dict's tensors cannot become them. Use assign=False: the values are "
+            "copied into the chunks (in the chunk dtype), which is what assign=True gives a model built on "
+            "meta, with no extra full copy (the chunks are already allocated)"
+        )
     expected = em.module.state_dict(keep_vars=True)
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
