@@ -214,6 +214,7 @@ def run_child(tmp_path: Path, env_extra: dict[str, str]) -> tuple[dict[str, torc
     return res, level, int(res.pop("meta.n_warnings"))
 
 
+@pytest.mark.dist
 @needs_kernel
 def test_fallback_without_extension_gives_same_results(tmp_path):
     res, level, n_warn = run_child(tmp_path, {"ELIXIR_DISABLE_NATIVE": "1"})
@@ -230,6 +231,7 @@ def test_fallback_without_extension_gives_same_results(tmp_path):
             torch.testing.assert_close(r.float(), t.float(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.dist
 @needs_kernel
 @pytest.mark.parametrize("simd", ["scalar", "avx2"])
 def test_elixir_simd_env_selects_variant(tmp_path, simd):

@@ -264,6 +264,7 @@ def test_backward_step_waits_on_the_host_only_for_host_chunks():
         assert what == (("host",) if host else ("device",)), (host, what)
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and fork-inherited ru_maxrss are Linux's")
 def test_peak_rss_of_a_spawned_process_excludes_the_parents_rss_at_fork():
     # ru_maxrss of a child starts at its parent's RSS at fork (kept across exec), so a rank spawned

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.dist  # every example runs as its own process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = ["bert_finetune.py", "opt_finetune.py", "activation/opt_profile.py", "lightning_gpt.py", "hf_trainer_gpt.py"]

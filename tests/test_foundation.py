@@ -26,6 +26,7 @@ def test_native_extension_reports_cpu_features():
     assert _native.simd_level() in ("avx512", "avx2", "scalar")
 
 
+@pytest.mark.dist
 def test_simd_level_can_be_capped_by_env():
     if not _native.native_available():
         pytest.skip("native extension not built")
@@ -56,12 +57,14 @@ print("fallback-ok", _native.simd_level(), sorted(_native.cpu_features()))
 """
 
 
+@pytest.mark.dist
 def test_import_without_extension_falls_back():
     out = subprocess.run([sys.executable, "-c", HIDE_EXTENSION], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "fallback-ok none" in out.stdout
 
 
+@pytest.mark.dist
 def test_cli_help_and_info():
     out = subprocess.run([sys.executable, "-m", "elixir", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "info" in out.stdout, out.stderr

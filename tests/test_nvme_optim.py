@@ -174,6 +174,7 @@ def test_inside_elixir_optimizer_bitwise_and_checkpoints(tmp_path):
         assert torch.equal(got["resumed"]["params"][k], got["resumed_mem"]["params"][k]), k
 
 
+@pytest.mark.dist
 def test_example_and_bench_smoke(tmp_path):
     import subprocess
     import sys

@@ -70,6 +70,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("phase", ["forward", "backward", "optimizer step", "checkpoint save"])
 def test_survivor_exits_naming_the_step_and_phase_when_a_rank_is_killed(tmp_path, phase):
     path, expected = str(tmp_path / "ck"), str(tmp_path / "expected.pt")
