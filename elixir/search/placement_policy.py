@@ -123,8 +123,10 @@ def make_plan(
     verbose: bool = False,
     fractions: Optional[StaticFractions] = None,
     pin_memory: bool = True,
+    accumulation: bool = False,
 ) -> SearchResult:
-    """The plan for ``model`` at ``world_size`` ranks computing in ``dtype`` (see the module docstring)."""
+    """The plan for ``model`` at ``world_size`` ranks computing in ``dtype`` (see the module docstring);
+    ``accumulation``: the run accumulates under ``no_sync`` (minimum_waste_search counts its blocks)."""
     check_plan_args(plan, search, placement_policy)
     if plan is not None:
         result = plan if isinstance(plan, SearchResult) else SearchResult.load(plan)
@@ -142,7 +144,7 @@ def make_plan(
     if search == "optimal" or (search is None and placement_policy == "auto"):
         return optimal_search(model, world_size, unified_dtype=dtype, verbose=verbose)
     if placement_policy == "static":
-        base = minimum_waste_search(model, world_size, unified_dtype=dtype, pin_memory=pin_memory)
+        base = minimum_waste_search(model, world_size, unified_dtype=dtype, pin_memory=pin_memory, accumulation=accumulation)
         result = apply_static(base, fractions or StaticFractions())
         if verbose:
             print_plan(result)
@@ -150,5 +152,6 @@ def make_plan(
     if fractions is not None:
         raise ValueError(f"shard_param_frac/offload_*_frac apply to placement_policy='static', not {placement_policy!r}")
     return minimum_waste_search(
-        model, world_size, unified_dtype=dtype, cpu_offload=placement_policy == "cpu", verbose=verbose, pin_memory=pin_memory
+        model, world_size, unified_dtype=dtype, cpu_offload=placement_policy == "cpu", verbose=verbose, pin_memory=pin_memory,
+        accumulation=accumulation,
     )
