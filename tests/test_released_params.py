@@ -106,6 +106,28 @@ def _small_chunks(model):
     return plan
 
 
+def _deberta():
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification  # optional dependency
+
+    cfg = DebertaV2Config(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=32, max_position_embeddings=32, relative_attention=True,
+                          position_buckets=8, norm_rel_ebd="layer_norm", pos_att_type=["p2c", "c2p"],
+                          num_labels=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return DebertaV2ForSequenceClassification(cfg)
+
+
+class _Logits(nn.Module):
+    """An HF classifier called on token ids, returning its logits (the tests' loss takes a tensor)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        ids = (x[:, :8].abs() * 10).long() % 64
+        return self.inner(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
 def _one_chunk(model):
     """Every parameter in one sharded chunk: gathered on every rank for the whole forward, so the
     branch taken on one rank only issues no gather of its own (see docs/reliability.md)."""
@@ -150,6 +172,9 @@ def _all_cases() -> dict:
     # item 4: a weight handed from the parent to the layers
     d_losses, e_losses, worst, em4 = _ddp_and_elixir(HandsDown, _small_chunks)
     out["handed"] = (d_losses, e_losses, worst, len(em4.chunks), sorted(em4._access.names))
+    # item 4 on the model it was found with: DeBERTa-v2's relative attention
+    d_losses, e_losses, worst, em4 = _ddp_and_elixir(lambda: _Logits(_deberta()), _small_chunks)
+    out["deberta"] = (d_losses, e_losses, worst, len(em4.chunks), sorted(em4._access.names))
     # item 5: a parameter used on rank 0 only
     d_losses, e_losses, worst, _ = _ddp_and_elixir(
         OneRankBranch, _one_chunk, lambda r: {"use_extra": r == 0}, find_unused=True)
@@ -210,6 +235,16 @@ def test_a_weight_handed_to_children_trains_like_ddp(results):
         d_losses, e_losses, worst, n_chunks, names = r["handed"]
         assert n_chunks > 1  # the handed weight's chunk is released between uses
         assert names == ["rel.weight"]
+        torch.testing.assert_close(torch.tensor(e_losses), torch.tensor(d_losses), rtol=1e-5, atol=1e-6)
+        assert worst < 1e-5
+
+
+@pytest.mark.dist
+def test_deberta_v2_relative_attention_trains_like_ddp(results):
+    for r in results:
+        d_losses, e_losses, worst, n_chunks, names = r["deberta"]
+        assert n_chunks > 1
+        assert set(names) <= {"inner.deberta.encoder.rel_embeddings.weight"}  # gathered by the LayerNorm's chunk, or on access
         torch.testing.assert_close(torch.tensor(e_losses), torch.tensor(d_losses), rtol=1e-5, atol=1e-6)
         assert worst < 1e-5
 
