@@ -55,6 +55,9 @@ class Chunk:
         self._ready = None  # event: the last gather's data is in the payload
         self._work = None
         self._publishing = None  # (work, input) of an asynchronous publish
+        # told ``gathered(chunk)`` / ``released(chunk)`` as the payload gets or loses its bytes
+        # (the wrapper's parameter views: elixir/wrapper/released.py)
+        self.observers: list = []
 
     # ---- what the parts hold (read by the wrapper, the optimizer and the offload store) ----
 
@@ -169,6 +172,8 @@ class Chunk:
                 self._work = self.comm.all_gather(self.payload, self.storage.gather_source(staging), async_op=True)
         self._ready = ready
         self.state = ChunkState.GATHERING
+        for o in self.observers:
+            o.gathered(self)
         if not async_op or self.spec.shard_on_disk:
             # A disk shard's gather is finished now, even a prefetch, so that its staged copy is
             # dropped before this returns: a prefetched chunk would otherwise hold it until used,
@@ -235,6 +240,8 @@ class Chunk:
         self.wait()
         self._move(ChunkState.RELEASED)
         self.storage.free_payload()
+        for o in self.observers:
+            o.released(self)
 
     def shard_access(self, write: bool) -> contextlib.AbstractContextManager[torch.Tensor]:
         """The compute shard, resident for the block (:meth:`ChunkStorage.shard_access`)."""

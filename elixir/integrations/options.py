@@ -51,10 +51,12 @@ class ElixirOptions:
         """The loss-scale policy ``loss_scale`` spells."""
         return loss_scale_policy(None, **self.loss_scale)
 
-    def make_plan(self, model: nn.Module, world_size: int, dtype: torch.dtype, main: bool) -> SearchResult:
-        """The plan for ``model`` (``main``: this process prints the report when verbose)."""
+    def make_plan(self, model: nn.Module, world_size: int, dtype: torch.dtype, main: bool,
+                  accumulation: bool = False) -> SearchResult:
+        """The plan for ``model`` (``main``: this process prints the report when verbose;
+        ``accumulation``: the run accumulates gradients under ``no_sync``)."""
         return make_plan(model, world_size, dtype, self.plan, self.search, self.placement_policy,
-                         verbose=self.verbose and main)
+                         verbose=self.verbose and main, accumulation=accumulation)
 
     def wrap(self, model: nn.Module, plan: SearchResult, dtype: torch.dtype, output_fp32: bool,
              init_seed: Optional[int] = None) -> ElixirModule:

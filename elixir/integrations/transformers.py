@@ -137,7 +137,8 @@ class ElixirTrainer(Trainer):
         if self.optimizer is None:
             self.create_optimizer()
         world = max(1, self.args.world_size)
-        plan = self.options.make_plan(self.model, world, self.elixir_dtype, self.args.process_index == 0)
+        plan = self.options.make_plan(self.model, world, self.elixir_dtype, self.args.process_index == 0,
+                                      accumulation=self.args.gradient_accumulation_steps > 1)
         self.elixir_module = self.options.wrap(self.model, plan, self.elixir_dtype, self.elixir_dtype != torch.float32)
         inner = self.optimizer.optimizer if isinstance(self.optimizer, AcceleratedOptimizer) else self.optimizer
         self.elixir_optimizer = self.options.wrap_optimizer(self.elixir_module, inner)

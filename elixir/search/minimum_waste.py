@@ -263,6 +263,7 @@ def minimum_waste_search(
     step_fn: Optional[Callable] = None,
     frozen_chunks: bool = True,
     max_chunk_size: Optional[int] = None,
+    accumulation: bool = False,
 ) -> SearchResult:
     """Plan ``model`` for ``group_size`` ranks with the chunk size that minimises padding.
 
@@ -280,6 +281,10 @@ def minimum_waste_search(
             False leaves them out of chunks (``frozen_params``), whole on every rank.
         max_chunk_size: the largest chunk size (elements) to consider (a parameter larger than it
             gets a chunk of its own); default: the search's own cap.
+        accumulation: the run accumulates gradients under ``ElixirModule.no_sync()``, which holds
+            every sharded trainable chunk gathered for the whole block: the rCache gets those
+            blocks plus what any step needs of the frozen chunks (a LoRA plan would otherwise go
+            over its cache at every micro-step).
     """
     t0 = time.perf_counter()
     if isinstance(group_size, int) and group_size < 1:
@@ -337,6 +342,8 @@ def minimum_waste_search(
         blocks = max(blocks, cache_blocks_needed(chunk_of, order, kinds=kinds))
     elif uses_checkpointing(model):
         blocks *= 2  # recomputation runs while the backward step's chunks stay pinned
+    if accumulation:
+        blocks = max(blocks, no_sync_blocks(chunks, fchunks, mods, order, kinds))
     if chunk_of:
         blocks = max(1, blocks)
     depth = 0
@@ -366,6 +373,17 @@ def minimum_waste_search(
     if verbose:
         print_plan(result, unified_dtype)
     return result
+
+
+def no_sync_blocks(chunks: list, fchunks: list, mods: list, order, kinds) -> int:
+    """rCache blocks under ``no_sync``: every sharded trainable chunk held, plus the sharded frozen
+    chunks any one step needs (frozen chunks are still gathered on demand there)."""
+    held = sum(c.sharded for c in chunks)
+    frozen_of = {n: len(chunks) + j for j, c in enumerate(fchunks) if c.sharded for n in c.params}
+    need = cache_blocks_needed(frozen_of, [d for d, _ in mods], [a for _, a in mods])
+    if order is not None:
+        need = max(need, cache_blocks_needed(frozen_of, order, kinds=kinds))
+    return held + need
 
 
 def _frozen_chunks(named: list, shapes: dict, align: int, dt: str, place: Placement) -> list[ChunkPlan]:

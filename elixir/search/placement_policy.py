@@ -123,18 +123,21 @@ def make_plan(
     verbose: bool = False,
     fractions: Optional[StaticFractions] = None,
     pin_memory: Optional[bool] = None,
+    accumulation: bool = False,
 ) -> SearchResult:
     """The plan for ``model`` at ``world_size`` ranks computing in ``dtype`` (see the module
     docstring). ``pin_memory``: whether host-placed shards are page-locked, set on the plan
-    whichever way it was made (None: the plan's own choice, pinned by default)."""
-    result = _make_plan(model, world_size, dtype, plan, search, placement_policy, verbose, fractions)
+    whichever way it was made (None: the plan's own choice, pinned by default). ``accumulation``:
+    the run accumulates under ``no_sync`` (``minimum_waste_search`` counts the blocks that holds)."""
+    result = _make_plan(model, world_size, dtype, plan, search, placement_policy, verbose, fractions, accumulation)
     if pin_memory is not None and result.info.get("pin_memory") is not bool(pin_memory):
         result = dataclasses.replace(result, info={**result.info, "pin_memory": bool(pin_memory)})
     return result
 
 
 def _make_plan(model: nn.Module, world_size: int, dtype: torch.dtype, plan: PlanArg, search: SearchArg,
-               placement_policy: str, verbose: bool, fractions: Optional[StaticFractions]) -> SearchResult:
+               placement_policy: str, verbose: bool, fractions: Optional[StaticFractions],
+               accumulation: bool = False) -> SearchResult:
     check_plan_args(plan, search, placement_policy)
     if plan is not None:
         result = plan if isinstance(plan, SearchResult) else SearchResult.load(plan)
@@ -152,11 +155,12 @@ def _make_plan(model: nn.Module, world_size: int, dtype: torch.dtype, plan: Plan
     if search == "optimal" or (search is None and placement_policy == "auto"):
         return optimal_search(model, world_size, unified_dtype=dtype, verbose=verbose)
     if placement_policy == "static":
-        base = minimum_waste_search(model, world_size, unified_dtype=dtype)
+        base = minimum_waste_search(model, world_size, unified_dtype=dtype, accumulation=accumulation)
         result = apply_static(base, fractions or StaticFractions())
         if verbose:
             print_plan(result)
         return result
     if fractions is not None:
         raise ValueError(f"shard_param_frac/offload_*_frac apply to placement_policy='static', not {placement_policy!r}")
-    return minimum_waste_search(model, world_size, unified_dtype=dtype, cpu_offload=placement_policy == "cpu", verbose=verbose)
+    return minimum_waste_search(model, world_size, unified_dtype=dtype, cpu_offload=placement_policy == "cpu",
+                                verbose=verbose, accumulation=accumulation)

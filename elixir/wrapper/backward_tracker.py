@@ -10,7 +10,7 @@ backward agrees across ranks on the rest. Gradients that arrive under ``no_sync`
 from __future__ import annotations
 
 import enum
-from typing import Sequence
+from typing import Callable, Sequence
 
 from elixir.chunk.state import IllegalTransition
 
@@ -58,6 +58,7 @@ class BackwardTracker:
         self._n_expected = [0] * k
         self._n_arrived = [0] * k
         self.ready = [False] * k  # chunks announced to the grad-ready hooks this backward
+        self.uniform = [True] * k  # every parameter used on every rank or on none (agree_on_uses)
 
     # ---- state ----
 
@@ -86,6 +87,18 @@ class BackwardTracker:
             self.arrived[i] = True
             self._n_arrived[ci] += 1
         return self._n_arrived[ci] == self._n_expected[ci]
+
+    def agree_on_uses(self, count_ranks: Callable[[list[int]], list[int]], world: int) -> None:
+        """Start of a synchronising backward at world size > 1: ``count_ranks`` (a SUM all-reduce)
+        tells, per parameter, how many ranks' forwards used it. A chunk with a parameter used on
+        some ranks only completes at different times on different ranks (never, where it is
+        unused), so reducing it early would issue the ranks' collectives in different orders (gloo
+        aborted: "Received data size doesn't match expected size"); such a chunk waits for the end
+        of backward, where every rank reduces it in plan order (a rank without its gradient
+        contributing zeros). The others reduce early, as before."""
+        counts = count_ranks([int(e) for e in self.expected])
+        for ci, params in enumerate(self.params_of):
+            self.uniform[ci] = all(counts[i] in (0, world) for i in params)
 
     def chunk_complete(self, ci: int) -> bool:
         """Every parameter of chunk ``ci`` got its gradient here this backward."""

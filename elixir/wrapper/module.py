@@ -64,7 +64,9 @@ from elixir.wrapper.mesh import require_runnable, resolve_mesh, tp_mesh
 from elixir.wrapper.param_map import ParamMap, ParamSlot
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
 from elixir.wrapper.policies import MixedPrecisionPolicy, OffloadPolicy, module_policies
+from elixir.wrapper.released import AccessGathers, install_release_guards
 from elixir.wrapper.state_dict import full_state_dict, load_full_state_dict
+from elixir.wrapper.wrap_guard import check_trainable_unchanged, mark_owned, refuse_rewrap, trainable_flags
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -215,6 +217,7 @@ class ElixirModule(nn.Module):
         mesh=None,
     ) -> None:
         super().__init__()
+        refuse_rewrap(module)  # a second wrap would build chunks from the first one's views
         mp_policy, offload_policy = module_policies(
             mp_policy, offload_policy, dtype=dtype, reduce_always_fp32=reduce_always_fp32, output_fp32=output_fp32,
             grad_dtype=grad_dtype, offload_dir=offload_dir, offload_direct=offload_direct,
@@ -292,6 +295,11 @@ class ElixirModule(nn.Module):
 
         # per-backward bookkeeping and the training state
         self.tracker = BackwardTracker([s.chunk for s in self.slots], self._chunk_params)
+        # the model's parameters raise instead of reading a released payload, or gather it when
+        # read inside this module's step outside their owner's call (elixir/wrapper/released.py)
+        self._access = AccessGathers()
+        install_release_guards(self)
+        mark_owned(self, self.params + self.frozen_map.params)
         self._bwd_stack: list[_ModInfo] = []  # hooked calls whose backward may still be running
         self.has_grad = [False] * len(self.slots)  # per param, agreed across ranks, until zero_grad
         self.iteration = 0  # training forwards so far (the step named if a collective fails)
@@ -309,9 +317,22 @@ class ElixirModule(nn.Module):
         self._mod_info: dict[nn.Module, _ModInfo] = {}
         self._register_hooks()
         self._wrapped_params = [id(p) for p in self.module.parameters()]  # see _check_unchanged
+        self._wrapped_trainable = trainable_flags(self.module)
 
     # ------------------------------------------------------------------------------------------
     # construction
+
+    _is_elixir_module = True  # refused as the model of another ElixirModule (wrap_guard.refuse_rewrap)
+
+    @property
+    def running(self) -> bool:
+        """Inside this module's forward or backward (a training step's hooks may gather)."""
+        return self.tracker.state is not TrainingState.IDLE
+
+    def _gather_on_access(self, guard, param, func) -> bool:
+        """A released parameter was read (see :mod:`elixir.wrapper.released`): gather its chunk
+        when this module is running, else return False (the read raises)."""
+        return self._access(self, guard, param)
 
     @property
     def all_chunks(self) -> list[Chunk]:
@@ -562,6 +583,13 @@ class ElixirModule(nn.Module):
             self.tracker.move(TrainingState.BACKWARD)
             edist.set_where(f"step {self.iteration}, backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            if self.world_size > 1 and not self._no_sync and self.slots:
+                self.tracker.agree_on_uses(self._count_ranks, self.world_size)  # see there (issue 36)
+
+    def _count_ranks(self, flags: list[int]) -> list[int]:
+        t = torch.tensor(flags, dtype=torch.int32)
+        edist.all_reduce(t, self.group)
+        return t.tolist()
 
     def _on_grad(self, p: nn.Parameter) -> None:
         g = p.grad
@@ -582,7 +610,7 @@ class ElixirModule(nn.Module):
             )
         chunk.add_grad(slot.offset, g)
         p.grad = None
-        if self.tracker.arrive(i) and not self._no_sync:
+        if self.tracker.arrive(i) and not self._no_sync and self.tracker.uniform[ci]:
             self._reduce_chunk(chunk, defer=True)
 
     def _reduce_chunk(self, chunk: Chunk, defer: bool = False) -> None:
@@ -703,6 +731,7 @@ class ElixirModule(nn.Module):
                     fn(self)
                 self.finish_publishes()  # those the fused step issued during backward
             tracker.reset()
+            self._access.release()
             while self._bwd_stack:
                 for c in self._bwd_stack.pop().chunks:
                     c.unpin()
@@ -727,6 +756,7 @@ class ElixirModule(nn.Module):
         would train silently wrong). A walk over the parameters per forward (tens of microseconds)."""
         now = [id(p) for p in self.module.parameters()]
         if now == self._wrapped_params:
+            check_trainable_unchanged(self.module, self._wrapped_trainable)
             return
         was = set(self._wrapped_params)
         new = [n for n, p in self.module.named_parameters() if id(p) not in was]
@@ -751,6 +781,7 @@ class ElixirModule(nn.Module):
         self._settle_reductions()
         self._bwd_stack.clear()
         self._fwd_stack.clear()
+        self._access.release()
         for c in self.all_chunks:
             c.unpin(all_pins=True)
         for c in self.chunks:
@@ -777,6 +808,7 @@ class ElixirModule(nn.Module):
                 self.iteration += 1
             edist.set_where(f"step {self.iteration}, forward")
             self._unwind_forward()
+            self._access.release()  # a forward with gradients whose backward never ran
             self.observed_order = []
             if self.schedule is not None:
                 self.schedule.restart()
@@ -800,6 +832,7 @@ class ElixirModule(nn.Module):
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
         elif not self.tracker.in_backward:
+            self._access.release()
             self.cache.release_all()
         if self.mp_policy.output_dtype is not None:
             out = _map_floats(out, self.mp_policy.output_dtype)
