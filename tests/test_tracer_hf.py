@@ -169,9 +169,7 @@ def test_grouped_mm_is_shaped_and_priced_in_every_dtype(dtype):
     step = lambda mod, b: mod(b["x"], b["offs"]).backward()  # noqa: E731
     pm = memory_profiling(_Grouped(k=k, n=n), batch, step, dtype)
     assert pm.op_costs.matmul_flops == 2 * (2 * m * k * n)
-    if dtype == torch.float32:  # CPU runs fp32 grouped matmuls; the meta trace matches it
-        pr = memory_profiling(_Grouped(k=k, n=n), batch, step, dtype, target="real")
-        assert pm.activation_occ == pr.activation_occ and pm.grad_occ == pr.grad_occ
+    assert pm.grad_occ == 3 * k * n * dtype.itemsize
 
 
 def test_moe_meta_matches_real_with_grouped_experts():
