@@ -197,17 +197,21 @@ def hf_meta_shims(value: Callable[[torch.Tensor], Optional[torch.Tensor]] = lamb
 
 
 def _grouped_mm_rule(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    """torch's meta ``_grouped_mm`` output (``_create_grouped_mm_output_tensor``), for any dtype."""
-    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
-    if a2:
-        size = [offs.size(0), mat_a.size(0), mat_b.size(1)] if b2 else [mat_a.size(0), mat_b.size(-1)]
-    else:
-        size = [mat_a.size(1), mat_b.size(1)] if b2 else [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    """torch's meta ``_grouped_mm`` for a dtype other than bf16: its own checks (shapes, strides)
+    run on bf16 stand-ins, and the output takes the requested dtype."""
+    if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
+        return NotImplemented  # torch's own refusal stands
+
+    def bf16(t):
+        return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=torch.bfloat16, device="meta")
+
+    ref = torch.ops.aten._grouped_mm.default(bf16(mat_a), bf16(mat_b), offs, bf16(bias))
     dtype = out_dtype or mat_a.dtype
+    size = list(ref.shape)
     if torch.version.cuda:  # CUDA pads rows to 16 bytes, as torch's meta kernel does
         align = 16 // dtype.itemsize
         padded = (size[-1] + align - 1) // align * align
-        stride = [size[1] * padded, padded, 1] if a2 == b2 else [padded, 1]
+        stride = [size[1] * padded, padded, 1] if len(size) == 3 else [padded, 1]
         return torch.empty_strided(size, stride, dtype=dtype, device="meta")
     return torch.empty(size, dtype=dtype, device="meta")
 
