@@ -206,6 +206,7 @@ FOREIGN_PRIVATE = {
     "_pytree": "torch.utils._pytree: flattening op arguments, as torch's own dispatch modes do",
     "_python_dispatch": "torch.utils._python_dispatch: TorchDispatchMode, the documented way to write a dispatch mode",
     "_scaled_dot_product_flash_attention_for_cpu": "an aten op whose name starts with an underscore",
+    "_grouped_mm": "an aten op whose name starts with an underscore (the MoE grouped matmul the tracer shapes)",
     "_actions": "argparse: the subparser action, to add a subcommand's arguments lazily",
     "_opt_called": "torch.optim.Optimizer: set by step() to silence the LR scheduler's order warning",
     "_C": "torch._C / elixir._C: compiled extension modules",

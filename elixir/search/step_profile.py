@@ -211,10 +211,16 @@ def profile_from_module(
 
 
 def profile_step(
-    model: nn.Module, inp: dict, step_fn: Callable[[nn.Module, dict], Any], dtype: torch.dtype = torch.float32
+    model: nn.Module, inp: dict, step_fn: Callable[[nn.Module, dict], Any], dtype: torch.dtype = torch.float32,
+    target: str = "meta",
 ) -> StepProfile:
-    """Trace ``step_fn(model, inp)`` on meta (``elixir.tracer``) into a :class:`StepProfile`."""
-    prof = memory_profiling(model, inp, step_fn, dtype)
+    """Trace ``step_fn(model, inp)`` on meta (``elixir.tracer``) into a :class:`StepProfile`.
+
+    ``target="real"`` runs the step on real CPU copies of the model and batch instead (it needs
+    the model's weights and the step's memory on this machine): the way to profile a step whose
+    library code branches on values that depend on the weights, which a meta trace cannot know.
+    Pass the profile to :func:`elixir.search.optimal.search_profile`."""
+    prof = memory_profiling(model, inp, step_fn, dtype, target)
     occ = prof.occ_dict()
     params, shared, frozen, alias = _canonical(model)
     steps = [tuple(dict.fromkeys(alias.get(n, n) for n in s.params)) for s in prof.order.steps]
@@ -224,7 +230,8 @@ def profile_step(
         steps=tuple(steps), step_kinds=tuple(kinds), activation_bytes=int(occ["activation_occ"]),
         buffer_bytes=int(occ["buffer_occ"]), matmul_param_numel=_matmul_numel(model, alias),
         tokens=_tokens(inp), dtype=dtype_name(dtype), op_costs=prof.op_costs,
-        info={"source": "tracer", "phase_peaks": occ.get("phase_peaks", {})},
+        info={"source": "tracer" if target == "meta" else "tracer (real tensors)",
+              "phase_peaks": occ.get("phase_peaks", {})},
         step_activations=_step_activations([s.op_index for s in prof.order.steps], prof.timeline_activation),
     )
 

@@ -18,6 +18,8 @@ visible to a dispatch mode and are not counted, on meta or real tensors alike.
 from __future__ import annotations
 
 import enum
+import os
+import traceback
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -75,6 +77,44 @@ def _no_meta_kernel_message(func: Any, err: BaseException) -> str:
     )
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TRACER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def code_frame() -> str:
+    """Where the step's own code (or a library it calls) is, outside torch and the tracer: the
+    innermost such frame as ``file:line in function: `source```, and whose code it is."""
+    for fs in reversed(traceback.extract_stack()):
+        f = os.path.abspath(fs.filename)
+        if f.startswith(_TORCH_DIR) or f.startswith(_TRACER_DIR) or fs.filename.startswith("<frozen"):
+            continue
+        lib = "site-packages" in f or "dist-packages" in f
+        where = f.split("site-packages" + os.sep, 1)[-1] if lib else fs.filename
+        line = f": `{fs.line.strip()}`" if fs.line else ""
+        return f"{where}:{fs.lineno} in {fs.name}{line} ({'library code' if lib else 'your code'})"
+    return "an unknown frame"
+
+
+def _data_dependent_message(func: Any) -> str:
+    return (
+        f"op {func} needs tensor data (.item(), bool(tensor), int(tensor), nonzero, torch.where(mask)) at "
+        f"{code_frame()}: the value it reads depends on the model's "
+        f"parameters or activations, which a meta trace does not have (values computed from the batch "
+        f"alone are known: the batch's tensors keep their real values while tracing). Fixes: in your own "
+        f"code, keep such values as plain Python numbers or compute them from the batch, or move the call out "
+        f"of step_fn; in library code, use a shape-static path if the library has one (transformers MoE: "
+        f"model.set_experts_implementation('grouped_mm')), or profile on real tensors: "
+        f"profile = elixir.search.step_profile.profile_step(model, inp, step_fn, dtype, target='real') "
+        f"(needs the model's weights on CPU), then elixir.search.optimal.search_profile(profile, world_size, ...)."
+    )
+
+
+def _is_data_dependent(func: Any, err: BaseException) -> bool:
+    tags = getattr(func, "tags", ())
+    return (torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags
+            or "cannot be called on meta tensors" in str(err))
+
+
 class StorageAccountant(TorchDispatchMode):
     """Counts live bytes per bucket, op by op (see the module docstring)."""
 
@@ -82,6 +122,8 @@ class StorageAccountant(TorchDispatchMode):
         super().__init__()
         self.cache = cache
         self.observer: Optional[Callable[[tuple, dict], None]] = None  # sees every op's arguments
+        # answers an op that failed (on meta) with its outputs, or ``NotImplemented``
+        self.fallback: Optional[Callable[[Any, tuple, dict], Any]] = None
         self._entries: dict[int, _Entry] = {}
         self.live = [0, 0, 0]  # indexed by Bucket
         self.op_count = 0
@@ -156,23 +198,23 @@ class StorageAccountant(TorchDispatchMode):
                 return self._after(func, out, args, kwargs)
         try:
             out = func(*args, **kwargs)
-        except NotImplementedError as err:
-            if "Meta" in str(err):
-                raise TracerError(_no_meta_kernel_message(func, err)) from err
-            raise
-        except RuntimeError as err:
-            msg = str(err)
-            if "cannot be called on meta tensors" in msg:
-                raise TracerError(
-                    f"op {func} needs tensor data (data-dependent Python control flow such as "
-                    f".item(), bool(tensor) or int(tensor)), which meta tensors do not have. Keep "
-                    f"such values as 0-dim input tensors (they stay real) or plain Python numbers, "
-                    f"or move the call out of step_fn."
-                ) from err
-            raise
+        except (NotImplementedError, RuntimeError) as err:
+            out = self._answer(func, args, kwargs, err)
+            key = None  # an answer from data (or a rule) is not a function of the shapes alone
         if key is not None:
             cache.store(key, args, kwargs, out)
         return self._after(func, out, args, kwargs)
+
+    def _answer(self, func: Any, args: tuple, kwargs: dict, err: BaseException) -> Any:
+        """``func`` failed: the fallback's answer, or a TracerError naming the cause and the fix."""
+        out = self.fallback(func, args, kwargs) if self.fallback is not None else NotImplemented
+        if out is not NotImplemented:
+            return out
+        if _is_data_dependent(func, err):
+            raise TracerError(_data_dependent_message(func)) from err
+        if isinstance(err, NotImplementedError) and "Meta" in str(err):
+            raise TracerError(_no_meta_kernel_message(func, err)) from err
+        raise err
 
     def _after(self, func: Any, out: Any, args: tuple, kwargs: dict) -> Any:
         self.costs.record(func, args, kwargs, out)

@@ -10,11 +10,22 @@ Two gaps are closed here:
 - **Data-dependent checks in Hugging Face code.** ``transformers.masking_utils`` inspects
   ``position_ids`` (``.all()``) to detect packed sequences when training without a cache (e.g.
   with gradient checkpointing). On meta that value does not exist; :func:`hf_meta_shims` answers
-  "not packed", which is what a batch without explicit restarting ``position_ids`` gives.
+  "not packed", which is what a batch without explicit restarting ``position_ids`` gives. Checks
+  on values computed from the batch alone (``padding_mask.all()`` on the attention mask) are
+  answered from the batch's real values (:mod:`elixir.tracer.known_values`), not here.
 - **Known, kept difference.** Meta ``native_layer_norm`` returns ``mean``/``rstd`` in fp32 for
   bf16/fp16 inputs (as CUDA does) where CPU returns them in the input dtype: 4 bytes per row per
   LayerNorm in half precision (0.07% of activations on a small GPT-2 in bf16). It is kept because it
   is what a GPU run allocates.
+- **Mixture-of-experts.** torch's meta ``_grouped_mm`` copies the CUDA kernel's bf16-only check,
+  while the CPU kernel (and transformers' grouped experts path) runs every float dtype: the rule
+  :func:`meta_rule` gives it the output shape for any dtype (routing cannot change it: the op
+  multiplies every routed token row once, ``tokens x top_k`` rows, however they split over the
+  experts). transformers' *eager* experts loop over the experts the router picked
+  (``nonzero`` on the routing, which depends on the weights); :func:`hf_static_experts` traces them
+  through transformers' own ``grouped_mm`` experts path instead: the same parameters, FLOPs and
+  saved activations for any routing. Per-expert imbalance, which changes kernel efficiency and the
+  eager loop's transient per-expert buffers, is not modelled: routing is priced as balanced.
 - **Missing meta kernels.** :func:`register_meta_kernel` registers a shape function for an aten
   op that has none; :func:`ensure_meta_kernels` registers the ones elixir knows are missing
   (on torch 2.13: CTC loss backward). An op with no meta kernel makes the tracer raise a
@@ -25,14 +36,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["sdpa_as_cpu", "register_meta_kernel", "ensure_meta_kernels", "hf_meta_shims"]
+__all__ = ["sdpa_as_cpu", "register_meta_kernel", "ensure_meta_kernels", "hf_meta_shims", "meta_rule",
+           "hf_static_experts"]
 
 _LIBS: dict[str, Any] = {}
 
@@ -133,21 +145,102 @@ def sdpa_as_cpu() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def hf_meta_shims() -> Iterator[None]:
-    """Answer Hugging Face's data-dependent packed-sequence check on meta (see the module docstring)."""
-    mu = sys.modules.get("transformers.masking_utils")
-    orig = getattr(mu, "find_packed_sequence_indices", None) if mu is not None else None
+def _patched(owner: Any, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Replace ``owner.name`` by ``make(original)`` while active (nothing when it does not exist)."""
+    orig = getattr(owner, name, None) if owner is not None else None
     if orig is None:
         yield
         return
-
-    def find_packed_sequence_indices(position_ids, *args, **kwargs):
-        if isinstance(position_ids, torch.Tensor) and position_ids.device.type == "meta":
-            return None
-        return orig(position_ids, *args, **kwargs)
-
-    mu.find_packed_sequence_indices = find_packed_sequence_indices
+    setattr(owner, name, make(orig))
     try:
         yield
     finally:
-        mu.find_packed_sequence_indices = orig
+        setattr(owner, name, orig)
+
+
+@contextlib.contextmanager
+def hf_meta_shims(value: Callable[[torch.Tensor], Optional[torch.Tensor]] = lambda t: None) -> Iterator[None]:
+    """Answer Hugging Face's data-dependent checks on meta (see the module docstring).
+
+    ``value(t)`` is a meta tensor's real value when the tracer knows it (else None), as
+    :meth:`elixir.tracer.known_values.KnownValues.value` gives.
+
+    - ``masking_utils.find_packed_sequence_indices`` answers "not packed" for meta position ids.
+    - ``PreTrainedModel.warn_if_padding_and_no_attention_mask`` (a warning only: it changes nothing
+      the step computes) runs on the real ``input_ids`` when they are known, and is skipped
+      otherwise. It indexes with a Python list, which becomes a meta tensor no op produced.
+    """
+    mu = sys.modules.get("transformers.masking_utils")
+    mod_utils = sys.modules.get("transformers.modeling_utils")
+
+    def packed(orig):
+        def find_packed_sequence_indices(position_ids, *args, **kwargs):
+            if isinstance(position_ids, torch.Tensor) and position_ids.device.type == "meta":
+                return None
+            return orig(position_ids, *args, **kwargs)
+        return find_packed_sequence_indices
+
+    def warn_padding(orig):
+        def warn_if_padding_and_no_attention_mask(self, input_ids, attention_mask):
+            if isinstance(input_ids, torch.Tensor) and input_ids.device.type == "meta":
+                real = value(input_ids)
+                if real is None:
+                    return None
+                with _disable_current_modes():  # a check on the batch, not part of the traced step
+                    return orig(self, real, attention_mask)
+            return orig(self, input_ids, attention_mask)
+        return warn_if_padding_and_no_attention_mask
+
+    with _patched(mu, "find_packed_sequence_indices", packed), \
+            _patched(getattr(mod_utils, "PreTrainedModel", None), "warn_if_padding_and_no_attention_mask", warn_padding):
+        yield
+
+
+def _grouped_mm_rule(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """torch's meta ``_grouped_mm`` for a dtype other than bf16: its own checks (shapes, strides)
+    run on bf16 stand-ins, and the output takes the requested dtype."""
+    if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
+        return NotImplemented  # torch's own refusal stands
+
+    def bf16(t):
+        return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=torch.bfloat16, device="meta")
+
+    ref = torch.ops.aten._grouped_mm.default(bf16(mat_a), bf16(mat_b), offs, bf16(bias))
+    dtype = out_dtype or mat_a.dtype
+    size = list(ref.shape)
+    if torch.version.cuda:  # CUDA pads rows to 16 bytes, as torch's meta kernel does
+        align = 16 // dtype.itemsize
+        padded = (size[-1] + align - 1) // align * align
+        stride = [size[1] * padded, padded, 1] if len(size) == 3 else [padded, 1]
+        return torch.empty_strided(size, stride, dtype=dtype, device="meta")
+    return torch.empty(size, dtype=dtype, device="meta")
+
+
+_RULES: dict[Any, Callable[..., Any]] = {torch.ops.aten._grouped_mm.default: _grouped_mm_rule}
+
+
+def meta_rule(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The output of ``func`` on meta tensors by elixir's shape rule where torch's meta kernel
+    refuses what the CPU kernel runs (see the module docstring); ``NotImplemented`` otherwise."""
+    rule = _RULES.get(func)
+    if rule is None or any(isinstance(a, torch.Tensor) and a.device.type != "meta" for a in args):
+        return NotImplemented
+    with _disable_current_modes():
+        return rule(*args, **kwargs)
+
+
+def hf_static_experts(model: torch.nn.Module) -> int:
+    """Route transformers' eager experts modules of ``model`` (a traced copy) through transformers'
+    ``grouped_mm`` experts path (see the module docstring); returns how many modules it switched."""
+    switched = 0
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        # modules made by transformers' @use_experts_implementation carry these attributes
+        if cfg is None or not hasattr(m, "_is_expert_parallel") or not hasattr(m, "has_gate"):
+            continue
+        if getattr(cfg, "_experts_implementation", None) in (None, "eager"):
+            cfg._experts_implementation = "grouped_mm"
+            switched += 1
+        elif cfg._experts_implementation == "grouped_mm":
+            switched += 1
+    return switched

@@ -87,11 +87,21 @@ def _cpu_sdpa_backward_flops(grad_out, query, key, value, *args, out_val=None, *
     return flop_counter.sdpa_backward_flop_count(_shape(grad_out), _shape(query), _shape(key), _shape(value))
 
 
+def _grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
+    """Every row of a grouped (mixture-of-experts) matmul is multiplied once, however the groups
+    split them: 2 M K N in all, as one matmul of the same total size."""
+    a, b = _shape(mat_a), _shape(mat_b)
+    if len(a) == 2:
+        return 2 * a[0] * a[1] * (b[-1] if len(b) == 3 else b[1])
+    return 2 * a[1] * a[2] * b[1] if len(b) == 2 else 2 * a[0] * a[1] * a[2] * b[-1]
+
+
 def _formulas() -> dict:
     reg = dict(flop_counter.flop_registry)
     aten = torch.ops.aten
     for name, fn in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_sdpa_flops),
-                     ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_sdpa_backward_flops)):
+                     ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_sdpa_backward_flops),
+                     ("_grouped_mm", _grouped_mm_flops)):
         packet = getattr(aten, name, None)
         if packet is not None and packet not in reg:
             reg[packet] = fn

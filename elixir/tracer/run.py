@@ -14,7 +14,8 @@ from .accounting import StorageAccountant, TracerError
 from .checkpoint import watch_checkpoints
 from .convert import Target, check_dtype, check_inputs, copy_inputs, copy_model, model_device
 from .hooks import StepKind, current_phase, install_step_hooks, param_owning_modules, tensors_in
-from .meta_kernels import ensure_meta_kernels, hf_meta_shims, sdpa_as_cpu
+from .known_values import KnownValues
+from .meta_kernels import ensure_meta_kernels, hf_meta_shims, hf_static_experts, meta_rule, sdpa_as_cpu
 from .opcache import MetaOpCache
 
 __all__ = ["TracedStep", "StepTrace", "trace_step"]
@@ -63,11 +64,32 @@ def _unique_storage_bytes(tensors, seen: set) -> int:
     return total
 
 
+def _known_batch(inp: dict, batch: dict) -> KnownValues:
+    """A :class:`KnownValues` in which the batch's meta copies have their real values as twins."""
+    known = KnownValues()
+    for k, v in inp.items():
+        t = batch[k]
+        if t.device.type == "meta" and v.device.type != "meta" and t.numel() <= known.max_numel:
+            known.add(t, v.detach().to(device="cpu", dtype=t.dtype, copy=True))
+    return known
+
+
+def _first_answer(func: Any, args: tuple, kwargs: dict, known: KnownValues) -> Any:
+    """An op failed on meta: elixir's shape rule for it, else its value from the batch's twins."""
+    out = meta_rule(func, args, kwargs)
+    return known.answer(func, args, kwargs) if out is NotImplemented else out
+
+
 def trace_step(model: nn.Module, inp: dict, step_fn: StepFn, dtype: torch.dtype = torch.float,
                target: Target = "meta", op_cache: bool = True) -> StepTrace:
     """Run ``step_fn`` once on a copy of ``model`` and ``inp`` (meta twins, or real CPU copies for
     ``target="real"``) and record memory and parameter order. The caller's objects are untouched.
-    ``op_cache`` memoises meta kernels (:mod:`elixir.tracer.opcache`); it changes speed only."""
+    ``op_cache`` memoises meta kernels (:mod:`elixir.tracer.opcache`); it changes speed only.
+
+    On meta, values computed from the batch alone keep their real values beside the trace
+    (:mod:`elixir.tracer.known_values`), so library checks on the batch (attention masks, padding)
+    take the branch a real run takes; transformers' eager experts are traced through its
+    ``grouped_mm`` path (:func:`~elixir.tracer.meta_kernels.hf_static_experts`)."""
     check_dtype(dtype)
     check_inputs(inp)
     if not callable(step_fn):
@@ -79,6 +101,9 @@ def trace_step(model: nn.Module, inp: dict, step_fn: StepFn, dtype: torch.dtype 
     work = copy_model(model, dtype, target)
     batch = copy_inputs(inp, dtype, target)
     work.train(model.training)
+    known = _known_batch(inp, batch) if target == "meta" else None
+    if target == "meta":
+        hf_static_experts(work)
 
     acc = StorageAccountant(MetaOpCache() if target == "meta" and op_cache else None)
     tr = StepTrace(target=target, dtype=dtype, acc=acc)
@@ -133,12 +158,14 @@ def trace_step(model: nn.Module, inp: dict, step_fn: StepFn, dtype: torch.dtype 
             tr.checkpoint_steps.append((st0, len(tr.steps)))
 
     acc.observer = observe
+    if known is not None:
+        acc.fallback = lambda f, a, k: _first_answer(f, a, k, known)
     hooks = install_step_hooks(work, on_forward=on_forward, on_backward=on_step, on_forward_end=on_forward_end)
     grad_handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
     route = sdpa_as_cpu() if target == "meta" else contextlib.nullcontext()
-    shims = hf_meta_shims() if target == "meta" else contextlib.nullcontext()
+    shims = hf_meta_shims(known.value) if known is not None else contextlib.nullcontext()
     try:
-        with watch_checkpoints(enter, leave), shims, route, acc:
+        with watch_checkpoints(enter, leave), shims, route, acc, known or contextlib.nullcontext():
             ret = step_fn(work, batch)
             del ret  # the loss and anything else the step returns die with the step
     finally:
