@@ -56,6 +56,7 @@ from elixir.tracer.hooks import (
 )
 from elixir.wrapper.backward_tracker import BackwardTracker, TrainingState
 from elixir.wrapper.fused_kernels import apply_fused_kernels
+from elixir.wrapper.generation import generate as _generate
 from elixir.wrapper.hf_guard import guard_save_pretrained
 from elixir.wrapper.materialize import Materializer, agreed_seed, assign, has_meta_tensors
 from elixir.wrapper.mesh import require_data_parallel, resolve_mesh
@@ -1011,6 +1012,12 @@ class ElixirModule(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Load a full state dict (keys of the wrapped model). Every rank needs the full dict."""
         return load_full_state_dict(self, state_dict, strict=strict)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped Hugging Face model's ``generate``, each step run through this wrapper
+        (``wrapper/generation.py``). Collective: call on every rank; ``synced_gpus`` defaults to
+        True at world size > 1, so ranks that finish early keep stepping with the others."""
+        return _generate(self, *args, **kwargs)
 
     def extra_repr(self) -> str:
         kinds: dict[str, int] = {}
