@@ -218,7 +218,7 @@ def test_world2_load_train_save_is_exact_and_each_rank_reads_its_rows(tmp_path):
             opt.zero_grad()
         state = results[0][kind]["state"]
         for k, v in plain.state_dict().items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{kind} {k}: {m}")
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k, kind=kind: f"{kind} {k}: {m}")
         # the round trip through transformers is exact
         _equal(AutoModelForCausalLM.from_pretrained(str(tmp_path / kind / "ours")).state_dict(), state, kind)
         hub_keys = sorted(tensors_of(str(tmp_path / kind / "hf")))

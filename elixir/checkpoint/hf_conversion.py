@@ -170,7 +170,8 @@ class Converted(Source):
 
 def hf_model(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a transformers ``PreTrainedModel`` (False without transformers)."""
-    try:  # optional dependency: transformers
+    try:
+        # optional dependency: transformers
         from transformers import PreTrainedModel
     except ImportError:
         return False
@@ -182,7 +183,8 @@ def load_transforms(model: torch.nn.Module) -> list:
     a module that is no ``PreTrainedModel`` or a transformers without conversion rules."""
     if not hf_model(model):
         return []
-    try:  # optional dependency: transformers >= 5 (its checkpoint conversion rules)
+    try:
+        # optional dependency: transformers >= 5 (its checkpoint conversion rules)
         from transformers.conversion_mapping import get_model_conversion_mapping
     except ImportError:
         return []
@@ -205,7 +207,12 @@ def map_checkpoint(model: Optional[torch.nn.Module], stored: dict, model_keys: s
     if not transforms:
         return KeyMap({k: Direct(st) for k, st in stored.items()}, {k: [k] for k in stored})
     # optional dependency: transformers (the module's own renaming and key order)
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
 
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -298,7 +305,10 @@ def _reverse_converters(model: torch.nn.Module) -> list:
     """The reversed converters ``revert_weight_conversion`` applies to ``model`` (the same choice of list)."""
     # optional dependency: transformers
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightConverter
+    from transformers.core_model_loading import (  # optional dependency: transformers
+        PrefixChange,
+        WeightConverter,
+    )
 
     conversions = getattr(model, "_weight_conversions", None)
     if conversions is None:
@@ -312,7 +322,8 @@ def to_checkpoint(model: torch.nn.Module, state: dict) -> dict:
     transformers' ``revert_weight_conversion``; unchanged for a module that is no ``PreTrainedModel``."""
     if not hf_model(model) or not state:
         return state
-    try:  # optional dependency: transformers >= 5 (its checkpoint conversion rules)
+    try:
+        # optional dependency: transformers >= 5 (its checkpoint conversion rules)
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
         return state
@@ -326,7 +337,8 @@ def save_groups(model: torch.nn.Module, keys: list, shapes: dict) -> list[list[s
     (else one group holds every key, with a warning)."""
     if not hf_model(model):
         return [[k] for k in keys]
-    try:  # optional dependency: transformers >= 5 (its checkpoint conversion rules)
+    try:
+        # optional dependency: transformers >= 5 (its checkpoint conversion rules)
         from transformers.core_model_loading import apply_converters
         reverse = _reverse_converters(model)
     except ImportError:
