@@ -223,3 +223,11 @@ def test_world2_load_train_save_is_exact_and_each_rank_reads_its_rows(tmp_path):
         _equal(AutoModelForCausalLM.from_pretrained(str(tmp_path / kind / "ours")).state_dict(), state, kind)
         hub_keys = sorted(tensors_of(str(tmp_path / kind / "hf")))
         assert sorted(tensors_of(str(tmp_path / kind / "ours"))) == hub_keys, kind
+
+
+@pytest.mark.parametrize("kind", ["gpt_neox", "mixtral"])
+def test_read_pretrained_gives_the_models_names(kind, tmp_path):
+    """``Booster.load_model`` reads through it: a hub-layout save under the model's own names."""
+    ref = build(kind)
+    ref.save_pretrained(str(tmp_path), max_shard_size=SHARD)
+    _equal(checkpoint.read_pretrained(str(tmp_path), build(kind, "meta")), ref.state_dict(), "read_pretrained")

@@ -116,8 +116,9 @@ class Booster:
         _agree(error)
 
     def load_model(self, model: nn.Module, path: str, strict: bool = True) -> None:
-        """Load what :meth:`save_model` (or HF ``save_pretrained``) wrote. Every rank reads it."""
-        state = model_io.fill_tied(model_io.read(path), _unwrap(model))
+        """Load what :meth:`save_model` (or HF ``save_pretrained``) wrote, under the model's names
+        (transformers' key conversions applied: ``checkpoint.read_pretrained``). Every rank reads it."""
+        state = model_io.fill_tied(checkpoint.read_pretrained(path, _unwrap(model)), _unwrap(model))
         self._plugin().load_full_state_dict(model, state, strict)
 
     def save_optimizer(self, optimizer: Any, path: str, shard: bool = True) -> None:

@@ -58,7 +58,7 @@ from elixir.offload.pipeline import staged
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.state_dict import chunk_values
 
-__all__ = ["load_pretrained", "save_pretrained", "save_state_dict_pretrained", "LoadReport", "SAFE_WEIGHTS", "SAFE_INDEX"]
+__all__ = ["load_pretrained", "save_pretrained", "save_state_dict_pretrained", "read_pretrained", "LoadReport", "SAFE_WEIGHTS", "SAFE_INDEX"]
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -322,6 +322,18 @@ def _headers(reader: Reader, saved: dict[str, str]) -> dict[str, hf_conversion.S
             raise CheckpointError(f"{k}: dtype {sl.get_dtype()} in the checkpoint, which elixir cannot read")
         out[k] = hf_conversion.Stored(fname, k, tuple(sl.get_shape()), dt)
     return out
+
+
+def read_pretrained(path: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the Hugging Face checkpoint directory ``path``, whole, under the names of the
+    (unwrapped) ``model``: transformers' conversions applied as in :func:`load_pretrained`; a key no
+    conversion renames keeps its name. For a model not run by elixir (DDP's, FSDP2's); not collective."""
+    root = os.path.abspath(path)
+    saved = _checkpoint_files(root)
+    reader = Reader(root)
+    keymap = hf_conversion.map_checkpoint(model, _headers(reader, saved), set(model.state_dict(keep_vars=True)),
+                                          hf_conversion.load_transforms(model))
+    return {name: src.read_all(reader) for name, src in keymap.sources.items()}
 
 
 def _names(target: torch.nn.Module, model_keys: set[str]) -> tuple[torch.nn.Module, dict[str, str]]:
