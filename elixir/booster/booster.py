@@ -162,10 +162,11 @@ class Booster:
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True, low_cpu_mem_mode: bool = True,
                    num_threads: int = 1) -> None:
-        """Load what :meth:`save_model` (or HF ``save_pretrained``) wrote: a directory, or a single
-        safetensors or ``torch.save`` file. Every rank reads it. ``model`` may be boosted or plain."""
+        """Load what :meth:`save_model` (or HF ``save_pretrained``) wrote: a directory (under the
+        model's names: transformers' key conversions applied), or a single safetensors or
+        ``torch.save`` file. Every rank reads it. ``model`` may be boosted or plain."""
         check_compat("Booster.load_model", {"low_cpu_mem_mode": low_cpu_mem_mode, "num_threads": num_threads}, LOAD)
-        state = model_io.fill_tied(model_io.read(checkpoint), _unwrap(model))
+        state = model_io.fill_tied(model_io.read(checkpoint, _unwrap(model)), _unwrap(model))
         if isinstance(model, (ElixirModule, DistributedDataParallel)) or self.plugin is None:
             self._plugin().load_full_state_dict(model, state, strict)
         elif any(hasattr(p, "device_mesh") for p in model.parameters()):  # FSDP2's DTensors

@@ -1,6 +1,7 @@
 """Reading model checkpoints in Hugging Face's safetensors layout (``model.safetensors`` or shards
-plus ``model.safetensors.index.json``) for :meth:`Booster.load_model`, and ColossalAI's single-file
-checkpoints (``shard=False``: one safetensors or ``torch.save`` file). Writing the directory layout
+plus ``model.safetensors.index.json``, transformers' key conversions applied) for
+:meth:`Booster.load_model`, and ColossalAI's single-file checkpoints (``shard=False``: one
+safetensors or ``torch.save`` file). Writing the directory layout
 is :func:`elixir.checkpoint.save_pretrained`'s (and ``save_state_dict_pretrained`` for DDP/FSDP2);
 the single file is :func:`write_file`'s."""
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from elixir import checkpoint
 from elixir import distributed as edist
 
 SINGLE = "model.safetensors"
@@ -47,22 +49,15 @@ def write_file(path: str, state: dict[str, torch.Tensor], use_safetensors: bool)
     os.replace(tmp, path)
 
 
-def read(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint ``path``: a directory (single file or index plus shards), or
-    a single safetensors or ``torch.save`` file."""
+def read(path: str, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint ``path`` under ``model``'s names: a directory in the HF layout
+    (single file or index plus shards; transformers' key conversions applied by
+    :func:`elixir.checkpoint.read_pretrained`), or a single safetensors or ``torch.save`` file."""
     if os.path.isfile(path):
         return load_file(path) if _is_safetensors(path) else torch.load(path, map_location="cpu", weights_only=True)
-    if os.path.isfile(os.path.join(path, INDEX)):
-        with open(os.path.join(path, INDEX)) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, SINGLE)):
-        files = [SINGLE]
-    else:
+    if not (os.path.isfile(os.path.join(path, INDEX)) or os.path.isfile(os.path.join(path, SINGLE))):
         raise FileNotFoundError(f"{path!r} holds neither {SINGLE} nor {INDEX}; was it written by Booster.save_model?")
-    out: dict[str, torch.Tensor] = {}
-    for name in files:
-        out.update(load_file(os.path.join(path, name)))
-    return out
+    return checkpoint.read_pretrained(path, model)
 
 
 def fill_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:

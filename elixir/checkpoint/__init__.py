@@ -48,11 +48,12 @@ from elixir.checkpoint.load import load
 from elixir.checkpoint.pretrained import (
            LoadReport,
            load_pretrained,
+           read_pretrained,
            save_pretrained,
            save_state_dict_pretrained,
 )
 from elixir.checkpoint.save import save
 from elixir.checkpoint.verify import Verified, verify
 
-__all__ = ["CheckpointError", "save", "load", "consolidate", "verify", "Verified", "latest", "step_path", "load_pretrained", "save_pretrained",
+__all__ = ["CheckpointError", "save", "load", "consolidate", "verify", "Verified", "latest", "step_path", "load_pretrained", "save_pretrained", "read_pretrained",
            "save_state_dict_pretrained", "LoadReport", "FORMAT", "VERSION", "Index", "Entry"]

@@ -1,30 +1,39 @@
 """Hugging Face checkpoint directories in and out of an ElixirModule, streamed shard by shard.
 
-``load_pretrained(path, model, strict=True)`` reads ``model.safetensors``, or the sharded files
-listed by ``model.safetensors.index.json``, into a wrapped model: each rank reads, through the
-``safetensors`` library's lazy slices, only the rows its own shards (and replicated chunks, frozen
-parameters and buffers) need, and converts dtypes on the fly (a bf16 checkpoint into fp32 masters).
-It works at any world size and with chunks whose master is on disk (staged one chunk at a time).
-Keys follow transformers: a tied weight saved once under either name fills every name; keys the
-model's ``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected`` patterns name,
-and the legacy ``rotary_emb.inv_freq`` / ``position_ids`` entries, are not reported; a checkpoint of
-the base model loads into a model with a head and vice versa (the ``base_model_prefix``), and into a
-PEFT model (``peft.get_peft_model``): the base weights fill the frozen chunks under their base names
-(``base_model.model.`` and LoRA's ``.base_layer`` dropped), each rank reading only its shard's rows in
-the chunk's dtype, and the adapters, which no base checkpoint holds, are not reported missing. Every rank
-validates names, shapes and dtypes from the file headers first and agrees; with ``strict`` any
-missing or unexpected key raises :class:`~elixir.checkpoint.CheckpointError` on every rank, before
-anything is modified. Otherwise the report is returned, as ``load_state_dict`` returns it.
+``load_pretrained(path, model, strict=True, submodule=None)`` reads ``model.safetensors``, or the
+sharded files listed by ``model.safetensors.index.json``, into a wrapped model: each rank reads,
+through the ``safetensors`` library's lazy slices, only the rows its own shards (and replicated
+chunks, frozen parameters and buffers) need, and converts dtypes on the fly (a bf16 checkpoint into
+fp32 masters). It works at any world size and with chunks whose master is on disk (staged one
+chunk at a time). Keys follow transformers: its per-model conversion rules
+(:mod:`elixir.checkpoint.hf_conversion`: GPT-NeoX's ``embed_out``, MoE experts stored one by one and
+fused into 3-D tensors, each rank reading only the expert rows its shard covers) are applied as
+``from_pretrained`` applies them; a tied weight saved once under either name fills every name; keys
+the model's ``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected`` patterns
+name, and the legacy ``rotary_emb.inv_freq`` / ``position_ids`` entries, are not reported; a
+checkpoint of the base model loads into a model with a head and vice versa (the
+``base_model_prefix``), and into a PEFT model (``peft.get_peft_model``): the base weights fill the
+frozen chunks under their base names (``base_model.model.`` and LoRA's ``.base_layer`` dropped), each
+rank reading only its shard's rows in the chunk's dtype, and the adapters, which no base checkpoint
+holds, are not reported missing. The module loaded is the Hugging Face model inside the wrapped
+one (:mod:`elixir.checkpoint.hf_target`: a LightningModule's ``self.model`` is found by itself, or
+named with ``submodule=``). Every rank validates names, shapes and dtypes from the file headers
+first and agrees; with ``strict`` any missing or unexpected key raises
+:class:`~elixir.checkpoint.CheckpointError` on every rank, before anything is modified. Otherwise
+the report is returned, as ``load_state_dict`` returns it.
 
-``save_pretrained(path, model, max_shard_size="5GB", dtype=None)`` writes the layout
+``save_pretrained(path, model, max_shard_size="5GB", dtype=None, submodule=None)`` writes the layout
 ``transformers.AutoModel*.from_pretrained`` reads: ``model.safetensors`` (one shard) or
 ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``, and ``config.json`` when
-the wrapped model has a config. Tied weights are saved once, under the source name
+the model has a config; under the checkpoint's keys (transformers' conversions reverted: experts
+split again, ``embed_out`` for GPT-NeoX). Tied weights are saved once, under the source name
 ``all_tied_weights_keys`` gives (otherwise the first name). Files are assigned to ranks in turn;
 for each file every rank takes part in gathering the chunks that cover it, one chunk at a time, and
 only the file's writer keeps the values, so no rank ever holds more than one file's tensors plus
-one gathered chunk (never the whole model). The directory is staged and renamed into place like
-:func:`~elixir.checkpoint.save`'s (:mod:`elixir.checkpoint.atomic`).
+one gathered chunk (never the whole model). A PEFT model is saved as PEFT saves it: its adapters
+(``adapter_config.json`` + ``adapter_model.safetensors``, :mod:`elixir.checkpoint.peft_adapter`).
+The directory is staged and renamed into place like :func:`~elixir.checkpoint.save`'s
+(:mod:`elixir.checkpoint.atomic`).
 """
 
 from __future__ import annotations
@@ -39,15 +48,17 @@ from typing import Optional, Union
 
 import torch
 
-from elixir.checkpoint import atomic
+from elixir.checkpoint import atomic, hf_conversion
 from elixir.checkpoint.errors import CheckpointError, agree
 from elixir.checkpoint.format import Reader, write_tensors
+from elixir.checkpoint.hf_target import base_key, peft_base, resolve
+from elixir.checkpoint.peft_adapter import save_adapter
 from elixir.fileio import fsync_file
 from elixir.offload.pipeline import staged
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.state_dict import chunk_values
 
-__all__ = ["load_pretrained", "save_pretrained", "save_state_dict_pretrained", "LoadReport", "SAFE_WEIGHTS", "SAFE_INDEX"]
+__all__ = ["load_pretrained", "save_pretrained", "save_state_dict_pretrained", "read_pretrained", "LoadReport", "SAFE_WEIGHTS", "SAFE_INDEX"]
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -64,10 +75,21 @@ _DTYPES = {
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What :func:`load_pretrained` found, in transformers' terms (keys of the wrapped model)."""
+    """What :func:`load_pretrained` found, in transformers' terms (keys of the loaded module)."""
 
     missing_keys: list = field(default_factory=list)
     unexpected_keys: list = field(default_factory=list)
+
+
+def _need_wrapper(model, what: str) -> ElixirModule:
+    if isinstance(model, ElixirModule):
+        return model
+    raise TypeError(
+        f"{what} needs the ElixirModule (got {type(model).__name__}): the wrapped model is only there once a "
+        "plan has been applied. In Lightning that is trainer.strategy.elixir_module, from setup on: "
+        "configure_model runs before the wrapping, so pass ElixirStrategy(pretrained=dir) instead, or load in "
+        "on_fit_start (docs/integrations.md)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,10 +103,6 @@ def _model_keys(model: torch.nn.Module) -> dict[str, list[str]]:
     for k, t in model.state_dict(keep_vars=True).items():
         names.setdefault(id(t), []).append(k)
     return {ks[0]: ks for ks in names.values()}
-
-
-def _tensors(em: ElixirModule) -> dict[str, torch.Tensor]:
-    return dict(em.module.state_dict(keep_vars=True))
 
 
 def _patterns(model, attr: str) -> list[str]:
@@ -118,6 +136,13 @@ def parse_size(size: Union[int, str]) -> int:
     return int(float(m.group(1)) * units[m.group(2).lower()])
 
 
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 # --------------------------------------------------------------------------------------------
 # saving
 
@@ -127,16 +152,21 @@ def save_pretrained(
     model: ElixirModule,
     max_shard_size: Union[int, str] = "5GB",
     dtype: Optional[torch.dtype] = None,
+    submodule: Optional[str] = None,
 ) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory at ``path`` (see the module
     docstring), with floating tensors in ``dtype`` (default: chunked parameters as their fp32
-    masters, other tensors as they are). Collective: call on every rank."""
-    if not isinstance(model, ElixirModule):
-        raise TypeError("save_pretrained needs the ElixirModule")
-    em = model
+    masters, other tensors as they are). ``submodule``: the attribute path of the Hugging Face model
+    inside the wrapped module (default: found by itself, :func:`~elixir.checkpoint.hf_target.resolve`).
+    Collective: call on every rank."""
+    em = _need_wrapper(model, "save_pretrained")
+    target, _ = resolve(em.module, submodule)
+    if peft_base(target) is not None:
+        save_adapter(path, em, target)
+        return
     limit = parse_size(max_shard_size)
-    tensors = _tensors(em)
-    keys = _keys_to_save(em.module)
+    tensors = dict(target.state_dict(keep_vars=True))
+    keys = _keys_to_save(target)
     slot_of = {s.name: s for s in em.slots + em.frozen_map.slots}
     pname = {id(em.params[s.index]): s.name for s in em.slots}
     pname.update({id(em.frozen_map.params[s.index]): s.name for s in em.frozen_map.slots})
@@ -146,19 +176,19 @@ def save_pretrained(
         base = torch.float32 if id(t) in pname and not em.frozen_map.slot_of(t) else t.dtype
         return dtype if dtype is not None and t.is_floating_point() else base
 
-    files, names = _split(keys, lambda k: tensors[k].numel() * torch.empty((), dtype=out_dtype(k)).element_size(), limit)
+    shapes = {k: (tuple(tensors[k].shape), out_dtype(k)) for k in keys}
+    files, saved = _plan_files(target, keys, shapes, limit)
+    names = _file_names(len(files))
 
     def finish(tmp: str) -> None:  # rank 0, once every file is written: the index and config, last
-        total = sum(tensors[k].numel() * torch.empty((), dtype=out_dtype(k)).element_size() for f in files for k in f)
-        _write_meta(tmp, em.module, files, names, total, dtype)
+        _write_meta(tmp, target, saved, names, dtype)
 
     with atomic.collective_save(path, em.group, em.world_size, em.rank, (CONFIG, SAFE_WEIGHTS, SAFE_INDEX),
                                 finish) as stage:
         tmp, error = stage.tmp, None
         em.cache.release_all()
         for fi, fkeys in enumerate(files):
-            writer = fi % em.world_size
-            mine = em.rank == writer
+            mine = em.rank == fi % em.world_size
             out: dict[str, torch.Tensor] = {}
             by_chunk: dict[int, list[str]] = {}
             for k in fkeys:
@@ -175,8 +205,8 @@ def save_pretrained(
                         out[k] = full[s.offset : s.offset + s.numel].view(s.shape).to(out_dtype(k), copy=True)
                 del full
             if mine and error is None:
-                try:
-                    write_tensors(os.path.join(tmp, names[fi]), {k: out[k] for k in fkeys})
+                try:  # under the checkpoint's keys: transformers' conversions reverted
+                    write_tensors(os.path.join(tmp, names[fi]), hf_conversion.to_checkpoint(target, {k: out[k] for k in fkeys}))
                 except (OSError, CheckpointError) as e:
                     error = f"writing {names[fi]} failed: {e}"
             del out
@@ -191,21 +221,24 @@ def _keys_to_save(model: torch.nn.Module) -> list[str]:
     return [k for k in keys if not _matches(k, ignore)]
 
 
-def _split(keys: list[str], nbytes, limit: int) -> tuple[list[list[str]], list[str]]:
-    """Keys in files of at most ``limit`` bytes (``nbytes(key)`` each), in order, a new file when
-    the next tensor would pass the limit (as HF); and the files' names."""
+def _plan_files(model: torch.nn.Module, keys: list[str], shapes: dict, limit: int) -> tuple[list[list[str]], list[dict]]:
+    """Model keys in files of at most ``limit`` bytes, in order, a new file when the next group of
+    tensors would pass the limit (as HF); the tensors transformers reverts together (a fused
+    expert tensor's parts) stay in one file. With each file, its checkpoint keys -> (shape, dtype)."""
     files: list[list[str]] = [[]]
     size = 0
-    for k in keys:
-        n = nbytes(k)
+    for group in hf_conversion.save_groups(model, keys, shapes):
+        n = sum(_nbytes(*shapes[k]) for k in group)
         if files[-1] and size + n > limit:
             files.append([])
             size = 0
-        files[-1].append(k)
+        files[-1].extend(group)
         size += n
-    nfiles = len(files)
-    names = [SAFE_WEIGHTS] if nfiles == 1 else [f"model-{i + 1:05d}-of-{nfiles:05d}.safetensors" for i in range(nfiles)]
-    return files, names
+    return files, [hf_conversion.checkpoint_shapes(model, f, shapes) for f in files]
+
+
+def _file_names(nfiles: int) -> list[str]:
+    return [SAFE_WEIGHTS] if nfiles == 1 else [f"model-{i + 1:05d}-of-{nfiles:05d}.safetensors" for i in range(nfiles)]
 
 
 def save_state_dict_pretrained(
@@ -213,27 +246,30 @@ def save_state_dict_pretrained(
 ) -> None:
     """Write a full ``state`` dict of the unwrapped ``model`` (a model not run by elixir: DDP's,
     FSDP2's gathered one) in the same layout as :func:`save_pretrained`: each tensor once (tied
-    weights under one name), HF's file split and index, ``config.json``, staged and renamed into
-    place. Not collective: one process writes."""
+    weights under one name), under the checkpoint's keys, HF's file split and index,
+    ``config.json``, staged and renamed into place. Not collective: one process writes."""
     limit = parse_size(max_shard_size)
     keys = [k for k in _keys_to_save(model) if k in state]
     tensors = {k: state[k].detach().to("cpu").contiguous() for k in keys}
-    files, names = _split(keys, lambda k: tensors[k].numel() * tensors[k].element_size(), limit)
+    shapes = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
+    files, saved = _plan_files(model, keys, shapes, limit)
+    names = _file_names(len(files))
     tmp = atomic.staging_dir(path, markers=(CONFIG, SAFE_WEIGHTS, SAFE_INDEX))
     try:
         for fkeys, name in zip(files, names):
-            write_tensors(os.path.join(tmp, name), {k: tensors[k] for k in fkeys})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        _write_meta(tmp, model, files, names, total, None)
+            write_tensors(os.path.join(tmp, name), hf_conversion.to_checkpoint(model, {k: tensors[k] for k in fkeys}))
+        _write_meta(tmp, model, saved, names, None)
         atomic.commit(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _write_meta(tmp, model, files, names, total: int, dtype) -> None:
-    if len(files) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for i, f in enumerate(files) for k in f}}
+def _write_meta(tmp, model, saved: list[dict], names: list[str], dtype) -> None:
+    """The index (several files) and ``config.json`` of a save whose files hold ``saved``."""
+    if len(saved) > 1:
+        total = sum(_nbytes(*v) for f in saved for v in f.values())
+        index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for i, f in enumerate(saved) for k in f}}
         p = os.path.join(tmp, SAFE_INDEX)
         with open(p, "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
@@ -264,41 +300,57 @@ def _checkpoint_files(root: str) -> dict[str, str]:
     if os.path.isfile(single):
         reader = Reader(root)
         return {k: SAFE_WEIGHTS for k in reader.handle(SAFE_WEIGHTS).keys()}
+    hint = (" (a PEFT adapter directory: load_pretrained reads its base model's checkpoint)"
+            if os.path.isfile(os.path.join(root, "adapter_config.json")) else " (convert .bin weights with transformers first)")
     raise CheckpointError(
-        f"{root} holds neither {SAFE_WEIGHTS} nor {SAFE_INDEX}: not a Hugging Face safetensors checkpoint "
-        "(convert .bin weights with transformers first)"
+        f"{root} holds neither {SAFE_WEIGHTS} nor {SAFE_INDEX}: not a Hugging Face safetensors checkpoint{hint}"
     )
 
 
-def _peft_base(module) -> Optional[torch.nn.Module]:
-    """The base model of a PEFT model (``peft.PeftModel``), or None for any other module."""
-    if hasattr(module, "peft_config") and callable(getattr(module, "get_base_model", None)):
-        return module.get_base_model()
-    return None
+def _headers(reader: Reader, saved: dict[str, str]) -> dict[str, hf_conversion.Stored]:
+    """Every saved tensor's shape and dtype, from the file headers."""
+    out = {}
+    for k, fname in saved.items():
+        try:
+            sl = reader.handle(fname).get_slice(k)
+        except CheckpointError:
+            raise
+        except Exception:
+            raise CheckpointError(f"tensor {k!r} is missing from {fname}") from None
+        dt = _DTYPES.get(sl.get_dtype())
+        if dt is None:
+            raise CheckpointError(f"{k}: dtype {sl.get_dtype()} in the checkpoint, which elixir cannot read")
+        out[k] = hf_conversion.Stored(fname, k, tuple(sl.get_shape()), dt)
+    return out
 
 
-def _base_key(key: str) -> str:
-    """A PEFT model's key as the base model names it: without the ``base_model.model.`` prefix and
-    the ``base_layer`` that LoRA wraps each adapted layer in."""
-    key = key[len("base_model.model."):] if key.startswith("base_model.model.") else key
-    return key.replace(".base_layer.", ".")
+def read_pretrained(path: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the Hugging Face checkpoint directory ``path``, whole, under the names of the
+    (unwrapped) ``model``: transformers' conversions applied as in :func:`load_pretrained`; a key no
+    conversion renames keeps its name. For a model not run by elixir (DDP's, FSDP2's); not collective."""
+    root = os.path.abspath(path)
+    saved = _checkpoint_files(root)
+    reader = Reader(root)
+    keymap = hf_conversion.map_checkpoint(model, _headers(reader, saved), set(model.state_dict(keep_vars=True)),
+                                          hf_conversion.load_transforms(model))
+    return {name: src.read_all(reader) for name, src in keymap.sources.items()}
 
 
-def _prefix_map(em: ElixirModule, saved: dict[str, str], model_keys: set[str]) -> dict[str, str]:
+def _names(target: torch.nn.Module, model_keys: set[str]) -> tuple[torch.nn.Module, dict[str, str]]:
+    """The Hugging Face model whose names a checkpoint uses, and its name -> model key: the target's
+    own keys, or for a PEFT model its base model's (``base_model.model.`` and ``.base_layer`` dropped)."""
+    base = peft_base(target)
+    if base is None:
+        return target, {k: k for k in model_keys}
+    as_base: dict[str, str] = {}
+    for k in sorted(model_keys):
+        as_base.setdefault(base_key(k), k)
+    return base, as_base
+
+
+def _match_prefix(prefix: str, saved: dict, model_keys: set[str]) -> dict[str, str]:
     """Model key -> saved key, adding or removing the ``base_model_prefix`` when that is what
-    makes the names meet (a base model's checkpoint into a model with a head, and back). For a
-    PEFT model the base model's checkpoint fills the frozen weights under their base names."""
-    base = _peft_base(em.module)
-    if base is not None:
-        as_base: dict[str, str] = {}
-        for k in model_keys:
-            as_base.setdefault(_base_key(k), k)
-        inner = _match_prefix(getattr(base, "base_model_prefix", "") or "", saved, set(as_base))
-        return {as_base[k]: v for k, v in inner.items()}
-    return _match_prefix(getattr(em.module, "base_model_prefix", "") or "", saved, model_keys)
-
-
-def _match_prefix(prefix: str, saved: dict[str, str], model_keys: set[str]) -> dict[str, str]:
+    makes the names meet (a base model's checkpoint into a model with a head, and back)."""
     direct = {k: k for k in saved if k in model_keys}
     if not prefix or len(direct) == len(saved):
         return direct
@@ -307,54 +359,62 @@ def _match_prefix(prefix: str, saved: dict[str, str], model_keys: set[str]) -> d
     return max((direct, add, strip), key=len)
 
 
-def load_pretrained(path: str, model: ElixirModule, strict: bool = True) -> LoadReport:
+def load_pretrained(path: str, model: ElixirModule, strict: bool = True, submodule: Optional[str] = None) -> LoadReport:
     """Load the Hugging Face checkpoint directory ``path`` into ``model`` (see the module
-    docstring). Collective: call on every rank. Returns the missing and unexpected keys."""
-    if not isinstance(model, ElixirModule):
-        raise TypeError("load_pretrained needs the ElixirModule")
-    em = model
+    docstring). ``submodule``: the attribute path of the Hugging Face model inside the wrapped
+    module (default: found by itself). Collective: call on every rank. Returns the missing and
+    unexpected keys."""
+    em = _need_wrapper(model, "load_pretrained")
     error, plan, report = None, None, None
     try:
-        plan, report = _plan_load(os.path.abspath(path), em, strict)
+        target, _ = resolve(em.module, submodule)
+        plan, report = _plan_load(os.path.abspath(path), target, strict)
     except CheckpointError as e:
         error = str(e)
     except Exception as e:  # a corrupt header, an unreadable file: the same error on every rank
         error = f"reading the checkpoint at {path} failed: {type(e).__name__}: {e}"
     agree(em.group, em.world_size, error)
-    _apply(em, *plan)
+    reader, source, tensors, hf, transforms = plan
+    _apply(em, reader, source, tensors)
     em.publish_updates()  # ZeRO-1/2 chunks: every rank wrote its slice of the payload
+    if transforms:  # as from_pretrained: the conversions used, for the next save
+        hf._weight_conversions = hf_conversion.used_transforms(transforms)
     return report
 
 
-def _plan_load(root: str, em: ElixirModule, strict: bool):
+def _plan_load(root: str, target: torch.nn.Module, strict: bool):
     if not os.path.isdir(root):
         raise CheckpointError(f"no checkpoint directory at {root}")
     saved = _checkpoint_files(root)
-    groups = _model_keys(em.module)
-    tensors = _tensors(em)
-    all_keys = {k for ks in groups.values() for k in ks}
-    to_saved = _prefix_map(em, saved, all_keys)
-    used_saved = set()
-    source: dict[str, tuple[str, str]] = {}  # first model key -> (file, saved key)
+    reader = Reader(root)
+    stored = _headers(reader, saved)
+    groups = _model_keys(target)
+    tensors = dict(target.state_dict(keep_vars=True))
+    hf, as_model = _names(target, {k for ks in groups.values() for k in ks})
+    transforms = hf_conversion.load_transforms(hf)
+    keymap = hf_conversion.map_checkpoint(hf, stored, set(as_model), transforms)
+    inner = _match_prefix(getattr(hf, "base_model_prefix", "") or "", keymap.sources, set(as_model))
+    to_renamed = {as_model[k]: v for k, v in inner.items()}  # model key -> renamed checkpoint key
+    used_saved: set[str] = set()
+    source: dict[str, hf_conversion.Source] = {}  # first model key -> where its values are
     missing = []
     for first, ks in groups.items():
-        hit = next((k for k in ks if k in to_saved), None)
+        hit = next((k for k in ks if k in to_renamed), None)
         if hit is None:
             missing.extend(ks)
             continue
         for k in ks:
-            if k in to_saved:
-                used_saved.add(to_saved[k])
-        sk = to_saved[hit]
-        source[first] = (saved[sk], sk)
+            if k in to_renamed:
+                used_saved.update(keymap.used[to_renamed[k]])
+        source[first] = keymap.sources[to_renamed[hit]]
     unexpected = [k for k in saved if k not in used_saved]
-    missing = [k for k in missing if not _matches(k, _patterns(em.module, "_keys_to_ignore_on_load_missing"))]
-    tied = getattr(em.module, "all_tied_weights_keys", None) or {}
+    missing = [k for k in missing if not _matches(k, _patterns(target, "_keys_to_ignore_on_load_missing"))]
+    tied = getattr(target, "all_tied_weights_keys", None) or {}
     missing = [k for k in missing if k not in tied]  # a tie's target is filled by its source
-    if _peft_base(em.module) is not None:  # the adapters: initialised by PEFT, not in a base checkpoint
-        trainable = {n for n, p in em.module.named_parameters() if p.requires_grad}
+    if hf is not target:  # the adapters: initialised by PEFT, not in a base checkpoint
+        trainable = {n for n, p in target.named_parameters() if p.requires_grad}
         missing = [k for k in missing if k not in trainable]
-    skip_unexpected = _patterns(em.module, "_keys_to_ignore_on_load_unexpected") + list(_LEGACY_UNEXPECTED)
+    skip_unexpected = _patterns(hf, "_keys_to_ignore_on_load_unexpected") + list(_LEGACY_UNEXPECTED)
     unexpected = [k for k in unexpected if not _matches(k, skip_unexpected)]
     if strict and (missing or unexpected):
         raise CheckpointError(
@@ -362,32 +422,17 @@ def _plan_load(root: str, em: ElixirModule, strict: bool):
             f"{' ...' if len(missing) > 12 else ''}, unexpected keys {sorted(unexpected)[:12]}"
             f"{' ...' if len(unexpected) > 12 else ''} (pass strict=False to load the keys that match)"
         )
-    reader = Reader(root)
     problems = []
-    for first, (fname, sk) in source.items():
-        sl = reader.handle(fname).get_slice(sk)
-        shape, want = tuple(sl.get_shape()), tuple(tensors[first].shape)
+    for first, src in source.items():
+        shape, want = tuple(src.shape), tuple(tensors[first].shape)
+        what = ", ".join(st.key for st in src.stored[:2]) + (" ..." if len(src.stored) > 2 else "")
         if shape != want:
-            problems.append(f"{sk}: shape {shape} in the checkpoint, {want} in the model")
-        got = _DTYPES.get(sl.get_dtype())
-        if got is None or got.is_floating_point != tensors[first].is_floating_point():
-            problems.append(f"{sk}: dtype {sl.get_dtype()} in the checkpoint cannot fill a {tensors[first].dtype} tensor")
+            problems.append(f"{what}: shape {shape} in the checkpoint, {want} in the model ({first})")
+        if src.dtype.is_floating_point != tensors[first].is_floating_point():
+            problems.append(f"{what}: dtype {src.dtype} in the checkpoint cannot fill a {tensors[first].dtype} tensor")
     if problems:
         raise CheckpointError("the checkpoint does not fit the model: " + "; ".join(problems[:8]))
-    return (reader, source, tensors), LoadReport(sorted(missing), sorted(unexpected))
-
-
-def _rows(reader: Reader, fname: str, key: str, start: int, end: int) -> torch.Tensor:
-    """Elements ``[start, end)`` of the flattened tensor ``key``, reading only the rows that hold them."""
-    sl = reader.handle(fname).get_slice(key)
-    shape = list(sl.get_shape())
-    if len(shape) == 0:
-        return sl[:].reshape(-1)[start:end]
-    row = 1
-    for d in shape[1:]:
-        row *= d
-    r0, r1 = start // row, -(-end // row)
-    return sl[r0:r1].reshape(-1)[start - r0 * row : end - r0 * row]
+    return (reader, source, tensors, hf, transforms), LoadReport(sorted(missing), sorted(unexpected))
 
 
 def _apply(em: ElixirModule, reader: Reader, source: dict, tensors: dict) -> None:
@@ -398,18 +443,17 @@ def _apply(em: ElixirModule, reader: Reader, source: dict, tensors: dict) -> Non
     by_frozen = {fname_of[id(tensors[k])].index: v for k, v in source.items() if id(tensors[k]) in fname_of}
     with torch.no_grad():
         em.cache.release_all()  # gathered payloads would be stale
-        for first, (fname, sk) in source.items():  # unchunked frozen parameters and buffers: whole, every rank
+        for first, src in source.items():  # unchunked frozen parameters and buffers: whole, every rank
             t = tensors[first]
             if id(t) not in pname and id(t) not in fname_of:
-                t.copy_(reader.handle(fname).get_tensor(sk).to(t.dtype))
+                t.copy_(src.read_all(reader).to(t.dtype))
         for chunk in em.frozen_chunks:  # this rank's rows only, straight into the shard, in its dtype
             pieces = [p for p in fmap.shard_pieces(chunk.spec) if p.param_index in by_frozen]
             if not pieces:
                 continue
             with chunk.shard_access(write=True) as shard:  # a disk shard: staged, written back
                 for piece in pieces:
-                    fname, sk = by_frozen[piece.param_index]
-                    src = _rows(reader, fname, sk, piece.start, piece.start + piece.hi - piece.lo)
+                    src = by_frozen[piece.param_index].read(reader, piece.start, piece.start + piece.hi - piece.lo)
                     shard[piece.lo : piece.hi].copy_(src)
         for chunk in em.chunks:
             spec = chunk.spec
@@ -424,8 +468,7 @@ def _apply(em: ElixirModule, reader: Reader, source: dict, tensors: dict) -> Non
                     a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
                     if a >= b:
                         continue
-                    fname, sk = by_param[i]
-                    src = _rows(reader, fname, sk, a - s.offset, b - s.offset)
+                    src = by_param[i].read(reader, a - s.offset, b - s.offset)
                     chunk.master[a - lo : b - lo].copy_(src)  # converts (bf16 file -> fp32 master)
                     if chunk.shard is not chunk.master:
                         chunk.shard[a - lo : b - lo].copy_(src)

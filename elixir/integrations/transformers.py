@@ -26,7 +26,14 @@ overridden                             what elixir does there
                                        shards plus their index) streamed by
                                        ``elixir.checkpoint.save_pretrained``: each file is written by one
                                        rank from chunks gathered one at a time, so no rank holds the whole
-                                       model; the tokenizer and ``training_args.bin`` as the Trainer saves them
+                                       model; a PEFT model's adapters as PEFT writes them
+                                       (``adapter_config.json``, ``adapter_model.safetensors``), gathering
+                                       only the adapters; the tokenizer and ``training_args.bin`` as the
+                                       Trainer saves them. The ``checkpoint-N/`` folders hold the same.
+``_load_best_model``                   ``load_best_model_at_end``: the best ``checkpoint-N/elixir/`` (exact
+                                       fp32 masters) is loaded into the shards; with ``save_only_model``,
+                                       the best folder's HF files (``load_pretrained``; refused at
+                                       construction for a PEFT model, whose folder then holds adapters only)
 ``_save_optimizer_and_scheduler``      ``checkpoint-N/elixir/``: elixir's sharded checkpoint of the fp32
                                        masters, optimizer state and loss scale (atomic, each rank writes its
                                        own shards); the LR scheduler as the Trainer saves it
@@ -109,7 +116,7 @@ class ElixirTrainer(Trainer):
         self.elixir_module: Optional[ElixirModule] = None
         self.elixir_optimizer: Optional[ElixirOptimizer] = None
         super().__init__(*args, **kwargs)
-        _check_supported(self.args)
+        _check_supported(self.args, self.model)
 
     @property
     def elixir_dtype(self) -> torch.dtype:
@@ -171,6 +178,18 @@ class ElixirTrainer(Trainer):
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights into the shards (the plain
+        Trainer would write into the wrapped model's parameters, views of released chunks)."""
+        if self.elixir_module is None:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        elixir_dir = os.path.join(best, ELIXIR_DIR)
+        if os.path.isdir(elixir_dir):
+            echeckpoint.load(elixir_dir, self.elixir_module)  # the exact fp32 masters, no optimizer state
+        else:  # save_only_model: the HF files of a full model (a PEFT model is refused at construction)
+            echeckpoint.load_pretrained(best, self.elixir_module)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         echeckpoint.save(os.path.join(output_dir, ELIXIR_DIR), self.elixir_module, self.elixir_optimizer)
         if self.args.should_save and self.lr_scheduler is not None:
@@ -223,11 +242,17 @@ def _save_pretrained_into(output_dir: str, em: ElixirModule) -> None:
 
 
 def _is_weight_file(name: str) -> bool:
-    return name.startswith("model") and (name.endswith(".safetensors") or name.endswith(".safetensors.index.json"))
+    return name.startswith(("model", "adapter_model")) and (name.endswith(".safetensors") or name.endswith(".safetensors.index.json"))
 
 
-def _check_supported(args) -> None:
+def _check_supported(args, model) -> None:
     """Refuse what elixir does not run, with the reason (identical on every rank)."""
+    if args.load_best_model_at_end and args.save_only_model and hasattr(model, "peft_config"):
+        raise ValueError(
+            "ElixirTrainer restores the best checkpoint of a PEFT model from checkpoint-N/elixir/, which "
+            "save_only_model=True does not write; set save_only_model=False, or load_best_model_at_end=False and "
+            "load the best adapter yourself with PeftModel.from_pretrained(base, best_checkpoint)"
+        )
     if args.deepspeed:
         raise ValueError("ElixirTrainer replaces DeepSpeed; remove the deepspeed config from TrainingArguments")
     if args.fsdp:

@@ -58,6 +58,7 @@ from elixir.tracer.hooks import (
 from elixir.wrapper.backward_tracker import BackwardTracker, TrainingState
 from elixir.wrapper.dtensor_params import localize
 from elixir.wrapper.fused_kernels import apply_fused_kernels
+from elixir.wrapper.generation import generate as _generate
 from elixir.wrapper.hf_guard import guard_save_pretrained
 from elixir.wrapper.materialize import Materializer, agreed_seed, assign, has_meta_tensors
 from elixir.wrapper.mesh import require_runnable, resolve_mesh, tp_mesh
@@ -1054,6 +1055,12 @@ class ElixirModule(nn.Module):
         """Load a full state dict (keys of the wrapped model). Every rank needs the full dict.
         ``assign=True`` is refused (the parameters are views of elixir's chunks)."""
         return load_full_state_dict(self, state_dict, strict=strict, assign=assign)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped Hugging Face model's ``generate``, each step run through this wrapper
+        (``wrapper/generation.py``). Collective: call on every rank; ``synced_gpus`` defaults to
+        True at world size > 1, so ranks that finish early keep stepping with the others."""
+        return _generate(self, *args, **kwargs)
 
     def extra_repr(self) -> str:
         kinds: dict[str, int] = {}

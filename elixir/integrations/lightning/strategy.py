@@ -14,6 +14,10 @@ How it plugs in (Lightning's own extension points):
   callbacks, LR schedulers, hyper-parameters) travels inside it. ``fit(ckpt_path=...)`` restores it
   after the wrapping, exactly. A plain single-file Lightning checkpoint also loads (full state on
   every rank).
+- Pretrained Hugging Face weights: ``ElixirStrategy(pretrained=dir)`` loads them right after the
+  wrapping, or call ``elixir.checkpoint.load_pretrained(dir, self.trainer.strategy.elixir_module)``
+  in ``on_fit_start`` (after the wrapping; before ``fit(ckpt_path=...)`` restores, as this strategy
+  restores after setup). ``configure_model`` is too early: nothing is wrapped yet.
 - ``configure_model()`` runs under ``model_sharded_context``, which builds on the meta device
   (as does ``Trainer.init_module(empty_init=True)``); ``setup`` hands the meta model to
   ``ElixirModule``, which materialises one chunk at a time with the model's own initialisers
@@ -79,6 +83,11 @@ class ElixirStrategy(ParallelStrategy):
         init_seed: seed of the initialisers of layers built on meta (``configure_model``,
             ``init_module(empty_init=True)``); default: drawn from the global torch RNG, so
             ``seed_everything`` makes it reproducible. See ``ElixirModule``.
+        pretrained: a Hugging Face checkpoint directory loaded into the model right after it is
+            wrapped (:func:`elixir.checkpoint.load_pretrained`, each rank reading only its rows), for
+            every stage; ``fit(ckpt_path=...)`` restores its checkpoint after it, so a resumed run keeps
+            its trained weights. The Hugging Face model inside the LightningModule (``self.model``) is
+            found by itself; ``pretrained_submodule="model"`` names it.
         verbose: print the plan on rank 0.
     """
 
@@ -102,6 +111,8 @@ class ElixirStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         init_seed: Optional[int] = None,
         verbose: bool = False,
+        pretrained: Optional[str] = None,
+        pretrained_submodule: Optional[str] = None,
     ) -> None:
         self.options = ElixirOptions(placement_policy, plan, search, prefetch, offload_dir, loss_scale or {}, verbose)
         super().__init__(
@@ -112,6 +123,7 @@ class ElixirStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.init_seed = init_seed
+        self.pretrained, self.pretrained_submodule = pretrained, pretrained_submodule
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -241,6 +253,8 @@ class ElixirStrategy(ParallelStrategy):
             self.elixir_module = self.options.wrap(pl_module, plan, prec.dtype, prec.output_fp32, self.init_seed)
             self.elixir_optimizer = None
             self.model = self.elixir_module
+            if self.pretrained is not None:  # before Lightning restores fit(ckpt_path=...), which wins
+                echeckpoint.load_pretrained(self.pretrained, self.elixir_module, submodule=self.pretrained_submodule)
         if fitting:
             if self.elixir_optimizer is None:
                 self.setup_optimizers(trainer)
