@@ -7,7 +7,6 @@ the single file is :func:`write_file`'s."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
