@@ -13,12 +13,9 @@ every rank has, as it does for DeepSpeed ZeRO-3 and FSDP). Call ``generate`` on 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
-
-if TYPE_CHECKING:
-    from elixir.wrapper.module import ElixirModule
 
 
 def _called_module(module: torch.nn.Module) -> torch.nn.Module:
@@ -30,7 +27,7 @@ def _called_module(module: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def forward_through(em: ElixirModule, module: torch.nn.Module) -> Iterator[None]:
+def forward_through(em: torch.nn.Module, module: torch.nn.Module) -> Iterator[None]:
     """Inside the block, a call of ``module`` (a module inside ``em``) runs ``em``'s forward, which
     reaches ``module``'s own forward through the wrapped module."""
     own = module.__dict__.get("forward")  # an instance attribute already there (restored after)
@@ -56,8 +53,8 @@ def forward_through(em: ElixirModule, module: torch.nn.Module) -> Iterator[None]
             del module.forward
 
 
-def generate(em: ElixirModule, *args: Any, **kwargs: Any) -> Any:
-    """``em.module.generate(*args, **kwargs)`` with each step through ``em`` (see the module docstring)."""
+def generate(em: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``em`` is the ElixirModule (typed as a module: this file must not import the facade that calls it). ``em.module.generate(*args, **kwargs)`` with each step through ``em`` (see the module docstring)."""
     gen = getattr(em.module, "generate", None)
     if not callable(gen):
         raise AttributeError(
