@@ -333,6 +333,7 @@ def test_auto_chooses_gemini_for_low_precision_and_says_why():
     assert "optimal_search" in choice.reason and "bfloat16" in choice.reason
 
 
+@pytest.mark.dist
 def test_booster_gemini_example_smoke(tmp_path):
     import subprocess
     import sys
