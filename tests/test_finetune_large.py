@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.dist  # every test runs the example in its own process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "example", "finetune_large.py")
 STEP = re.compile(r"^step (\d+): loss (\S+)")
