@@ -10,7 +10,7 @@ program runs with ``import elixir.booster as colossalai``.
 
 from elixir.booster.booster import Booster
 from elixir.booster.gemini import ElixirPlugin, GeminiPlugin
-from elixir.booster.launch import launch, launch_from_torch
+from elixir.booster.launcher import launch, launch_from_torch
 from elixir.booster.low_level_zero import LowLevelZeroPlugin
 from elixir.booster.plugin import Plugin
 from elixir.booster.torch_plugins import OptimizerWrapper, TorchDDPPlugin, TorchFSDPPlugin

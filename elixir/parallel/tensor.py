@@ -60,7 +60,8 @@ def _hf_styles() -> dict[str, Any]:
     }
 
 
-HF_STYLES = tuple(_hf_styles())  # the Hugging Face style names elixir translates
+HF_STYLES = tuple(_hf_styles())
+"""The Hugging Face ``tp_plan`` style names elixir translates to torch's parallel styles."""
 
 
 class NoTensorParallelPlan(ValueError):
