@@ -112,7 +112,9 @@ def test_plans_respect_budgets_and_raise_exactly_when_nothing_fits(profile, worl
             elif key == "world_size":
                 _search(profile, value, budgets)
         return
-    assert expected, "the search returned a plan although none fits"
+    # the oracle enumerates sharded and ZeRO-1/2 layouts; an all-replicated plan (which the search
+    # also tries at world size > 1) is checked against the budgets below instead
+    assert expected or all(c.sharding.value == "replicated" for c in r.chunks), "the search returned a plan although none fits"
     udev, uhost, udisk = POLICY.usable(*budgets)
     p = r.prediction
     assert p.peak_device_bytes <= udev and p.peak_host_bytes <= uhost and p.peak_disk_bytes <= udisk
