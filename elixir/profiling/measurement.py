@@ -402,13 +402,45 @@ def local_backend(ranks: int) -> Optional[str]:
 
 def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
                    say: Callable[[str], None]) -> HardwareProfile:
+    """This machine's profile, measured here, with ``col`` the collectives measured (None: none)."""
     d = dev.default_device()
     dev.keep_host_memory()  # measure host memory as elixir's runtime uses it (freed blocks reused)
     cpu_only = d.type == "cpu"
-    label = "memcpy in host RAM (no accelerator: host and device are the same memory)" if cpu_only else "measured"
     host = platform.node() or "unknown"
     src: dict[str, str] = {"*": f"measured by `elixir hwprofile` on {host} ({dev.describe(d)})"}
+    curves = _measure_copies(o, d, src, say)
+    collectives = _collective_fields(col, host, src)
+    optimizer = _measure_optimizers(o, d, src, say)
+    compute = _measure_compute(o, d, src, say)
+    disk = _measure_disk_fields(o, src, say)
+    return HardwareProfile(
+        name=name or ("cpu-" + host if cpu_only else host),
+        device_type=d.type,
+        device_name=dev.describe(d),
+        devices_per_node=max(1, torch.cuda.device_count()) if not cpu_only else 1,
+        device_memory_bytes=dev.device_capacity(d),
+        host_memory_bytes=dev.host_capacity(),
+        compute_threads=1 if cpu_only else 0,
+        cores=os.cpu_count() or 1,
+        overlap=not cpu_only,
+        measured=True,
+        source=src,
+        host=host,
+        created=time.strftime("%Y-%m-%d"),
+        notes="",
+        **collectives,
+        **optimizer,
+        **compute,
+        **disk,
+        **curves,
+    )
 
+
+def _measure_copies(o: MeasureOptions, d: torch.device, src: dict[str, str],
+                    say: Callable[[str], None]) -> dict[str, BandwidthCurve]:
+    """The host<->device and device copy curves, by HardwareProfile field; their sources into ``src``."""
+    cpu_only = d.type == "cpu"
+    label = "memcpy in host RAM (no accelerator: host and device are the same memory)" if cpu_only else "measured"
     say("host<->device copies")
     curves = {}
     for key, s, t, pinned in (
@@ -423,7 +455,11 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
         else:
             curves[key] = measure_copy_curve(o.sizes, s, t, pinned, d, o.repeats)
         src[key] = label if key != "device_copy" else ("memcpy in RAM" if cpu_only else "measured")
+    return curves
 
+
+def _collective_fields(col: Optional[dict], host: str, src: dict[str, str]) -> dict[str, Any]:
+    """The HardwareProfile fields of the collectives measured (``col``; None: not measured)."""
     ag = rs = arc = None
     world, backend = 0, ""
     if col is not None:
@@ -433,16 +469,28 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
         world, backend = col["world"], col["backend"]
         src["all_gather"] = src["reduce_scatter"] = src["all_reduce"] = (
             f"measured: {backend}, {world} ranks on {host}, bus bandwidth")
+    return dict(all_gather=ag, reduce_scatter=rs, all_reduce=arc if col is not None else None,
+                collective_world=world, collective_backend=backend)
 
+
+def _measure_optimizers(o: MeasureOptions, d: torch.device, src: dict[str, str],
+                        say: Callable[[str], None]) -> dict[str, Any]:
+    """The optimizer step's rate and implementation on the host and the device, by HardwareProfile field."""
     say("optimizer")
     opt_rate, opt_impl = {}, {}
     opt_rate["host"], opt_impl["host"] = measure_optimizer(o.optimizer_params, torch.device("cpu"), o.repeats)
-    if cpu_only:
+    if d.type == "cpu":
         opt_rate["device"], opt_impl["device"] = opt_rate["host"], opt_impl["host"]
     else:
         opt_rate["device"], opt_impl["device"] = measure_optimizer(o.optimizer_params, d, o.repeats)
     src["optimizer_params_per_s"] = f"measured: fp32 Adam over {o.optimizer_params} params ({opt_impl})"
+    return dict(optimizer_params_per_s=opt_rate, optimizer_impl=opt_impl)
 
+
+def _measure_compute(o: MeasureOptions, d: torch.device, src: dict[str, str],
+                     say: Callable[[str], None]) -> dict[str, Any]:
+    """Matmul, training, per-op and first-touch figures, by HardwareProfile field."""
+    cpu_only = d.type == "cpu"
     say("matmul")
     # On a CPU-only machine compute is timed on one thread and scaled by the cores each rank gets
     # (see per_rank): one-thread figures do not depend on how busy the other cores are.
@@ -475,7 +523,12 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
     src["op_overhead_s"] = "measured: a chain of 200 one-element multiplications, forward and backward, per dispatched op"
     src["first_touch_bytes_per_s"] = ("measured: a new 64 MiB tensor filled, less a reused one's fill (page faults)"
                                       if cpu_only else "not measured: an accelerator's caching allocator reuses blocks")
+    return dict(matmul_flops=flops, train_flops=train, matmul_curve=mm_curve, elementwise=ew_curve,
+                op_overhead_s=op_overhead, first_touch_bytes_per_s=first_touch)
 
+
+def _measure_disk_fields(o: MeasureOptions, src: dict[str, str], say: Callable[[str], None]) -> dict[str, Any]:
+    """Disk read and write bandwidth in ``o.offload_dir`` and its free bytes, by HardwareProfile field."""
     say("disk")
     if o.disk_bytes > 0:
         rd, wr = measure_disk(o.offload_dir, o.disk_bytes)
@@ -486,37 +539,4 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
         rd = wr = 1.0
         src["disk_read_bytes_per_s"] = src["disk_write_bytes_per_s"] = "not measured (placeholder 1 B/s)"
     free_disk = shutil.disk_usage(o.offload_dir).free if os.path.isdir(o.offload_dir) else 0
-
-    return HardwareProfile(
-        name=name or ("cpu-" + host if cpu_only else host),
-        device_type=d.type,
-        device_name=dev.describe(d),
-        devices_per_node=max(1, torch.cuda.device_count()) if not cpu_only else 1,
-        device_memory_bytes=dev.device_capacity(d),
-        host_memory_bytes=dev.host_capacity(),
-        disk_bytes=free_disk,
-        all_gather=ag,
-        reduce_scatter=rs,
-        all_reduce=arc if col is not None else None,
-        collective_world=world,
-        collective_backend=backend,
-        optimizer_params_per_s=opt_rate,
-        optimizer_impl=opt_impl,
-        matmul_flops=flops,
-        train_flops=train,
-        matmul_curve=mm_curve,
-        elementwise=ew_curve,
-        op_overhead_s=op_overhead,
-        first_touch_bytes_per_s=first_touch,
-        compute_threads=1 if cpu_only else 0,
-        cores=os.cpu_count() or 1,
-        disk_read_bytes_per_s=rd,
-        disk_write_bytes_per_s=wr,
-        overlap=not cpu_only,
-        measured=True,
-        source=src,
-        host=host,
-        created=time.strftime("%Y-%m-%d"),
-        notes="",
-        **curves,
-    )
+    return dict(disk_bytes=free_disk, disk_read_bytes_per_s=rd, disk_write_bytes_per_s=wr)

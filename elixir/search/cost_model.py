@@ -1026,9 +1026,48 @@ def place(
     device and host bytes together (see :func:`unified_memory`), and ``device`` is a cap on the
     device part alone.
     """
-    dev_budget, host_budget, disk_budget = budgets
+    sc = _place_scan(profile, layout, st, blocks, depth, budgets, allow_disk, per_chunk_gathers)
+    best: Optional[Evaluation] = None
+    for rwhere, fwhere in _state_wheres(layout):
+        cand = _place_with(sc, rwhere, fwhere)
+        if cand is not None and _fits(cand, budgets, sc.unified) and (best is None or cand.step_time < best.step_time):
+            best = cand
+    return best
+
+
+@dataclass(frozen=True)
+class _PlaceScan:
+    """What :func:`place` works out once per (layout, blocks, depth) and every placement it tries
+    shares: the inputs, the per-chunk tables and the gather costs of host shards."""
+
+    profile: StepProfile
+    layout: Layout
+    st: Setting
+    blocks: int
+    depth: int
+    budgets: tuple[int, int, int]
+    allow_disk: bool
+    gathers: np.ndarray  # per chunk, as given to place (sharded, own, frozen)
+    unified: bool
+    n: int  # sharded chunks the scan places (sharded tied chunks excluded)
+    body_gathers: np.ndarray
+    own_kinds: tuple[ChunkPlacement, ...]  # the sharded tied chunks (DD) and the ZeRO chunks
+    shard: int
+    base_dev: int
+    cb: dict
+    ct: dict
+    h2d_gather: float  # the host-to-device copy of one host shard, per gather
+    suffix: np.ndarray  # suffix[x]: gathers of all but the x most gathered chunks
+    solo: bool  # world size 1: device-placed chunks whole and resident
+    t_gather: float
+    t_rs: float
+    fbytes: int  # frozen_shard_bytes
+
+
+def _place_scan(profile: StepProfile, layout: Layout, st: Setting, blocks: int, depth: int,
+                budgets: tuple[int, int, int], allow_disk: bool, per_chunk_gathers: np.ndarray) -> _PlaceScan:
+    """The shared part of :func:`place`'s scan."""
     hw = st.hardware
-    unified = unified_memory(hw)
     n = layout.n_sharded - layout.own
     body_gathers = per_chunk_gathers[:n]
     own_kinds = (DD,) * layout.own + zero_placements(st, layout)  # the search keeps ZeRO state on the device
@@ -1046,108 +1085,135 @@ def place(
     solo = st.world == 1
     t_gather = hw.all_gather_time(layout.chunk_size * st.elem, 1) if (solo and n) else 0.0
     t_rs = hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1) if (solo and n) else 0.0
-    best: Optional[Evaluation] = None
+    return _PlaceScan(
+        profile=profile, layout=layout, st=st, blocks=blocks, depth=depth, budgets=budgets, allow_disk=allow_disk,
+        gathers=per_chunk_gathers, unified=unified_memory(hw), n=n, body_gathers=body_gathers, own_kinds=own_kinds,
+        shard=shard, base_dev=base_dev, cb=cb, ct=ct, h2d_gather=h2d_gather, suffix=suffix, solo=solo,
+        t_gather=t_gather, t_rs=t_rs, fbytes=frozen_shard_bytes(layout, st),
+    )
+
+
+def _state_wheres(layout: Layout) -> list[tuple[Placement, Placement]]:
+    """The (replicated optimizer state, frozen shards) placements :func:`place` tries."""
     n_repl = len(layout.replicated_capacities)
-    fbytes = frozen_shard_bytes(layout, st)
-    wheres = [(r, f) for r in ((Placement.DEVICE, Placement.HOST) if n_repl else (Placement.DEVICE,))
-              for f in ((Placement.DEVICE, Placement.HOST, Placement.DISK) if layout.n_frozen else (Placement.DEVICE,))]
-    for rwhere, fwhere in wheres:
-        repl_kinds = (RD if rwhere is Placement.DEVICE else RH,) * n_repl
-        rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
-        constr = construction_staging_bytes(layout)  # the transient host bytes without disk chunks
-        rh += constr
-        if fwhere is Placement.DEVICE:
-            rd += fbytes
-        elif fwhere is Placement.HOST:
-            rh += fbytes
-        else:  # on disk: one frozen shard staged at a time, while gathered
-            if not allow_disk or fbytes > disk_budget:
-                continue
-            rh += layout.frozen_chunk_size // st.world * st.elem
-        if solo and layout.n_frozen and (fwhere is not Placement.DEVICE) != (blocks > 0) and n == 0:
-            continue  # at world size 1 blocks serve host shards only
-        dev_free = dev_budget - base_dev - rd
-        host_free = host_budget - rh - st.process_bytes - (base_dev + rd if unified else 0)
-        if dev_free < 0 or host_free < 0:
-            continue
-        if n == 0:
-            cand = price(profile, layout, st, own_kinds + repl_kinds, blocks, depth, per_chunk_gathers, fwhere)
+    return [(r, f) for r in ((Placement.DEVICE, Placement.HOST) if n_repl else (Placement.DEVICE,))
+            for f in ((Placement.DEVICE, Placement.HOST, Placement.DISK) if layout.n_frozen else (Placement.DEVICE,))]
+
+
+def _fits(cand: Evaluation, budgets: tuple[int, int, int], unified: bool) -> bool:
+    """Whether a priced candidate keeps to the budgets (on one pool, device and host bytes together)."""
+    dev_budget, host_budget, disk_budget = budgets
+    if cand.device_bytes > dev_budget or cand.host_bytes > host_budget or cand.disk_bytes > disk_budget:
+        return False
+    return not (unified and cand.device_bytes + cand.host_bytes > host_budget)
+
+
+def _place_with(sc: _PlaceScan, rwhere: Placement, fwhere: Placement) -> Optional[Evaluation]:
+    """The fastest placement of the sharded chunks with the replicated chunks' optimizer state
+    ``rwhere`` and the frozen shards ``fwhere``, priced; None if the fixed part alone does not fit."""
+    layout, st = sc.layout, sc.st
+    dev_budget, host_budget, disk_budget = sc.budgets
+    repl_kinds = (RD if rwhere is Placement.DEVICE else RH,) * len(layout.replicated_capacities)
+    rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
+    constr = construction_staging_bytes(layout)  # the transient host bytes without disk chunks
+    rh += constr
+    if fwhere is Placement.DEVICE:
+        rd += sc.fbytes
+    elif fwhere is Placement.HOST:
+        rh += sc.fbytes
+    else:  # on disk: one frozen shard staged at a time, while gathered
+        if not sc.allow_disk or sc.fbytes > disk_budget:
+            return None
+        rh += layout.frozen_chunk_size // st.world * st.elem
+    if sc.solo and layout.n_frozen and (fwhere is not Placement.DEVICE) != (sc.blocks > 0) and sc.n == 0:
+        return None  # at world size 1 blocks serve host shards only
+    dev_free = dev_budget - sc.base_dev - rd
+    host_free = host_budget - rh - st.process_bytes - (sc.base_dev + rd if sc.unified else 0)
+    if dev_free < 0 or host_free < 0:
+        return None
+    if sc.n == 0:
+        return price(sc.profile, layout, st, sc.own_kinds + repl_kinds, sc.blocks, sc.depth, sc.gathers, fwhere)
+    y, x, z, ok = _scan_counts(sc, fwhere, dev_free, host_free, constr)
+    if not ok.any():
+        # no plan keeps every shard resident: the whole of the least-gathered chunks on disk
+        kk = _disk_shard_kinds(st, layout, sc.cb, sc.shard, sc.body_gathers, host_free + constr, disk_budget,
+                               sc.allow_disk and (sc.blocks > 0 or not sc.solo))
+        if kk is None:
+            return None
+        return price(sc.profile, layout, st, kk + sc.own_kinds + repl_kinds, sc.blocks, sc.depth, sc.gathers)
+    kinds = _cheapest_kinds(sc, y, x, z, ok)
+    return price(sc.profile, layout, st, kinds + sc.own_kinds + repl_kinds, sc.blocks, sc.depth, sc.gathers, fwhere)
+
+
+def _scan_counts(sc: _PlaceScan, fwhere: Placement, dev_free: int,
+                 host_free: int, constr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For each count ``y`` of sharded chunks with optimizer state on the device: the device
+    shards ``x`` that fit, the optimizer states ``z`` on disk that make host memory fit, and
+    whether that fits at all (``ok``)."""
+    n, cb, layout, st = sc.n, sc.cb, sc.layout, sc.st
+    y = np.arange(n + 1)
+    dd_dev = cb[DD][0]
+    s_dev = cb[DH][0]
+    # shards on device: all y DD chunks, plus as many DH/DK as fit
+    room = dev_free - y * dd_dev
+    ok = room >= 0
+    x = np.minimum(n, y + np.where(ok, room, 0) // max(1, s_dev)) if s_dev else np.full(n + 1, n)
+    # host: (x - y) DH chunks, (n - x) HH chunks; z of them move optimizer state to disk
+    host_need = (x - y) * cb[DH][1] + (n - x) * cb[HH][1]
+    if sc.unified:  # the chunks' device bytes come out of the same pool
+        host_need = host_need + y * dd_dev + (x - y) * s_dev
+    free_per_disk = cb[DH][1] - cb[DK][1]  # equals HH - HK
+    over = host_need - host_free
+    if sc.allow_disk and free_per_disk > 0:
+        # one disk chunk stages one chunk's master + state; two or more stage DISK_STAGING;
+        # the staging replaces the construction's in the transient bytes (transient_host_bytes)
+        extra1 = transient_host_bytes(layout, st, sc.shard, 1) - constr
+        extra_n = transient_host_bytes(layout, st, sc.shard, DISK_STAGING) - constr
+        z1 = np.where(over > 0, -(-(over + extra1) // free_per_disk), 0)
+        zn = np.where(over > 0, -(-(over + extra_n) // free_per_disk), 0)
+        z = np.where(z1 <= 1, z1, np.maximum(zn, 2))
+    else:
+        z = np.where(over > 0, n + 1, 0)
+    ok &= z <= n - y
+    ok &= z * cb[DK][2] <= sc.budgets[2]
+    if sc.solo:  # blocks only for host shards: none iff every shard is on the device
+        ok &= (x == n) if sc.blocks == 0 else ((x < n) | (fwhere is not Placement.DEVICE))
+        if fwhere is not Placement.DEVICE and sc.blocks == 0:
+            ok &= False
+    return y, x, z, ok
+
+
+def _cheapest_kinds(sc: _PlaceScan, y: np.ndarray, x: np.ndarray, z: np.ndarray,
+                    ok: np.ndarray) -> tuple[ChunkPlacement, ...]:
+    """The sharded chunks' placements at the fastest fitting count ``y``: the most gathered
+    chunks get the device shards."""
+    n, ct = sc.n, sc.ct
+    zc = np.minimum(z, n - y)
+    # z disk chunks taken from the host-shard chunks first (HK), then DK
+    hk = np.minimum(zc, n - x)
+    dk = zc - hk
+    t_opt = y * ct[DD] + (x - y - dk) * ct[DH] + dk * ct[DK] + (n - x - hk) * ct[HH] + hk * ct[HK]
+    t_h2d = sc.suffix[x] * sc.h2d_gather
+    if sc.solo:
+        t_h2d = t_h2d + sc.suffix[x] * sc.t_gather + (n - x) * sc.t_rs
+    total = np.where(ok, t_opt + t_h2d, np.inf)
+    yi = int(np.argmin(total))
+    xi, hki, dki = int(x[yi]), int(hk[yi]), int(dk[yi])
+    # assign: most gathered chunks get device shards
+    order = np.argsort(-sc.body_gathers, kind="stable")
+    kinds = [HH] * n
+    for rank_, c in enumerate(order):
+        if rank_ < yi:
+            kinds[c] = DD
+        elif rank_ < xi - dki:
+            kinds[c] = DH
+        elif rank_ < xi:
+            kinds[c] = DK
+        elif rank_ < n - hki:
+            kinds[c] = HH
         else:
-            y = np.arange(n + 1)
-            dd_dev = cb[DD][0]
-            s_dev = cb[DH][0]
-            # shards on device: all y DD chunks, plus as many DH/DK as fit
-            room = dev_free - y * dd_dev
-            ok = room >= 0
-            x = np.minimum(n, y + np.where(ok, room, 0) // max(1, s_dev)) if s_dev else np.full(n + 1, n)
-            # host: (x - y) DH chunks, (n - x) HH chunks; z of them move optimizer state to disk
-            host_need = (x - y) * cb[DH][1] + (n - x) * cb[HH][1]
-            if unified:  # the chunks' device bytes come out of the same pool
-                host_need = host_need + y * dd_dev + (x - y) * s_dev
-            free_per_disk = cb[DH][1] - cb[DK][1]  # equals HH - HK
-            over = host_need - host_free
-            if allow_disk and free_per_disk > 0:
-                # one disk chunk stages one chunk's master + state; two or more stage DISK_STAGING;
-                # the staging replaces the construction's in the transient bytes (transient_host_bytes)
-                extra1 = transient_host_bytes(layout, st, shard, 1) - constr
-                extra_n = transient_host_bytes(layout, st, shard, DISK_STAGING) - constr
-                z1 = np.where(over > 0, -(-(over + extra1) // free_per_disk), 0)
-                zn = np.where(over > 0, -(-(over + extra_n) // free_per_disk), 0)
-                z = np.where(z1 <= 1, z1, np.maximum(zn, 2))
-            else:
-                z = np.where(over > 0, n + 1, 0)
-            ok &= z <= n - y
-            ok &= z * cb[DK][2] <= disk_budget
-            if solo:  # blocks only for host shards: none iff every shard is on the device
-                ok &= (x == n) if blocks == 0 else ((x < n) | (fwhere is not Placement.DEVICE))
-                if fwhere is not Placement.DEVICE and blocks == 0:
-                    ok &= False
-            if not ok.any():
-                # no plan keeps every shard resident: the whole of the least-gathered chunks on disk
-                kk = _disk_shard_kinds(st, layout, cb, shard, body_gathers, host_free + constr, disk_budget,
-                                       allow_disk and (blocks > 0 or not solo))
-                if kk is None:
-                    continue
-                cand = price(profile, layout, st, kk + own_kinds + repl_kinds, blocks, depth, per_chunk_gathers)
-                if cand.device_bytes <= dev_budget and cand.host_bytes <= host_budget and cand.disk_bytes <= disk_budget \
-                        and not (unified and cand.device_bytes + cand.host_bytes > host_budget) \
-                        and (best is None or cand.step_time < best.step_time):
-                    best = cand
-                continue
-            zc = np.minimum(z, n - y)
-            # z disk chunks taken from the host-shard chunks first (HK), then DK
-            hk = np.minimum(zc, n - x)
-            dk = zc - hk
-            t_opt = y * ct[DD] + (x - y - dk) * ct[DH] + dk * ct[DK] + (n - x - hk) * ct[HH] + hk * ct[HK]
-            t_h2d = suffix[x] * h2d_gather
-            if solo:
-                t_h2d = t_h2d + suffix[x] * t_gather + (n - x) * t_rs
-            total = np.where(ok, t_opt + t_h2d, np.inf)
-            yi = int(np.argmin(total))
-            xi, hki, dki = int(x[yi]), int(hk[yi]), int(dk[yi])
-            # assign: most gathered chunks get device shards
-            order = np.argsort(-body_gathers, kind="stable")
-            kinds = [HH] * n
-            for rank_, c in enumerate(order):
-                if rank_ < yi:
-                    kinds[c] = DD
-                elif rank_ < xi - dki:
-                    kinds[c] = DH
-                elif rank_ < xi:
-                    kinds[c] = DK
-                elif rank_ < n - hki:
-                    kinds[c] = HH
-                else:
-                    kinds[c] = HK
-            cand = price(profile, layout, st, tuple(kinds) + own_kinds + repl_kinds, blocks, depth, per_chunk_gathers,
-                         fwhere)
-        if cand.device_bytes > dev_budget or cand.host_bytes > host_budget or cand.disk_bytes > disk_budget:
-            continue  # pragma: no cover - guarded by construction
-        if unified and cand.device_bytes + cand.host_bytes > host_budget:
-            continue
-        if best is None or cand.step_time < best.step_time:
-            best = cand
-    return best
+            kinds[c] = HK
+    return tuple(kinds)
 
 
 def _disk_shard_kinds(st: Setting, layout: Layout, cb: dict, shard: int, gathers: np.ndarray, host_free: int,
@@ -1194,6 +1260,60 @@ def price(
     those (:func:`frozen_shard_bytes`) and their gathers (plus the host-to-device copy of a host
     shard): no reduce-scatter, no gradient buffer, no master, no optimizer step, no write-back.
     """
+    p = _priced(layout, st, placements, gathers, frozen_where)
+    hw = st.hardware
+    fixed = fixed_device_bytes(profile, layout, st, blocks)
+    t_opt = _optimizer_seconds(p)
+    t_h2d, t_shard_reads = _copy_seconds(p)
+    dev_var, host, disk, transient = _placed_bytes(p)
+    n_gathers = int(p.g.sum() + p.g_own.sum() + p.g_frozen.sum())
+    comm = comm_times(profile, layout, st, n_gathers, p.g_own, int(p.g_frozen.sum()), p.zero)
+    if p.solo and p.n:
+        comm["reduce_scatter"] = int(p.host_shard.sum()) * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1)
+    fb, hidden = _step_seconds(p, comm, t_h2d, t_shard_reads, depth, n_gathers)
+    breakdown = dict(comm, h2d_gather=t_h2d, optimizer=t_opt, overlap_hidden=-hidden)
+    if t_shard_reads:
+        breakdown["disk_shard_reads"] = t_shard_reads
+    fused_hidden = _fused_step_hidden(p, comm["compute"])
+    if fused_hidden is not None:
+        breakdown["fused_step_hidden"] = -fused_hidden
+        t_opt -= fused_hidden
+    memory, host, process = _memory_terms(profile, p, fixed, dev_var, host, transient)
+    return Evaluation(
+        chunk_size=layout.chunk_size, blocks=blocks, prefetch_depth=depth, placements=tuple(placements),
+        device_bytes=sum(fixed.values()) + dev_var, host_bytes=host + process, disk_bytes=disk,
+        step_time=fb + t_opt, breakdown=breakdown, memory=memory, gathers=n_gathers, shard_shared=layout.own > 0,
+        frozen_placement=frozen_where, zero=layout.zero,
+    )
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """What :func:`price` prices: the placements split by kind of chunk, and the gathers of
+    each (at world size 1, none for a resident chunk)."""
+
+    layout: Layout
+    st: Setting
+    kinds: tuple[ChunkPlacement, ...]  # the sharded chunks, sharded tied chunks excluded
+    zero: tuple[ChunkPlacement, ...]  # the ZeRO-1/2 chunks
+    rwhere: Placement  # the replicated chunks' optimizer state
+    frozen_where: Placement
+    n: int  # len(kinds)
+    solo: bool  # world size 1
+    g: np.ndarray  # gathers per sharded chunk
+    g_own: np.ndarray  # per sharded tied chunk
+    g_frozen: np.ndarray  # per frozen chunk
+    host_shard: np.ndarray  # per sharded chunk: its shard off the device
+    disk_shard: np.ndarray  # per sharded chunk: its shard on disk
+    shard: int  # elements of one sharded chunk's shard
+    fshard: int  # bytes of one frozen chunk's shard
+    h2d: float  # seconds to copy one shard to the device
+
+
+def _split_placements(layout: Layout,
+                      placements: Sequence[ChunkPlacement]) -> tuple[tuple, tuple, Placement]:
+    """The sharded chunks' placements, the ZeRO-1/2 chunks' and where the replicated chunks keep
+    their optimizer state; ValueError if ``placements`` is out of the layout's order."""
     n_sh = layout.n_sharded
     n = n_sh - layout.own
     if len(placements) != len(layout.chunks):
@@ -1206,8 +1326,16 @@ def price(
                          "replicated")
     if len({k.optim for k in repl}) > 1:
         raise ValueError("the replicated chunks keep their optimizer state in one place (all RD or all RH)")
-    rwhere = repl[0].optim if repl else Placement.DEVICE
-    hw, solo = st.hardware, st.world == 1
+    return kinds, zero, repl[0].optim if repl else Placement.DEVICE
+
+
+def _priced(layout: Layout, st: Setting, placements: Sequence[ChunkPlacement], gathers: np.ndarray,
+            frozen_where: Placement) -> _Priced:
+    """``placements`` and ``gathers`` as :func:`price` uses them."""
+    kinds, zero, rwhere = _split_placements(layout, placements)
+    n_sh = layout.n_sharded
+    n = n_sh - layout.own
+    solo = st.world == 1
     g = np.asarray(gathers, dtype=np.int64)
     g_own, g_frozen, g = g[n:n_sh], g[n_sh:], g[:n]
     if solo and frozen_where is Placement.DEVICE:
@@ -1216,50 +1344,76 @@ def price(
     if solo and n:  # device shards stay whole and resident at world size 1
         g = np.where(host_shard, g, 0)
     shard = layout.chunk_size // st.world if n else 0
-    cb, ct = per_chunk_bytes(st, shard), per_chunk_fixed_time(st, shard)
-    fixed = fixed_device_bytes(profile, layout, st, blocks)
-    rd, rh = replicated_optimizer_bytes(layout, st, rwhere)
+    return _Priced(
+        layout=layout, st=st, kinds=kinds, zero=zero, rwhere=rwhere, frozen_where=frozen_where, n=n, solo=solo,
+        g=g, g_own=g_own, g_frozen=g_frozen, host_shard=host_shard,
+        disk_shard=np.asarray([k.shard_on_disk for k in kinds], dtype=bool), shard=shard,
+        fshard=layout.frozen_chunk_size // st.world * st.elem,
+        h2d=st.hardware.h2d_time(shard * st.elem, st.pin) if n else 0.0,
+    )
+
+
+def _optimizer_seconds(p: _Priced) -> float:
+    """Seconds of the optimizer step: replicated, sharded tied, sharded and ZeRO-1/2 chunks."""
+    st, layout = p.st, p.layout
+    ct = per_chunk_fixed_time(st, p.shard)
     repl_numel = sum(layout.replicated_capacities)
-    t_opt = (replicated_optimizer_time(st, repl_numel, rwhere)
-             + sum(hw.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
-             + sum(ct[k] for k in kinds)
-             + sum(zero_chunk_optimizer_time(st, c, k.optim) for c, k in zip(layout.zero_capacities, zero)))
-    h2d = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
-    t_h2d = float(g[host_shard].sum() * h2d) if n else 0.0
-    fshard = layout.frozen_chunk_size // st.world * st.elem
-    if frozen_where is not Placement.DEVICE and layout.n_frozen:
-        t_h2d += float(g_frozen.sum()) * hw.h2d_time(fshard, st.pin)
-    disk_shard = np.asarray([k.shard_on_disk for k in kinds], dtype=bool)
+    return (replicated_optimizer_time(st, repl_numel, p.rwhere)
+            + sum(st.hardware.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
+            + sum(ct[k] for k in p.kinds)
+            + sum(zero_chunk_optimizer_time(st, c, k.optim) for c, k in zip(layout.zero_capacities, p.zero)))
+
+
+def _copy_seconds(p: _Priced) -> tuple[float, float]:
+    """Seconds of the host-to-device copies of gathered host shards, and of the disk reads of
+    gathered disk shards."""
+    st, layout, hw = p.st, p.layout, p.st.hardware
+    t_h2d = float(p.g[p.host_shard].sum() * p.h2d) if p.n else 0.0
+    if p.frozen_where is not Placement.DEVICE and layout.n_frozen:
+        t_h2d += float(p.g_frozen.sum()) * hw.h2d_time(p.fshard, st.pin)
     # a disk shard is derived from its fp32 master, read before each of its gathers
     # (synchronously: nothing hides it)
-    t_shard_reads = float(g[disk_shard].sum() * hw.disk_time(shard * MASTER_BYTES, 0)) if n else 0.0
-    if frozen_where is Placement.DISK and layout.n_frozen:  # read for each gather, never written back
-        t_shard_reads += float(g_frozen.sum()) * hw.disk_time(fshard, 0)
-    n_disk = sum(k.on_disk for k in kinds)
+    t_shard_reads = float(p.g[p.disk_shard].sum() * hw.disk_time(p.shard * MASTER_BYTES, 0)) if p.n else 0.0
+    if p.frozen_where is Placement.DISK and layout.n_frozen:  # read for each gather, never written back
+        t_shard_reads += float(p.g_frozen.sum()) * hw.disk_time(p.fshard, 0)
+    return t_h2d, t_shard_reads
+
+
+def _placed_bytes(p: _Priced) -> tuple[int, int, int, int]:
+    """The placed chunks' device, host and disk bytes, and the transient host bytes (included
+    in the host bytes)."""
+    st, layout, fw = p.st, p.layout, p.frozen_where
+    cb = per_chunk_bytes(st, p.shard)
+    rd, rh = replicated_optimizer_bytes(layout, st, p.rwhere)
+    n_disk = sum(k.on_disk for k in p.kinds)
     fbytes = frozen_shard_bytes(layout, st)
-    dev_var = rd + sum(cb[k][0] for k in kinds) + (fbytes if frozen_where is Placement.DEVICE else 0)
-    transient = transient_host_bytes(layout, st, shard, n_disk, int(disk_shard.sum()))
-    host = rh + sum(cb[k][1] for k in kinds) + transient
-    host += fbytes if frozen_where is Placement.HOST else 0
-    host += fshard if frozen_where is Placement.DISK and layout.n_frozen else 0  # the one being gathered
-    disk = sum(cb[k][2] for k in kinds) + (fbytes if frozen_where is Placement.DISK else 0)
-    for c, k in zip(layout.zero_capacities, zero):
+    dev_var = rd + sum(cb[k][0] for k in p.kinds) + (fbytes if fw is Placement.DEVICE else 0)
+    transient = transient_host_bytes(layout, st, p.shard, n_disk, int(p.disk_shard.sum()))
+    host = rh + sum(cb[k][1] for k in p.kinds) + transient
+    host += fbytes if fw is Placement.HOST else 0
+    host += p.fshard if fw is Placement.DISK and layout.n_frozen else 0  # the one being gathered
+    disk = sum(cb[k][2] for k in p.kinds) + (fbytes if fw is Placement.DISK else 0)
+    for c, k in zip(layout.zero_capacities, p.zero):
         zd, zh, zk = zero_chunk_bytes(st, c, k.optim)
         dev_var, host, disk = dev_var + zd, host + zh, disk + zk
-    n_gathers = int(g.sum() + g_own.sum() + g_frozen.sum())
-    comm = comm_times(profile, layout, st, n_gathers, g_own, int(g_frozen.sum()), zero)
-    if solo and n:
-        comm["reduce_scatter"] = int(host_shard.sum()) * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1)
+    return dev_var, host, disk, transient
 
+
+def _step_seconds(p: _Priced, comm: dict[str, float], t_h2d: float, t_shard_reads: float, depth: int,
+                  n_gathers: int) -> tuple[float, float]:
+    """Seconds of forward and backward with their communication (all but the optimizer step),
+    and how much of the communication hides under compute."""
+    st, layout, hw = p.st, p.layout, p.st.hardware
+    n_sh = layout.n_sharded
     # A disk shard's gather is finished before Chunk.gather returns (even a prefetch), so that its
     # staged copy is dropped at once (DISK_SHARD_STAGING): its all-gather and host-to-device copy
     # hide under nothing, like its read.
-    n_sync = int(g[disk_shard].sum()) if n else 0
-    t_sync = n_sync * (hw.all_gather_time(layout.chunk_size * st.elem, st.world) + h2d)
-    if frozen_where is Placement.DISK and layout.n_frozen:
-        n_sync += int(g_frozen.sum())
-        t_sync += float(g_frozen.sum()) * (hw.all_gather_time(layout.frozen_chunk_size * st.elem, st.world)
-                                           + hw.h2d_time(fshard, st.pin))
+    n_sync = int(p.g[p.disk_shard].sum()) if p.n else 0
+    t_sync = n_sync * (hw.all_gather_time(layout.chunk_size * st.elem, st.world) + p.h2d)
+    if p.frozen_where is Placement.DISK and layout.n_frozen:
+        n_sync += int(p.g_frozen.sum())
+        t_sync += float(p.g_frozen.sum()) * (hw.all_gather_time(layout.frozen_chunk_size * st.elem, st.world)
+                                             + hw.h2d_time(p.fshard, st.pin))
     fb_comm = comm["all_gather"] + comm["reduce_scatter"] + comm["all_reduce"] + t_h2d - t_sync
     n_async = n_gathers - n_sync
     if hw.overlap and depth >= 1 and (n_sh or layout.n_frozen):
@@ -1281,44 +1435,51 @@ def price(
         hidden = 0.0
     fb += t_sync + t_shard_reads
     fb += comm.get("publish", 0.0)  # the ZeRO chunks' updated parameters, after the step: nothing hides it
-    breakdown = dict(comm, h2d_gather=t_h2d, optimizer=t_opt, overlap_hidden=-hidden)
-    if t_shard_reads:
-        breakdown["disk_shard_reads"] = t_shard_reads
-    if st.fused_step and n_disk and n_sh:
-        # the backward stager reads and writes disk chunks while backward computes (2/3 of the
-        # compute); the first chunk's read has nothing before it to hide under
-        nbytes = layout.chunk_size // st.world * st.disk_elem
-        t_disk = n_disk * hw.disk_time(nbytes, nbytes)  # a KK chunk's step moves no shard either
-        fused_hidden = min(t_disk - hw.disk_time(nbytes, 0), 2.0 / 3.0 * comm["compute"])
-        breakdown["fused_step_hidden"] = -fused_hidden
-        t_opt -= fused_hidden
+    return fb, hidden
+
+
+def _fused_step_hidden(p: _Priced, compute: float) -> Optional[float]:
+    """Seconds of the disk chunks' step that the fused step hides under backward, or None when
+    the plan has no fused step over disk chunks."""
+    st, layout = p.st, p.layout
+    n_disk = sum(k.on_disk for k in p.kinds)
+    if not (st.fused_step and n_disk and layout.n_sharded):
+        return None
+    # the backward stager reads and writes disk chunks while backward computes (2/3 of the
+    # compute); the first chunk's read has nothing before it to hide under
+    nbytes = layout.chunk_size // st.world * st.disk_elem
+    t_disk = n_disk * st.hardware.disk_time(nbytes, nbytes)  # a KK chunk's step moves no shard either
+    return min(t_disk - st.hardware.disk_time(nbytes, 0), 2.0 / 3.0 * compute)
+
+
+def _memory_terms(profile: StepProfile, p: _Priced, fixed: dict, dev_var: int, host: int,
+                  transient: int) -> tuple[dict, int, int]:
+    """The memory breakdown, the host bytes (on one pool, with the terms' not-at-once
+    difference) and the process's own bytes."""
+    st, layout = p.st, p.layout
+    fbytes = frozen_shard_bytes(layout, st)
     # every term once, device then host: they add up to device_bytes + host_bytes
     # a plan that streams from disk (optimizer state, or frozen shards: the runtime's rule,
     # ElixirModule.streams_from_disk) runs under return_host_memory and trims after backward
-    streams = any(k.on_disk for k in kinds + zero) or (frozen_where is Placement.DISK and layout.n_frozen > 0)
+    streams = any(k.on_disk for k in p.kinds + p.zero) or (p.frozen_where is Placement.DISK and layout.n_frozen > 0)
     process = st.process_bytes - (st.heap_slack_bytes if streams else 0)
-    if streams and st.heap_slack_bytes and any(k.on_disk for k in kinds + zero):
+    if streams and st.heap_slack_bytes and any(k.on_disk for k in p.kinds + p.zero):
         # trainable disk chunks: what their step leaves in the heap even so (see the constant)
         kept = disk_plan_step_untracked_bytes(int(profile.activation_bytes), True) - STEP_UNTRACKED_BYTES
         process += min(st.heap_slack_bytes, kept)
     memory = dict(fixed, placed_device=dev_var, process=process, placed_host=host - transient, staging=transient)
     if layout.n_frozen:  # included in placed_device, or in the host (or disk) bytes
         memory["frozen_shards"] = fbytes
-    if unified_memory(hw):
+    if unified_memory(st.hardware):
         # one pool: the terms peak at different moments of the step, so the pool's peak is the
         # most live at once (timeline_peak), less than their sum; the difference is a host term
         # of its own, so that the terms still add up to device_bytes + host_bytes
         # (at most the host terms themselves, so that host_bytes stays a byte count)
-        apart = max(timeline_peak(profile, layout, st, kinds, memory, pooled_grads=not streams) - sum(
+        apart = max(timeline_peak(profile, layout, st, p.kinds, memory, pooled_grads=not streams) - sum(
             v for k, v in memory.items() if k != "frozen_shards"), -(host + process))
         memory["not_at_once"] = apart
         host += apart
-    return Evaluation(
-        chunk_size=layout.chunk_size, blocks=blocks, prefetch_depth=depth, placements=tuple(placements),
-        device_bytes=sum(fixed.values()) + dev_var, host_bytes=host + process, disk_bytes=disk,
-        step_time=fb + t_opt, breakdown=breakdown, memory=memory, gathers=n_gathers, shard_shared=layout.own > 0,
-        frozen_placement=frozen_where, zero=layout.zero,
-    )
+    return memory, host, process
 
 
 def frozen_shard_bytes(layout: Layout, st: Setting) -> int:

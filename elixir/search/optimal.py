@@ -560,6 +560,29 @@ def search_profile(
     mesh.require_data_parallel("The search", "Plan the dp_shard axis alone: optimal_search(model, dp_shard_size, ...)")
     world = mesh.dp_shard
     policy = policy or MemoryPolicy()
+    hw, hw_why, rpn, budgets = _resolve_hardware(world, hardware, hardware_choice, ranks_per_node, device_memory,
+                                                 host_memory, disk)
+    rd = None if reduce_dtype is None else dtype_name(reduce_dtype)
+    g0 = "float32" if grad_dtype is None else dtype_name(grad_dtype)
+    s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, g0, bool(fused_step), process_bytes,
+                  body_sharding, heap_slack_bytes)
+    s, found = _search_leanest(s, grad_dtype, fused_step)
+    best = found[0]
+    layout = s.layout_of(best)
+    runners = _runner_ups(found[1], 5)
+    info = _search_info(s, found, layout, runners, t0, hw_why, rpn)
+    result = to_search_result(profile, world, best, layout, info, grad_dtype=s.grad_dtype, fused_step=s.fused_step)
+    if verbose:
+        why = _explain(s, best)
+        print_report(result, runners, console, why)
+    return result
+
+
+def _resolve_hardware(world: int, hardware: Union[HardwareProfile, str, os.PathLike, None],
+                      hardware_choice: Optional[str], ranks_per_node: Optional[int], device_memory: Optional[int],
+                      host_memory: Optional[int], disk: Optional[int]) -> tuple[HardwareProfile, str, int, Budgets]:
+    """:func:`search_profile`'s hardware profile, why it is the one, the ranks per node and the
+    budgets, its defaults filled in."""
     if isinstance(hardware, (str, os.PathLike)):  # a JSON path or a shipped profile's name
         hardware_choice = hardware_choice or f"hardware={os.fspath(hardware)!r}"
         hardware = load_profile(hardware)
@@ -569,11 +592,15 @@ def search_profile(
         host_memory = hw.host_memory_bytes // rpn
     if device_memory is None:
         device_memory = min(hw.device_memory_bytes, host_memory) if unified_memory(hw) else hw.device_memory_bytes
-    budgets = Budgets(int(device_memory), int(host_memory), int(disk or 0))
-    rd = None if reduce_dtype is None else dtype_name(reduce_dtype)
-    g0 = "float32" if grad_dtype is None else dtype_name(grad_dtype)
-    s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, g0, bool(fused_step), process_bytes,
-                  body_sharding, heap_slack_bytes)
+    return hw, hw_why, rpn, Budgets(int(device_memory), int(host_memory), int(disk or 0))
+
+
+def _search_leanest(s: _Searcher, grad_dtype: Optional[torch.dtype],
+                    fused_step: Optional[bool]) -> tuple[_Searcher, tuple[Evaluation, list[Evaluation], int]]:
+    """Run ``s``; where memory binds and :func:`search_profile` may choose the gradient dtype or
+    the fused step, also the leanest configuration, and keep the faster plan. The searcher that
+    found it and its result; DoesNotFitError (the leanest configuration's) if neither fits."""
+    profile, g0 = s.profile, s.grad_dtype
     found, error = None, None
     try:
         found = s.run(diagnose=False)  # the suggestions are worked out once, for the searcher that refuses
@@ -589,8 +616,7 @@ def search_profile(
     binds = found is None or s.rejected > 0 or any(p not in (DD, RD) and not (p.zero and p.optim is Placement.DEVICE)
                                                    for p in found[0].placements)
     if binds and (lean_grad, lean_fused) != (g0, bool(fused_step)):
-        lean = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, lean_grad, lean_fused,
-                         process_bytes, body_sharding, heap_slack_bytes)
+        lean = s.sibling(grad_dtype=lean_grad, fused_step=lean_fused)
         try:
             other = lean.run()
         except DoesNotFitError as e:  # the leanest configuration's suggestions are the useful ones
@@ -599,10 +625,15 @@ def search_profile(
             s, found = lean, other
     if found is None:
         raise error or s.no_fit_error()
+    return s, found
+
+
+def _search_info(s: _Searcher, found: tuple[Evaluation, list[Evaluation], int], layout: Layout,
+                 runners: list[Evaluation], t0: float, hw_why: str, rpn: int) -> dict:
+    """The plan's ``info``: how the search went, on what, and its runner-ups."""
     best, results, scored = found
-    layout = s.layout_of(best)
-    runners = _runner_ups(results, 5)
-    info = {
+    hw, budgets, policy, profile = s.hw, s.budgets, s.policy, s.profile
+    return {
         "search_time_s": time.perf_counter() - t0,
         "candidates_scored": scored,
         "hardware": hw.name,
@@ -615,7 +646,7 @@ def search_profile(
         "usable_after_margins": dict(zip(("device", "host", "disk"), s.usable)),
         "margins": {"device": policy.device_margin, "host": policy.host_margin, "disk": policy.disk_margin},
         "predicted_memory": {k: int(v) for k, v in best.memory.items()},
-        "process_bytes": int(process_bytes),
+        "process_bytes": int(s.setting.process_bytes),
         "gathers_per_step": best.gathers,
         "waste": (1 - layout.used / (layout.chunk_size * (layout.n_sharded - layout.own + layout.zero))
                   if layout.n_sharded - layout.own + layout.zero else 0.0),
@@ -632,11 +663,6 @@ def search_profile(
             for e in runners
         ],
     }
-    result = to_search_result(profile, world, best, layout, info, grad_dtype=s.grad_dtype, fused_step=s.fused_step)
-    if verbose:
-        why = _explain(s, best)
-        print_report(result, runners, console, why)
-    return result
 
 
 def _explain(s: _Searcher, best: Evaluation) -> str:
