@@ -231,3 +231,10 @@ def test_read_pretrained_gives_the_models_names(kind, tmp_path):
     ref = build(kind)
     ref.save_pretrained(str(tmp_path), max_shard_size=SHARD)
     _equal(checkpoint.read_pretrained(str(tmp_path), build(kind, "meta")), ref.state_dict(), "read_pretrained")
+
+
+def test_adapter_directory_is_named(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    em = _wrap(build("gpt_neox", "meta"))
+    with pytest.raises(checkpoint.CheckpointError, match="a PEFT adapter directory: load_pretrained reads its base"):
+        checkpoint.load_pretrained(str(tmp_path), em)
