@@ -40,9 +40,10 @@ from elixir.checkpoint.format import Reader
 def read_rows(reader: Reader, fname: str, key: str, r0: int, r1: int) -> torch.Tensor:
     """Rows ``[r0, r1)`` (along dim 0) of tensor ``key`` in ``fname``; a 0-d tensor whole. Every
     read of a Hugging Face checkpoint goes through here (the tests count what each rank reads)."""
-    sl = reader.handle(fname).get_slice(key)
-    if len(sl.get_shape()) == 0:
-        return sl[:]
+    handle = reader.handle(fname)
+    sl = handle.get_slice(key)
+    if len(sl.get_shape()) == 0:  # (a safetensors slice of a 0-d tensor cannot be indexed)
+        return handle.get_tensor(key)
     return sl[r0:r1]
 
 

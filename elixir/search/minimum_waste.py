@@ -401,21 +401,22 @@ def _frozen_chunks(named: list, shapes: dict, align: int, dt: str, place: Placem
 
 
 def print_plan(result: SearchResult, dtype: torch.dtype = torch.float, console: Optional[Console] = None) -> None:
-    """Rich table: chunk size, chunk count, waste, rCache blocks, per-rank bytes, search time
-    (headers wrap, so it fits 80 columns)."""
+    """Rich table, one figure a row (so it reads at 80 columns): chunk size, chunk count, waste,
+    rCache blocks, per-rank bytes, search time."""
     el = torch.empty((), dtype=dtype).element_size()
     sharded = [c for c in result.chunks if c.sharded]
     table = Table(title=f"elixir plan ({result.search}, world size {result.world_size})")
-    for col in ("chunk size", "chunks", "replicated", "waste %", "rCache blocks", "shard MiB/rank", "cache MiB", "search s"):
-        number_column(table, col)
-    table.add_row(
-        f"{result.chunk_size:,}",
-        str(len(sharded)),
-        str(len(result.chunks) - len(sharded)),
-        f"{100 * result.waste():.2f}",
-        str(result.cache_blocks),
-        f"{result.shard_bytes_per_rank(el) / 2**20:.1f}",
-        f"{result.cache_bytes(el) / 2**20:.1f}",
-        f"{result.info.get('search_time_s', 0.0):.3f}",
-    )
+    table.add_column("")
+    number_column(table, "value")
+    for name, value in (
+        ("chunk size", f"{result.chunk_size:,}"),
+        ("chunks (sharded)", str(len(sharded))),
+        ("chunks (replicated)", str(len(result.chunks) - len(sharded))),
+        ("waste %", f"{100 * result.waste():.2f}"),
+        ("rCache blocks", str(result.cache_blocks)),
+        ("shard MiB/rank", f"{result.shard_bytes_per_rank(el) / 2**20:.1f}"),
+        ("cache MiB", f"{result.cache_bytes(el) / 2**20:.1f}"),
+        ("search s", f"{result.info.get('search_time_s', 0.0):.3f}"),
+    ):
+        table.add_row(name, value)
     (console or Console()).print(table)

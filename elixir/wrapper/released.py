@@ -53,6 +53,11 @@ _METADATA = _descriptor_methods((
     torch.Tensor.__hash__, torch.Tensor.requires_grad_, torch.Tensor.register_hook,
     torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.stride, torch.Tensor.is_contiguous,
     torch.Tensor.storage_offset, torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.is_floating_point, torch.is_complex, torch.numel,
+    torch.Tensor.__len__, torch.Tensor.is_pinned,
+    # factories that take only the shape, dtype and device of their input (optimizers build their
+    # state with them: Adagrad's full_like at construction)
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like,
+    torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full,
 }
 
 
