@@ -26,6 +26,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from elixir.tracer.hooks import tensors_in
+
 
 class ReleasedParameterError(RuntimeError):
     """A wrapped model's parameter was read while its chunk holds no values on this rank."""
@@ -61,17 +63,6 @@ _METADATA = _descriptor_methods((
 }
 
 
-def _tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)
-
-
 class _Released:
     """Mixed into the class of a parameter whose chunk is released (see the module docstring)."""
 
@@ -81,7 +72,7 @@ class _Released:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _METADATA:
-            for t in list(_tensors(args)) + list(_tensors(kwargs)):
+            for t in list(tensors_in(args)) + list(tensors_in(kwargs)):
                 if isinstance(t, _Released):
                     t._elixir_guard.on_access(t, func)
         with torch._C.DisableTorchFunctionSubclass():
