@@ -111,21 +111,7 @@ def test_no_upward_imports_and_no_cycles():
                 upward.append(f"elixir/{rel}:{lineno} (floor {table[a]}) imports elixir/{target} (floor {table[b]})")
     assert not upward, "imports from a lower floor to a higher one:\n" + "\n".join(upward)
     # cycles between parts (same-floor parts may import each other one way only)
-    cycles = []
-    state: dict[str, int] = {}
-
-    def visit(u: str, path: list[str]) -> None:
-        state[u] = 1
-        for v in sorted(edges.get(u, ())):
-            if state.get(v) == 1:
-                cycles.append(" -> ".join(path[path.index(v):] + [v]))
-            elif v not in state:
-                visit(v, path + [v])
-        state[u] = 2
-
-    for u in sorted(edges):
-        if u not in state:
-            visit(u, [u])
+    cycles = _cycles(edges)
     assert not cycles, "circular imports between parts:\n" + "\n".join(cycles)
 
 
