@@ -23,6 +23,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from elixir import distributed as edist
 from elixir.integrations.transformers import ElixirTrainer
+from tests.hf_trainer_cases import progressions
 
 SEQ = 16
 
@@ -41,11 +42,7 @@ def lora(model):
 
 
 def dataset(n: int = 48) -> list[dict]:
-    g = torch.Generator().manual_seed(1)
-    start = torch.randint(0, 128, (n, 1), generator=g)
-    stride = torch.randint(1, 4, (n, 1), generator=g)
-    ids = (start + stride * torch.arange(SEQ)) % 128
-    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+    return progressions(n, SEQ)
 
 
 def arguments(out: str, **kw) -> TrainingArguments:

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trai
 
 from elixir import distributed as edist
 from elixir.integrations.transformers import ElixirTrainer
+from tests.hf_trainer_cases import progressions
 
 STEPS = 10
 SEQ = 16
@@ -28,12 +29,7 @@ def tiny_gpt2() -> GPT2LMHeadModel:
 
 
 def dataset(n: int = 96) -> list[dict]:
-    """Arithmetic progressions mod 128 (random start and stride): learnable, so the loss falls."""
-    g = torch.Generator().manual_seed(1)
-    start = torch.randint(0, 128, (n, 1), generator=g)
-    stride = torch.randint(1, 4, (n, 1), generator=g)
-    ids = (start + stride * torch.arange(SEQ)) % 128
-    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+    return progressions(n, SEQ)
 
 
 def arguments(out: str, **kw) -> TrainingArguments:

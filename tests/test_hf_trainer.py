@@ -8,11 +8,11 @@ the step-5 checkpoint, and runs bf16.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.hf_trainer_cases import run_job
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -23,12 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("hf_trainer"))
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(ROOT, "tests", "_hf_trainer_job.py"), out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in range(2)]
+    return run_job("_hf_trainer_job.py", out)
 
 
 @pytest.mark.dist

@@ -8,29 +8,23 @@ model, full model with ``save_only_model``) where the best checkpoint is the fir
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.hf_trainer_cases import run_job
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("peft")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("hf_finetune"))
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(ROOT, "tests", "_hf_trainer_finetune_job.py"), out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return out, [torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in range(2)]
+    return out, run_job("_hf_trainer_finetune_job.py", out)
 
 
 def _adapters(state: dict) -> dict:
