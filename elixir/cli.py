@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from elixir import __version__
@@ -28,7 +28,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _available() -> dict[str, tuple[str, str]]:
-    return {n: v for n, v in SUBCOMMANDS.items() if importlib.util.find_spec(v[0]) is not None}
+    """The subcommands whose module is present, found by its file: ``find_spec`` would import
+    each module's packages (torch among them) before a subcommand is even chosen."""
+    root = Path(__file__).resolve().parent.parent
+
+    def present(module: str) -> bool:
+        base = root.joinpath(*module.split("."))
+        return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+    return {n: v for n, v in SUBCOMMANDS.items() if present(v[0])}
 
 
 def build_parser() -> argparse.ArgumentParser:

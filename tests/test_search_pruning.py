@@ -97,3 +97,38 @@ def test_a_budget_below_the_memory_floor_is_refused_before_pricing():
     need = e.value.needs.get("device_memory") or e.value.needs.get("memory")
     assert need and need > 64 << 20
     search_profile(prof, 2, hardware=HW, device_memory=need, host_memory=max(need, 1 << 30))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prof=layer_stacks(), world=st.sampled_from([2, 4]), dev=st.integers(20_000, 400_000),
+       host=st.integers(50_000, 2_000_000), disk=st.sampled_from([0, 1 << 30]))
+def test_fastest_below_finds_the_full_scans_winner_when_it_is_faster(prof, world, dev, host, disk):
+    """The report's unconstrained search (``run(fastest_below=...)``: a global bound, layouts
+    skipped by their floor at the most blocks) finds the full scan's winner whenever that beats
+    the bound, and refuses exactly when nothing does."""
+    free = _Searcher(prof, world, HW, Budgets(1 << 60, 1 << 60, disk), "adam", True, MemoryPolicy(0.0, 0.0, 0.0), None)
+    full, _, _ = free.run(prune=False)
+    try:
+        budgeted, _, _ = _Searcher(prof, world, HW, Budgets(dev, host, disk), "adam", True, POLICY, None).run()
+        bound = budgeted.step_time
+    except DoesNotFitError:
+        bound = full.step_time * 1.5
+    for b in (bound, full.step_time * (1 + 1e-12)):
+        fast = _Searcher(prof, world, HW, Budgets(1 << 60, 1 << 60, disk), "adam", True,
+                         MemoryPolicy(0.0, 0.0, 0.0), None)
+        got, _, _ = fast.run(fastest_below=b)
+        assert got.step_time == full.step_time
+    with pytest.raises(DoesNotFitError):
+        free.run(fastest_below=full.step_time * (1 - 1e-6))
+
+
+def test_a_refusal_on_a_one_gpu_profile_names_its_changes_instead_of_crashing():
+    """A profile without collective measurements (one GPU) cannot price more ranks: the
+    diagnostics used to try world sizes 2, 4, ... on it and crash with the profile's ValueError
+    (`elixir plan opt-175b --world-size 1 --device-memory 8GiB --host-memory 16GiB`)."""
+    hw = load_profile("1x24GB-workstation")
+    assert hw.reduce_scatter is None
+    prof = profile_from_module(_tiny_gpt(), activation_bytes=64 << 20, tokens=32)
+    with pytest.raises(DoesNotFitError) as e:
+        search_profile(prof, 1, hardware=hw, device_memory=32 << 20, host_memory=1 << 30)
+    assert "world_size" not in e.value.needs and e.value.needs.get("device_memory", 0) > 64 << 20

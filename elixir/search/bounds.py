@@ -25,6 +25,7 @@ from elixir.search.cost_model import (
     Layout,
     Setting,
     _context,
+    _memo,
     comm_times,
     per_chunk_fixed_time,
     replicated_optimizer_time,
@@ -71,7 +72,7 @@ class StepFloor:
         self.gathered = bool(n_sh or layout.n_frozen)
         self.first_gather = hw.all_gather_time(layout.chunk_size * st.elem, st.world)
         self.overlap, self.fraction = hw.overlap, hw.overlap_fraction
-        self.optimizer = optimizer_floor(st, layout, n)
+        self.optimizer = _layout_optimizer_floor(st, layout, n)
 
     def at(self, depth: int) -> float:
         """The floor with prefetch ``depth``."""
@@ -109,6 +110,17 @@ def optimizer_floor(st: Setting, layout: Layout, n: int) -> float:
         credit = st.hardware.disk_time(nbytes, nbytes) if st.fused_step else 0.0
         t += n * min(ct[k] - (credit if k.on_disk else 0.0) for k in SHARDED_PLACEMENTS)
     return t
+
+
+def _layout_optimizer_floor(st: Setting, layout: Layout, n: int) -> float:
+    """:func:`optimizer_floor`, remembered per Setting and layout (it does not depend on the
+    blocks or the depth the search tries it with)."""
+    memo = _memo(st)
+    key = ("optimizer_floor", id(layout))
+    hit = memo.get(key)
+    if hit is None or hit[0] is not layout:
+        hit = memo[key] = (layout, optimizer_floor(st, layout, n))
+    return hit[1]
 
 
 def memory_floor(profile: StepProfile, st: Setting, disk: int = 0) -> tuple[int, int]:

@@ -69,6 +69,7 @@ itself runs on the same cores as backward and hides nothing on a CPU box.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -963,34 +964,67 @@ def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int,
     ``frozen_gathers`` those of the frozen chunks (never reduced), ``zero`` the placements of
     the ZeRO-1/2 chunks (their reductions, and ``publish``: the all-gather of their updated
     parameters after the step, which nothing overlaps)."""
-    hw, w = st.hardware, st.world
-    full = layout.chunk_size * st.elem
-    repl = layout.replicated_capacities
-    ar = 0.0
-    if w > 1:
-        ar = sum(hw.all_reduce_time(c * st.reduce_elem, w) for c in repl)
+    per = _layout_collectives(layout, st, tuple(zero))
     n = layout.n_sharded - layout.own
-    own = layout.own_capacities
-    own_gathers = [] if own_gathers is None else list(own_gathers)
-    zc = list(zip(layout.zero_capacities, zero))
+    own_gathers = [] if own_gathers is None else [int(g) for g in own_gathers]
+    out = {
+        "compute": compute_seconds(profile, st.hardware, st.dtype),
+        "all_gather": ((gathers - sum(own_gathers) - frozen_gathers) * per.gather_full if n else 0.0)
+        + sum(g * t for g, t in zip(own_gathers, per.gather_own))
+        + (frozen_gathers * per.gather_frozen if frozen_gathers else 0.0),
+        "reduce_scatter": per.reduce_scatter,
+        "all_reduce": per.all_reduce,
+    }
+    if per.publish is not None:
+        out["publish"] = per.publish
+    return out
+
+
+@dataclass(frozen=True)
+class _LayoutCollectives:
+    """The parts of :func:`comm_times` fixed by a layout and its ZeRO-1/2 placements: the
+    seconds of one all-gather of each kind of chunk, and of every reduction of a step."""
+
+    gather_full: float  # one sharded body chunk
+    gather_own: tuple[float, ...]  # each sharded tied chunk
+    gather_frozen: float  # one frozen chunk
+    reduce_scatter: float
+    all_reduce: float
+    publish: Optional[float]  # the ZeRO-1/2 chunks' all-gather after the step (None: there are none)
+
+
+def _layout_collectives(layout: Layout, st: Setting, zero: tuple[ChunkPlacement, ...]) -> _LayoutCollectives:
+    """:class:`_LayoutCollectives` of ``layout`` with ``zero``, remembered per Setting (the
+    search prices each layout at many block counts and depths). Keyed by identity, the layout
+    kept alive with it."""
+    memo = _memo(st)
+    key = ("collectives", id(layout), zero)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    hw, w = st.hardware, st.world
+
     # a gathered payload is allocated for its gather: on a CPU box its pages are faulted in again
     # each time (hw.first_touch_time; 0 on an accelerator, whose caching allocator reuses blocks)
     def gather(nbytes: float) -> float:
         return hw.all_gather_time(nbytes, w) + hw.first_touch_time(nbytes)
 
-    out = {
-        "compute": compute_seconds(profile, hw, st.dtype),
-        "all_gather": ((gathers - sum(own_gathers) - frozen_gathers) * gather(full) if n else 0.0)
-        + sum(g * gather(c * st.elem) for g, c in zip(own_gathers, own))
-        + (frozen_gathers * gather(layout.frozen_chunk_size * st.elem) if frozen_gathers else 0.0),
-        "reduce_scatter": n * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, w)
+    own = layout.own_capacities
+    zc = list(zip(layout.zero_capacities, zero))
+    ar = sum(hw.all_reduce_time(c * st.reduce_elem, w) for c in layout.replicated_capacities) if w > 1 else 0.0
+    n = layout.n_sharded - layout.own
+    per = _LayoutCollectives(
+        gather_full=gather(layout.chunk_size * st.elem),
+        gather_own=tuple(gather(c * st.elem) for c in own),
+        gather_frozen=gather(layout.frozen_chunk_size * st.elem),
+        reduce_scatter=n * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, w)
         + sum(hw.reduce_scatter_time(c * st.reduce_elem, w) for c in own)
         + sum(hw.reduce_scatter_time(c * st.reduce_elem, w) for c, k in zc if k.zero == 2),
-        "all_reduce": ar + sum(hw.all_reduce_time(c * st.reduce_elem, w) for c, k in zc if k.zero == 1),
-    }
-    if zc:
-        out["publish"] = sum(hw.all_gather_time(c * st.elem, w) for c, _ in zc)
-    return out
+        all_reduce=ar + sum(hw.all_reduce_time(c * st.reduce_elem, w) for c, k in zc if k.zero == 1),
+        publish=sum(hw.all_gather_time(c * st.elem, w) for c, _ in zc) if zc else None,
+    )
+    memo[key] = (layout, per)
+    return per
 
 
 def unified_memory(hw) -> bool:
@@ -1295,6 +1329,7 @@ class _Priced:
     layout: Layout
     st: Setting
     kinds: tuple[ChunkPlacement, ...]  # the sharded chunks, sharded tied chunks excluded
+    kind_counts: tuple[tuple[ChunkPlacement, int], ...]  # how many of ``kinds`` are each placement
     zero: tuple[ChunkPlacement, ...]  # the ZeRO-1/2 chunks
     rwhere: Placement  # the replicated chunks' optimizer state
     frozen_where: Placement
@@ -1345,7 +1380,8 @@ def _priced(layout: Layout, st: Setting, placements: Sequence[ChunkPlacement], g
         g = np.where(host_shard, g, 0)
     shard = layout.chunk_size // st.world if n else 0
     return _Priced(
-        layout=layout, st=st, kinds=kinds, zero=zero, rwhere=rwhere, frozen_where=frozen_where, n=n, solo=solo,
+        layout=layout, st=st, kinds=kinds, kind_counts=tuple(Counter(kinds).items()), zero=zero, rwhere=rwhere,
+        frozen_where=frozen_where, n=n, solo=solo,
         g=g, g_own=g_own, g_frozen=g_frozen, host_shard=host_shard,
         disk_shard=np.asarray([k.shard_on_disk for k in kinds], dtype=bool), shard=shard,
         fshard=layout.frozen_chunk_size // st.world * st.elem,
@@ -1360,7 +1396,7 @@ def _optimizer_seconds(p: _Priced) -> float:
     repl_numel = sum(layout.replicated_capacities)
     return (replicated_optimizer_time(st, repl_numel, p.rwhere)
             + sum(st.hardware.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
-            + sum(ct[k] for k in p.kinds)
+            + sum(ct[k] * m for k, m in p.kind_counts)
             + sum(zero_chunk_optimizer_time(st, c, k.optim) for c, k in zip(layout.zero_capacities, p.zero)))
 
 
@@ -1385,14 +1421,14 @@ def _placed_bytes(p: _Priced) -> tuple[int, int, int, int]:
     st, layout, fw = p.st, p.layout, p.frozen_where
     cb = per_chunk_bytes(st, p.shard)
     rd, rh = replicated_optimizer_bytes(layout, st, p.rwhere)
-    n_disk = sum(k.on_disk for k in p.kinds)
+    n_disk = sum(m for k, m in p.kind_counts if k.on_disk)
     fbytes = frozen_shard_bytes(layout, st)
-    dev_var = rd + sum(cb[k][0] for k in p.kinds) + (fbytes if fw is Placement.DEVICE else 0)
+    dev_var = rd + sum(cb[k][0] * m for k, m in p.kind_counts) + (fbytes if fw is Placement.DEVICE else 0)
     transient = transient_host_bytes(layout, st, p.shard, n_disk, int(p.disk_shard.sum()))
-    host = rh + sum(cb[k][1] for k in p.kinds) + transient
+    host = rh + sum(cb[k][1] * m for k, m in p.kind_counts) + transient
     host += fbytes if fw is Placement.HOST else 0
     host += p.fshard if fw is Placement.DISK and layout.n_frozen else 0  # the one being gathered
-    disk = sum(cb[k][2] for k in p.kinds) + (fbytes if fw is Placement.DISK else 0)
+    disk = sum(cb[k][2] * m for k, m in p.kind_counts) + (fbytes if fw is Placement.DISK else 0)
     for c, k in zip(layout.zero_capacities, p.zero):
         zd, zh, zk = zero_chunk_bytes(st, c, k.optim)
         dev_var, host, disk = dev_var + zd, host + zh, disk + zk

@@ -84,9 +84,23 @@ def _elem(dtype: str) -> int:
     return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[dtype]
 
 
+_CHUNK_SIZES: dict[tuple[int, int, int], tuple[StepProfile, list[int]]] = {}
+
+
 def chunk_size_candidates(profile: StepProfile, world: int, points: int = GRID_POINTS) -> list[int]:
     """Chunk sizes to score: a geometric grid from the largest sharded parameter to the whole
-    (sharded) model, and the size with the least padding."""
+    (sharded) model, and the size with the least padding. Remembered per profile (the no-fit
+    diagnostics ask again for every budget they try): read the list, do not change it."""
+    key = (id(profile), world, points)
+    hit = _CHUNK_SIZES.get(key)
+    if hit is None or hit[0] is not profile:
+        if len(_CHUNK_SIZES) > 64:
+            _CHUNK_SIZES.clear()
+        hit = _CHUNK_SIZES[key] = (profile, _chunk_size_candidates(profile, world, points))
+    return hit[1]
+
+
+def _chunk_size_candidates(profile: StepProfile, world: int, points: int) -> list[int]:
     numel = profile.numel
     sh = [numel[n] for n in profile.use_order() if n not in profile.shared]
     if not sh:
@@ -266,7 +280,8 @@ class _Searcher:
             return range(0, min(MAX_DEPTH, b - max(1, lay.min_blocks)) + 1)
         return range(1)
 
-    def run(self, prune: bool = True, diagnose: bool = True) -> tuple[Evaluation, list[Evaluation], int]:
+    def run(self, prune: bool = True, diagnose: bool = True,
+            fastest_below: float = math.inf) -> tuple[Evaluation, list[Evaluation], int]:
         """Score every candidate; return the fastest that fits, all that fit, and how many were
         considered. ``self.rejected`` is nonzero exactly when the budgets ruled out a candidate.
 
@@ -277,18 +292,31 @@ class _Searcher:
         (memoised), so that the best is known early. The best of each chunk size, hence the winner,
         the runner-ups and the tied alternative, are exactly those of the full scan (``prune=False``):
         ``results`` holds fewer of the losers, in the full scan's order among equals. Without
-        ``diagnose``, the :class:`DoesNotFitError` raised names no changes that would fit."""
+        ``diagnose``, the :class:`DoesNotFitError` raised names no changes that would fit.
+
+        ``fastest_below`` (a step time some plan is known to reach): only the winner is wanted,
+        and only if it is faster; the best time found so far in any group then prunes every later
+        group too, seeded with this bound (the report's unconstrained search). Raises
+        :class:`DoesNotFitError` when nothing priced beats the bound."""
         self.rejected = 0
         self.priced = 0
         if not fits_floor(self.profile, self.setting, self.usable):
             raise self.no_fit_error() if diagnose else DoesNotFitError("no plan fits", [], {})
         keyed: list[tuple[tuple, Evaluation]] = []  # (position in the full scan, evaluation)
         scored = 0
+        bound, hopeful = fastest_below, None
+        if fastest_below < math.inf and prune and self.world > 1:
+            bound, hopeful = self._likely_fastest(bound)
         for ci, c in enumerate(chunk_size_candidates(self.profile, self.world)):
             for ti, tied in enumerate(self.tied_modes):
-                n, found = self._run_group((ci, ti), self.layouts(c, tied), prune and self.world > 1)
+                lays = self.layouts(c, tied)
+                if hopeful is not None:  # only the winner is wanted: layouts that cannot beat the bound go
+                    lays = [lay for lay in lays if hopeful.get(id(lay), math.inf) <= bound * (1 + SLACK)]
+                n, found = self._run_group((ci, ti), lays, prune and self.world > 1, bound)
                 scored += n
                 keyed += found
+                if fastest_below < math.inf and found:
+                    bound = min(bound, min(e.step_time for _, e in found))
         # every chunk replicated (data parallel), where the memory allows it; not when the caller
         # asked for pure plans (body_sharding "sharded" / "zero"): that twin is neither
         if self.world > 1 and self.body_sharding == "mixed":
@@ -301,26 +329,59 @@ class _Searcher:
                     keyed.append(((1 << 30, ri), ev))
                 else:
                     self.rejected += 1
+        if fastest_below < math.inf:
+            keyed = [(k, e) for k, e in keyed if e.step_time <= fastest_below]
         if not keyed:
+            if fastest_below < math.inf:
+                raise DoesNotFitError(f"no plan is faster than {fastest_below:.6g} s", [], {})
             raise self.no_fit_error() if diagnose else DoesNotFitError("no plan fits", [], {})
         keyed.sort(key=lambda x: (x[1].step_time, x[1].device_bytes, x[0]))
         results = [e for _, e in keyed]
         return results[0], results, scored
 
-    def _run_group(self, pos: tuple[int, int], lays: list[Layout], prune: bool) -> tuple[int, list[tuple[tuple, Evaluation]]]:
+    def _likely_fastest(self, bound: float) -> tuple[float, dict[int, float]]:
+        """A tighter ``bound`` for :meth:`run`'s ``fastest_below``: every layout at its most
+        blocks and deepest prefetch (the likely best of each), priced in the order of their
+        :class:`~elixir.search.bounds.StepFloor` until the next floor is above the best time
+        found. Also each layout's floor there (by ``id``), a floor for all its candidates: more
+        blocks never gather more (the cache simulator's eviction is Belady's, which has no
+        anomaly) and the floor does not grow with the prefetch depth."""
+        tops = []
+        for c in chunk_size_candidates(self.profile, self.world):
+            for tied in self.tied_modes:
+                for lay in self.layouts(c, tied):
+                    b = _block_candidates(lay, self.world)[-1]
+                    g = simulate_layout(lay, b)
+                    d = self._depths(lay, b)[-1]
+                    tops.append((StepFloor(self.profile, lay, self.setting, g).at(d), len(tops), lay, b, d, g))
+        tops.sort(key=lambda t: t[:2])
+        for floor, _, lay, b, d, g in tops:
+            if floor > bound * (1 + SLACK):
+                break
+            ev = self.evaluate(lay, b, d, gathers=g)
+            self.priced += 1
+            if ev is not None:
+                bound = min(bound, ev.step_time)
+        return bound, {id(t[2]): t[0] for t in tops}
+
+    def _run_group(self, pos: tuple[int, int], lays: list[Layout], prune: bool,
+                   bound: float = math.inf) -> tuple[int, list[tuple[tuple, Evaluation]]]:
         """Every candidate of one chunk size and way of chunking tied parameters (``lays``: the
         ZeRO-1/2 counts), ascending blocks per layout until one does not fit (more blocks only
         need more memory), less those pruned (see :meth:`run`). Returns how many were considered
         and the (position in the full scan, evaluation) of those priced that fit; ``pos`` is the
-        group's (chunk size, tied mode) position."""
+        group's (chunk size, tied mode) position; ``bound``, a time the caller needs beaten (see
+        :meth:`run`'s ``fastest_below``): candidates whose floor is above it are not priced."""
         memo: dict[tuple[int, int, int], tuple[Optional[Evaluation], Any]] = {}
-        best = math.inf
+        best = bound
         blocks = [_block_candidates(lay, self.world) for lay in lays]
         if prune:  # each layout at its most blocks and deepest prefetch first: the likely best
             for zi, lay in enumerate(lays):
                 b = blocks[zi][-1]
                 g = simulate_layout(lay, b)
                 d = self._depths(lay, b)[-1]
+                if bound < math.inf and StepFloor(self.profile, lay, self.setting, g).at(d) > best * (1 + SLACK):
+                    continue  # cannot beat what the caller needs beaten: the scan below skips it too
                 ev = self.evaluate(lay, b, d, gathers=g)
                 self.priced += 1
                 memo[(zi, b, d)] = (ev, g)
@@ -395,7 +456,9 @@ class _Searcher:
                 needs["disk"] = d_need
                 options.append((0.5, f"allow disk offload of optimizer state (disk >= {_fmt(d_need)} per rank)"))
         w = self.world
-        for _ in range(16):
+        # more ranks can be priced only on a profile that measured collectives (a one-GPU profile has none)
+        priced_collectives = None not in (self.hw.all_gather, self.hw.reduce_scatter)
+        for _ in range(16 if priced_collectives else 0):
             w *= 2
             ok = self.sibling(world=w, overlap=False).fits()
             if ok:
@@ -668,7 +731,10 @@ def _search_info(s: _Searcher, found: tuple[Evaluation, list[Evaluation], int], 
 def _explain(s: _Searcher, best: Evaluation) -> str:
     """Why this plan: is memory binding, and what would the fastest unconstrained plan need?"""
     free = s.sibling(budgets=Budgets(INF, INF, INF if s.budgets.disk else 0), policy=MemoryPolicy(0.0, 0.0, 0.0))
-    fbest, _, _ = free.run()
+    try:  # only a faster plan matters: the chosen one's time prunes the scan
+        fbest, _, _ = free.run(fastest_below=best.step_time)
+    except DoesNotFitError:
+        fbest = best
     if fbest.step_time >= best.step_time * (1 - 1e-9):
         return "memory does not bind: this is the fastest configuration considered."
     return (
