@@ -24,7 +24,6 @@ mesh, plan={"layers.*.fc1": ColwiseParallel(), ...})`` (torch's own plan format)
 
 from __future__ import annotations
 
-import re
 from typing import Any, Optional
 
 import torch
@@ -40,13 +39,15 @@ from torch.distributed.tensor.parallel import (
 
 from elixir import distributed as edist
 from elixir.parallel.conv1d import Conv1DColwise, Conv1DRowwise
+from elixir.plan.tensor_plans import NoTensorParallelPlan, hf_style_plan, how_to_pass, pattern, style_plan
 
 # A style that only all-reduces a replicated parameter's gradient over tp (Qwen3's q_norm/k_norm act
 # on each rank's own heads): kept plain and given a gradient hook (see _grad_allreduce).
 GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 
 
-def _hf_styles() -> dict[str, Any]:
+def _styles() -> dict[str, Any]:
+    """Style names (:mod:`elixir.plan.tensor_plans`) -> torch's parallel styles."""
     return {
         "colwise": ColwiseParallel(),
         "rowwise": RowwiseParallel(),
@@ -56,107 +57,48 @@ def _hf_styles() -> dict[str, Any]:
         "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
         "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
         "sequence_parallel": SequenceParallel(),
+        "conv1d_colwise": Conv1DColwise(),
+        "conv1d_rowwise": Conv1DRowwise(),
         GRAD_ALLREDUCE: GRAD_ALLREDUCE,
     }
 
 
-HF_STYLES = tuple(_hf_styles())
+HF_STYLES = tuple(k for k in _styles() if not k.startswith("conv1d_"))
 """The Hugging Face ``tp_plan`` style names elixir translates to torch's parallel styles."""
 
 
-class NoTensorParallelPlan(ValueError):
-    """elixir has no tensor-parallel plan for this model (pass one)."""
-
-
-def _how_to_pass() -> str:
-    return ("pass a plan in torch's format: tensor_parallel(model, mesh, plan={'layers.*.fc1': ColwiseParallel(), "
-            "'layers.*.fc2': RowwiseParallel(), ...}) (torch.distributed.tensor.parallel styles, keys are module "
-            "paths with * for any layer index)")
-
-
-def _tied_vocab(model: nn.Module, emb: str, head: str) -> dict[str, Any]:
-    """A vocab-parallel input embedding and column-parallel head (both Shard(0)) when they are tied."""
-    mods = dict(model.named_modules())
-    if emb in mods and head in mods and mods[emb].weight is mods[head].weight:
-        return {emb: RowwiseParallel(input_layouts=Replicate()), head: ColwiseParallel(output_layouts=Replicate())}
-    return {}
-
-
-def hf_plan(model: nn.Module) -> Optional[dict[str, Any]]:
-    """The model's own Hugging Face tensor-parallel plan in torch's styles, or None without one.
-    A style elixir does not translate raises, naming the ones it does."""
-    cfg = getattr(model, "config", None)
-    base = dict(getattr(cfg, "base_model_tp_plan", None) or {})
-    if not base:
-        return None
-    prefix = getattr(model, "base_model_prefix", "")
-    prefix = prefix + "." if prefix and hasattr(model, prefix) else ""
-    plan = {prefix + k: v for k, v in base.items()}
-    plan.update(dict(getattr(model, "_tp_plan", None) or {}))  # the model's resolved plan (head, embedding)
-    styles = _hf_styles()
+def _translate(model: nn.Module, plan: dict[str, str]) -> dict[str, Any]:
+    styles = _styles()
     out: dict[str, Any] = {}
     for key, name in plan.items():
         if name not in styles:
             raise NoTensorParallelPlan(
                 f"{type(model).__name__}'s own tensor-parallel plan uses the style {name!r} (for {key}), which elixir "
-                f"does not translate to torch's styles (it does: {', '.join(HF_STYLES)}); {_how_to_pass()}"
+                f"does not translate to torch's styles (it does: {', '.join(HF_STYLES)}); {how_to_pass()}"
             )
         out[key] = styles[name]
-    emb, head = f"{prefix}embed_tokens", "lm_head"
-    tied = _tied_vocab(model, emb, head)
-    if tied:
-        out.update(tied)
     return out
 
 
-def _gpt2_plan(model: nn.Module) -> dict[str, Any]:
-    p = "transformer.h.*."
-    plan: dict[str, Any] = {
-        p + "attn.c_attn": Conv1DColwise(), p + "attn.c_proj": Conv1DRowwise(),
-        p + "mlp.c_fc": Conv1DColwise(), p + "mlp.c_proj": Conv1DRowwise(),
-    }
-    plan.update(_tied_vocab(model, "transformer.wte", "lm_head"))
-    return plan
+def hf_plan(model: nn.Module) -> Optional[dict[str, Any]]:
+    """The model's own Hugging Face tensor-parallel plan in torch's styles, or None without one.
+    A style elixir does not translate raises, naming the ones it does."""
+    plan = hf_style_plan(model)
+    return None if plan is None else _translate(model, plan)
 
 
-def _opt_plan(model: nn.Module) -> dict[str, Any]:
-    p = "model.decoder.layers.*."
-    plan: dict[str, Any] = {p + f"self_attn.{x}_proj": ColwiseParallel() for x in "qkv"}
-    plan.update({p + "self_attn.out_proj": RowwiseParallel(), p + "fc1": ColwiseParallel(), p + "fc2": RowwiseParallel()})
-    plan.update(_tied_vocab(model, "model.decoder.embed_tokens", "lm_head"))
-    return plan
-
-
-def _bert_plan(model: nn.Module) -> dict[str, Any]:
-    p = "bert.encoder.layer.*."
-    plan: dict[str, Any] = {p + f"attention.self.{x}": ColwiseParallel() for x in ("query", "key", "value")}
-    plan.update({p + "attention.output.dense": RowwiseParallel(), p + "intermediate.dense": ColwiseParallel(),
-                 p + "output.dense": RowwiseParallel()})
-    return plan
-
-
-# elixir's plans for families whose Hugging Face config ships none: model_type -> (plan, per-module
-# attributes that count heads or widths of one rank, divided by tp after sharding)
-_PLANS = {
-    "gpt2": (_gpt2_plan, {"attn": ("num_heads", "split_size", "embed_dim")}),
-    "opt": (_opt_plan, {"self_attn": ("num_heads", "embed_dim")}),
-    "bert": (_bert_plan, {"attention.self": ("num_attention_heads", "all_head_size")}),
+# per-module attributes that count heads or widths of one rank, divided by tp after sharding
+_ATTRS = {
+    "gpt2": {"attn": ("num_heads", "split_size", "embed_dim")},
+    "opt": {"self_attn": ("num_heads", "embed_dim")},
+    "bert": {"attention.self": ("num_attention_heads", "all_head_size")},
 }
 
 
 def plan_for(model: nn.Module) -> dict[str, Any]:
-    """The tensor-parallel plan elixir applies to ``model`` (see the module docstring); raises
-    :class:`NoTensorParallelPlan` naming how to pass one when it has none."""
-    own = hf_plan(model)
-    if own is not None:
-        return own
-    kind = getattr(getattr(model, "config", None), "model_type", None)
-    if kind in _PLANS:
-        return _PLANS[kind][0](model)
-    raise NoTensorParallelPlan(
-        f"elixir has no tensor-parallel plan for {type(model).__name__} (model_type {kind!r}; it ships plans for "
-        f"Hugging Face models with a base_model_tp_plan and for {', '.join(sorted(_PLANS))}); {_how_to_pass()}"
-    )
+    """The tensor-parallel plan elixir applies to ``model`` (:func:`elixir.plan.tensor_plans.style_plan`
+    in torch's styles); raises :class:`NoTensorParallelPlan` naming how to pass one when it has none."""
+    return _translate(model, style_plan(model))
 
 
 def _check_divisible(model: nn.Module, tp: int) -> None:
@@ -201,15 +143,11 @@ def _grad_allreduce(model: nn.Module, pattern: str, tp_mesh: Any) -> None:
         edist.all_reduce(g, group)
         return g
 
-    rx = _pattern(pattern)
+    rx = pattern(pattern)
     for name, m in model.named_modules():
         if rx.fullmatch(name):
             for p in m.parameters(recurse=False):
                 p.register_hook(summed)
-
-
-def _pattern(key: str) -> re.Pattern:
-    return re.compile(re.escape(key).replace(r"\*", r"[^.]+"))
 
 
 def _adjust_attributes(model: nn.Module, attrs: dict[str, tuple[str, ...]], tp: int) -> None:
@@ -242,7 +180,7 @@ def tensor_parallel(model: nn.Module, mesh: Any, plan: Optional[dict[str, Any]] 
     own_attrs: dict[str, tuple[str, ...]] = {}
     if plan is None:
         plan = plan_for(model)
-        own_attrs = _PLANS.get(getattr(getattr(model, "config", None), "model_type", None), (None, {}))[1]
+        own_attrs = _ATTRS.get(getattr(getattr(model, "config", None), "model_type", None), {})
         _check_divisible(model, tp)
     if tp == 1:
         return model
@@ -252,9 +190,9 @@ def tensor_parallel(model: nn.Module, mesh: Any, plan: Optional[dict[str, Any]] 
         if v == GRAD_ALLREDUCE:
             _grad_allreduce(model, key, tp_mesh)
         elif not isinstance(v, ParallelStyle):
-            raise TypeError(f"plan entry {key!r}: {v!r} is not a torch ParallelStyle; {_how_to_pass()}")
+            raise TypeError(f"plan entry {key!r}: {v!r} is not a torch ParallelStyle; {how_to_pass()}")
     for name, m in model.named_modules():
-        if name.endswith("attn.c_attn") and any(isinstance(s, Conv1DColwise) and _pattern(k).fullmatch(name)
+        if name.endswith("attn.c_attn") and any(isinstance(s, Conv1DColwise) and pattern(k).fullmatch(name)
                                                 for k, s in styles.items()):
             qkv_to_tp_order(m, tp)
     parallelize_module(model, tp_mesh, styles)
