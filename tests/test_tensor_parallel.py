@@ -22,6 +22,7 @@ from elixir import distributed as edist
 from elixir.parallel import NoTensorParallelPlan, hf_plan, plan_for, qkv_from_tp_order, tensor_parallel
 from elixir.parallel.tensor import _reorder
 from elixir.plan import MeshLayout, Sharding
+from elixir.plan.tensor_plans import local_shapes, style_plan
 from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
@@ -126,7 +127,10 @@ def _elixir_tp(name: str, mesh, variant: str) -> tuple[list[float], dict[str, to
 
     dp, tp = mesh["dp_shard"].size(), mesh["tp"].size()
     dp_rank = mesh.get_local_rank("dp_shard")
+    plain = _build(name)
+    expected = local_shapes(tuple((n, tuple(q.shape)) for n, q in plain.named_parameters()), style_plan(plain), tp)
     model = tensor_parallel(_build(name), mesh)
+    held = {n: tuple(getattr(q, "_local_tensor", q).shape) for n, q in model.named_parameters()}
     em = ElixirModule(model, _plan(model, MeshLayout(dp_shard=dp, tp=tp), variant), mesh=mesh)
     kinds = sorted({(c.spec.sharding.value, c.spec.master_on_host) for c in em.chunks})
     opt = ElixirOptimizer(em, torch.optim.SGD(em.parameters(), lr=LR), max_norm=MAX_NORM)
@@ -144,7 +148,7 @@ def _elixir_tp(name: str, mesh, variant: str) -> tuple[list[float], dict[str, to
         w = em.tensor_parallel.full_tensor(k, v)
         full[k] = qkv_from_tp_order(w, tp) if k.endswith("attn.c_attn.weight") or k.endswith("attn.c_attn.bias") else w
     edist.barrier()
-    return losses, full, kinds
+    return losses, full, (kinds, held == expected or {"held": held, "search's shapes": expected})
 
 
 def _tp_worker(cases):
@@ -158,11 +162,11 @@ def _tp_worker(cases):
         ddp = _ddp(name, dp_group, dp_rank, 2)
         ddp_err = max((ddp[k] - ref[k]).abs().max().item() for k in ref)
         for variant in variants:
-            losses, full, kinds = _elixir_tp(name, mesh, variant)
+            losses, full, (kinds, shapes) = _elixir_tp(name, mesh, variant)
             errs = {k: (full[k] - ref[k]).abs().max().item() for k in ref}
             worst = max(errs, key=errs.get)
             out[(name, variant)] = {"ref": ref_losses, "losses": losses, "ddp_err": ddp_err,
-                                    "err": errs[worst], "worst": worst, "kinds": kinds,
+                                    "err": errs[worst], "worst": worst, "kinds": kinds, "shapes": shapes,
                                     "moved": max((full[k] - _build(name).state_dict()[k]).abs().max().item() for k in ref)}
     return out
 
@@ -176,6 +180,7 @@ def _check(results, cases):
                 assert res["losses"] == pytest.approx(res["ref"], rel=1e-5), (name, variant, res)
                 assert res["err"] <= 2 * res["ddp_err"], (name, variant, res)
                 assert res["kinds"], res
+                assert res["shapes"] is True, (name, res["shapes"])  # plan/tensor_plans.local_shapes, as the search sees them
 
 
 @pytest.mark.dist
