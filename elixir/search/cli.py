@@ -19,6 +19,7 @@ import time
 from typing import Optional
 
 from rich.console import Console
+from rich.table import Table
 
 from elixir import models
 from elixir.hardware.registry import (
@@ -28,7 +29,9 @@ from elixir.hardware.registry import (
     load_profile,
     reference_profiles,
 )
-from elixir.plan import dtype_from_name
+from elixir.plan import MeshLayout, dtype_from_name
+from elixir.plan.tensor_plans import local_shapes, style_plan
+from elixir.search.mesh_profile import SCHEDULES, MeshPlan, search_mesh
 from elixir.search.optimal import DoesNotFitError, human_count, search_profile
 from elixir.search.step_profile import profile_by_layers, profile_step
 from elixir.tables import human_bytes
@@ -75,7 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", default="Adam", help="Adam/AdamW (8 B/element of state) or SGD (4)")
     parser.add_argument("--no-overlap", action="store_true", help="do not plan prefetching")
     parser.add_argument("--full-trace", action="store_true", help="trace the whole model (slower for deep models)")
-    parser.add_argument("--out", default=None, help="write the plan JSON here")
+    parser.add_argument("--out", default=None, help="write the plan JSON here (with --pp: one file per stage, "
+                                                    "'.stageN' before the suffix)")
+    mesh = parser.add_argument_group("hybrid parallelism (a plan per pipeline stage, chunks over its data-parallel axis)")
+    mesh.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the model's own plan, or elixir's)")
+    mesh.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    mesh.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: 2 x pp)")
+    mesh.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
+    mesh.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism on the tensor axis")
 
 
 def _layer_key(cfg) -> tuple[str, int]:
@@ -157,6 +167,10 @@ def main(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         console.print("[red]--world-size must be >= 1[/red]")
         return 2
+    if args.tp < 1 or args.pp < 1 or args.world_size % (args.tp * args.pp):
+        console.print(f"[red]--world-size {args.world_size} must be a multiple of --tp x --pp "
+                      f"({args.tp} x {args.pp}); the rest is the data-parallel axis[/red]")
+        return 2
     models.load_config(args.model)  # an unknown name or a bad path fails here, before any profile is chosen
     hw, hw_why, warning = choose_hardware(args)
     console.print(f"hardware profile: {hw.name} ({hw_why})")
@@ -174,6 +188,8 @@ def main(args: argparse.Namespace) -> int:
     with console.status(f"tracing {args.model} (batch {args.batch}, seq {args.seq}, {args.dtype})"):
         profile = build_profile(args.model, args.batch, args.seq, dtype, args.checkpointing, args.full_trace)
     t_trace = time.perf_counter() - t0
+    if args.tp > 1 or args.pp > 1:
+        return _plan_mesh(args, console, profile, hw, hw_why, device, host_node // rpn, disk, rpn, t0)
     try:
         result = search_profile(
             profile, args.world_size, hardware=hw, device_memory=device, host_memory=host_node // rpn, disk=disk,
@@ -195,3 +211,56 @@ def main(args: argparse.Namespace) -> int:
         f"Hardware profile {hw.name} ({_profile_kind(hw, hw_why)}).",
     )
     return 0
+
+
+def _hidden_size(cfg) -> int:
+    for k in ("hidden_size", "n_embd", "d_model"):
+        v = getattr(cfg, k, None)
+        if isinstance(v, int):
+            return v
+    raise ValueError("the config names no hidden size (hidden_size / n_embd / d_model)")
+
+
+def _plan_mesh(args: argparse.Namespace, console: Console, profile, hw, hw_why: str, device: Optional[int],
+               host: int, disk: Optional[int], rpn: int, t0: float) -> int:
+    """``elixir plan --tp/--pp``: a plan per pipeline stage, and the run's predicted figures."""
+    layout = MeshLayout(pp=args.pp, dp_shard=args.world_size // (args.tp * args.pp), tp=args.tp)
+    cfg = models.load_config(args.model)
+    shapes = None
+    if args.tp > 1:
+        key, _ = _layer_key(cfg)
+        plan = style_plan(models.build_model(args.model, **{key: 2}))
+        shapes = local_shapes(profile.params + profile.frozen_shapes, plan, args.tp)
+    m = args.microbatches or 2 * args.pp
+    try:
+        mp = search_mesh(profile, layout, tp_shapes=shapes, hidden=_hidden_size(cfg), microbatches=m,
+                         schedule=args.schedule, sequence_parallel=args.sequence_parallel, hardware=hw,
+                         device_memory=device, host_memory=host, disk=disk, optimizer_type=args.optimizer,
+                         overlap=not args.no_overlap, ranks_per_node=rpn, hardware_choice=hw_why)
+    except DoesNotFitError as e:
+        console.print(f"[red]{e}[/red]")
+        return 1
+    _print_mesh(console, mp)
+    if args.out:
+        root, ext = os.path.splitext(args.out)
+        for k, r in enumerate(mp.stages):
+            r.save(f"{root}.stage{k}{ext}" if args.pp > 1 else args.out)
+        console.print(f"wrote {len(mp.stages)} plan file(s) from {args.out}")
+    console.print(f"{human_count(profile.total_numel)} trainable parameters on {layout.describe()}; "
+                  f"total {time.perf_counter() - t0:.2f} s. Hardware profile {hw.name} ({_profile_kind(hw, hw_why)}).")
+    return 0
+
+
+def _print_mesh(console: Console, mp: MeshPlan) -> None:
+    t = Table(title=f"elixir hybrid plan: {mp.layout.describe()}, {mp.schedule}, {mp.microbatches} microbatches")
+    for col in ("stage", "params/rank", "chunks", "device/rank", "host/rank", "step (s)", "tp comm", "sends",
+                "bubble"):
+        t.add_column(col, justify="right")
+    for k, (r, c) in enumerate(zip(mp.stages, mp.costs)):
+        p, br = r.prediction, r.prediction.breakdown
+        t.add_row(str(k), human_count(sum(ch.used for ch in r.chunks)), str(len(r.chunks)),
+                  human_bytes(p.peak_device_bytes), human_bytes(p.peak_host_bytes), f"{p.step_time_s:.3f}",
+                  f"{c.tensor_collectives:.3f}", f"{c.pipeline_sends:.3f}", f"{br['pipeline_bubble']:.3f}")
+    console.print(t)
+    console.print(f"predicted per rank: {human_bytes(mp.peak_device_bytes)} device, {human_bytes(mp.peak_host_bytes)} "
+                  f"host at most; step {mp.step_time_s:.3f} s (the slowest stage)")
