@@ -40,6 +40,12 @@ class GradientSync:
         self.chunks, self.param_map, self.tracker, self.streams = chunks, param_map, tracker, streams
         self.group, self.world_size = group, world_size
         self.has_grad = [False] * len(param_map)  # per param, agreed across ranks, until zero_grad
+        # fn(chunk) once per backward (outside no_sync) for every chunk whose reduced shard gradient
+        # is final: during backward as soon as all of the chunk's parameters got their gradients,
+        # else at the end of backward once the ranks agreed on which did (has_grad is current for
+        # the chunk's parameters either way). A gradient that arrives for a chunk after that
+        # raises, since what fn did with it (an optimizer step) cannot be undone. fn may free the
+        # shard gradient (Chunk.drop_grad).
         self.grad_ready_hooks: list[Callable[[Chunk], None]] = []
         self.backward_end_hooks: list[Callable[[Any], None]] = []
         self._reducing: list[Chunk] = []  # deferred reductions in flight, oldest first

@@ -1,15 +1,37 @@
 """Where one rank's bytes are: an ElixirModule's ``memory_report``, read from its ledger, its offload
-store and the process, beside what its optimizer reports."""
+store and the process, beside what its optimizer reports (:class:`MemoryAccounts` keeps the
+reporters and the offload stores whose peaks reset with the ledger's)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from elixir import device as dev
 from elixir.chunk import BlockCache, Chunk, GradBufferPool, MemoryLedger
 from elixir.offload.store import DiskStore
+
+
+class MemoryAccounts:
+    """The byte counts beside the ledger: reporters (an optimizer's state) and the offload stores."""
+
+    def __init__(self, ledger: MemoryLedger, stores: tuple[Optional[Any], ...]) -> None:
+        self.ledger = ledger
+        self.stores = [s for s in stores if s is not None]  # DiskStore / DerivedShards that exist
+        self.reporters: list[Callable[[], dict[str, int]]] = []
+
+    def extra(self) -> dict[str, int]:
+        """What the reporters return, merged."""
+        out: dict[str, int] = {}
+        for fn in self.reporters:
+            out.update(fn())
+        return out
+
+    def reset_peaks(self) -> None:
+        self.ledger.reset_peaks()
+        for store in self.stores:
+            store.reset_peak()
 
 
 def memory_report(ledger: MemoryLedger, all_chunks: list[Chunk], cache: BlockCache, device: torch.device,

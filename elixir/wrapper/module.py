@@ -31,8 +31,6 @@ from elixir import device as dev
 from elixir import distributed as edist
 from elixir.chunk import BlockCache, Chunk, GradBufferPool, MemoryLedger, Schedule
 from elixir.lowp_gemm import widened_gemms
-from elixir.offload.derived import DerivedShards
-from elixir.offload.store import DiskStore
 from elixir.plan import dtype_from_name
 from elixir.tracer.hooks import map_tensors, tensors_in
 from elixir.wrapper.backward_tracker import BackwardTracker, TrainingState
@@ -43,6 +41,7 @@ from elixir.wrapper.chunk_builder import (
     build_schedule,
     move_rest_to_device,
 )
+from elixir.wrapper.chunk_group import ChunkGroup
 from elixir.wrapper.dtensor_params import localize
 from elixir.wrapper.fused_kernels import apply_fused_kernels
 from elixir.wrapper.generation import generate as _generate
@@ -50,13 +49,12 @@ from elixir.wrapper.grad_sync import REDUCTIONS_IN_FLIGHT, GradientSync
 from elixir.wrapper.hf_guard import guard_save_pretrained
 from elixir.wrapper.host_memory import HostMemoryPolicy
 from elixir.wrapper.materialize import Materializer, agreed_seed, has_meta_tensors
-from elixir.wrapper.memory_report import memory_report
+from elixir.wrapper.memory_report import MemoryAccounts, memory_report
 from elixir.wrapper.mesh import require_runnable, resolve_mesh, tp_mesh
-from elixir.wrapper.param_map import ParamMap, ParamSlot
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
 from elixir.wrapper.policies import MixedPrecisionPolicy, OffloadPolicy, module_policies
 from elixir.wrapper.released import AccessGathers, install_release_guards
-from elixir.wrapper.state_dict import full_state_dict, load_full_state_dict
+from elixir.wrapper.state_dict import full_grads, full_state_dict, load_full_state_dict
 from elixir.wrapper.step_hooks import StepHooks
 from elixir.wrapper.wrap_guard import WrappedParams, mark_owned, refuse_rewrap
 
@@ -225,6 +223,7 @@ class ElixirModule(nn.Module):
         self.widened_products = 0  # low-precision products the last forward widened (elixir.lowp_gemm)
         self.host_memory = HostMemoryPolicy(search_result, self.device, self.world_size)
         self.host_memory.apply()  # before the runtime allocates anything
+        self.streams_from_disk = self.host_memory.streams_from_disk
         self.ledger = MemoryLedger(memory_limit)
         self.streams = dev.SideStreams(self.device)  # gather / reduce / copy streams of every chunk
         self.grad_buffers = GradBufferPool(enabled=self.host_memory.pool_grad_buffers)
@@ -250,16 +249,12 @@ class ElixirModule(nn.Module):
         rt = Runtime(self.mesh, self.ledger, self.streams, self.grad_buffers, self.dtype, self.reduce_dtype,
                      self.grad_dtype, self.device)
         built = ChunkBuilder(self.module, self.plan, rt, self.offload_policy, self.materializer).build(named, sync)
-        self.chunks: list[Chunk] = built.chunks  # trainable chunks, plan order (index = position)
-        self.frozen_chunks: list[Chunk] = built.frozen_chunks  # frozen chunks (index = len(chunks) + position)
-        self.param_map: ParamMap = built.param_map  # trainable parameters onto chunks
-        self.frozen_map: ParamMap = built.frozen_map  # frozen parameters onto frozen chunks (global indices)
-        self.disk_store: Optional[DiskStore] = built.disk_store
-        self.shard_store: Optional[DiskStore] = built.shard_store  # frozen compute shards placed on disk
-        self.derived_shards: Optional[DerivedShards] = built.derived_shards  # trainable ones: masters cast down
-        self.slots: list[ParamSlot] = self.param_map.slots
-        self.params: list[nn.Parameter] = self.param_map.params
-        self._slot_of: dict[nn.Parameter, ParamSlot] = self.param_map.by_param
+        # trainable chunks (index = position), then frozen ones (index = len(chunks) + position),
+        # and the parameters in them (the frozen map's indices are global): see BuiltChunks
+        self.chunks, self.frozen_chunks = built.chunks, built.frozen_chunks
+        self.param_map, self.frozen_map = built.param_map, built.frozen_map
+        self.disk_store, self.shard_store, self.derived_shards = built.disk_store, built.shard_store, built.derived_shards
+        self.slots, self.params, self._slot_of = self.param_map.slots, self.param_map.params, self.param_map.by_param
         guard_save_pretrained(self)  # the HF model's own save_pretrained would read released payloads
         self._chunk_params: list[list[int]] = self.param_map.by_chunk
         self.ledger.reset_peaks()
@@ -267,16 +262,15 @@ class ElixirModule(nn.Module):
     def _install_hooks(self) -> None:
         """The training state, the release guards, the gradient side and the step hooks."""
         self.tracker = BackwardTracker([s.chunk for s in self.slots], self._chunk_params)
-        # the model's parameters raise instead of reading a released payload, or gather it when
-        # read inside this module's step outside their owner's call (elixir/wrapper/released.py)
-        self._access = AccessGathers()
+        self._access = AccessGathers()  # a released parameter read in a step: elixir/wrapper/released.py
         install_release_guards(self)
         mark_owned(self, self.params + self.frozen_map.params)
         self.grad_sync = GradientSync(self.chunks, self.param_map, self.tracker, self.streams, self.group, self.world_size)
         self.iteration = 0  # training forwards so far (the step named if a collective fails)
         self._no_sync = False
         self._pre_step_hooks: list = []
-        self._memory_reporters: list = []
+        self.accounts = MemoryAccounts(self.ledger, (self.disk_store, self.shard_store, self.derived_shards))
+        self.group_ops = ChunkGroup(self.chunks, self.streams, self.cache)
         # untraced plan: the schedule is learned in the first backward
         schedule = build_schedule(self.plan, self.slots + self.frozen_map.slots, self.all_chunks) if self.prefetch else None
         self.step_hooks = StepHooks(self.module, self.all_chunks, self.param_map, self.frozen_map, self.cache,
@@ -327,11 +321,6 @@ class ElixirModule(nn.Module):
     def has_grad(self, value: list[bool]) -> None:
         self.grad_sync.has_grad = value
 
-    @property
-    def streams_from_disk(self) -> bool:
-        """The plan streams from disk (:class:`~elixir.wrapper.host_memory.HostMemoryPolicy`)."""
-        return self.host_memory.streams_from_disk
-
     # ------------------------------------------------------------------------------------------
     # the training state: forward, backward, their end
 
@@ -357,17 +346,13 @@ class ElixirModule(nn.Module):
 
     def register_grad_ready_hook(self, fn) -> None:
         """``fn(chunk)`` runs once per backward (outside ``no_sync``) for every chunk whose reduced
-        shard gradient is final: during backward as soon as all of the chunk's parameters got
-        their gradients, else at the end of backward once the ranks agreed on which did
-        (``has_grad`` is current for the chunk's parameters either way). A gradient that arrives
-        for a chunk after that raises, since what ``fn`` did with it (an optimizer step) cannot be
-        undone. ``fn`` may free the shard gradient (:meth:`Chunk.drop_grad`)."""
+        shard gradient is final (:attr:`GradientSync.grad_ready_hooks`); ``fn`` may free it."""
         self.grad_sync.grad_ready_hooks.append(fn)
 
     def remove_hook(self, fn) -> None:
         """Take ``fn`` off every hook list it was registered on (grad-ready, backward-end, memory
         reporter): an optimizer replaced by a newer one on this module."""
-        for hooks in (self.grad_sync.grad_ready_hooks, self.grad_sync.backward_end_hooks, self._memory_reporters):
+        for hooks in (self.grad_sync.grad_ready_hooks, self.grad_sync.backward_end_hooks, self.accounts.reporters):
             while fn in hooks:
                 hooks.remove(fn)
 
@@ -377,11 +362,7 @@ class ElixirModule(nn.Module):
         self.grad_sync.backward_end_hooks.append(fn)
 
     def settle_chunk(self, chunk: Chunk) -> None:
-        """Before ``chunk`` is stepped during backward: its reduction (on the reduce stream) must be
-        done where the step reads the gradient. A host master is stepped by the host, which waits
-        (and may then write host memory no side-stream copy still reads); a device master is
-        stepped on the compute stream, which only has to wait on the device, so the host keeps
-        queueing backward work."""
+        """Before ``chunk`` is stepped during backward (:meth:`GradientSync.settle_chunk`)."""
         self.grad_sync.settle_chunk(chunk)
 
     def _finalize_backward(self) -> None:
@@ -411,10 +392,8 @@ class ElixirModule(nn.Module):
         self.cache.drain()  # prefetches in flight
         self.grad_sync.drop_in_flight()  # each chunk waits for its own collective in abandon_grad
         self.grad_sync.settle_reductions()
-        self.step_hooks.forget()
         self._access.release()
-        for c in self.all_chunks:
-            c.unpin(all_pins=True)
+        self.step_hooks.abandon()  # every pin of every chunk goes
         for c in self.chunks:
             c.abandon_grad()
         self.cache.release_all()
@@ -481,27 +460,17 @@ class ElixirModule(nn.Module):
             yield
             return
         self._no_sync = True
-        held = []
         try:
-            for c in self.chunks:
-                if c.spec.sharded:
-                    if c not in self.cache:
-                        c.gather()
-                        self.cache.admit(c)
-                    c.pin()
-                    held.append(c)
-            yield
+            with self.step_hooks.hold(self.chunks):
+                yield
         finally:
             self._no_sync = False
-            for c in held:
-                c.unpin()
             if not self.tracker.in_backward:
                 self.cache.release_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the reduced gradients (the shard gradients), as ``optimizer.zero_grad()`` does."""
-        for c in self.chunks:
-            c.zero_grad(set_to_none)
+        self.group_ops.zero_grad(set_to_none)
         self.has_grad = [False] * len(self.slots)
         for p in self.module.parameters():
             p.grad = None
@@ -519,12 +488,7 @@ class ElixirModule(nn.Module):
         """The masters changed: refresh compute shards (but those of the chunks in ``fresh``,
         already equal to their masters), publish the ZeRO-1/2 chunks' updated slices and drop
         every gathered (now stale) payload. Collective when any chunk publishes."""
-        for c in self.chunks:
-            if c.index not in fresh:
-                c.refresh_from_master()  # on the copy stream
-        self.publish_updates()
-        self.streams.join()  # the next forward's compute waits for the refreshed shards
-        self.cache.release_all()
+        self.group_ops.after_step(fresh)
 
     def publish_updates(self, chunks: Optional[list[int]] = None, wait: bool = True) -> None:
         """All-gather the updated slices of every ZeRO-1/2 chunk (of ``chunks`` when given) into
@@ -533,15 +497,11 @@ class ElixirModule(nn.Module):
         all-gathers may still run (on CPU, on the backend's thread) when this returns, overlapping
         what the rank does next; :meth:`finish_publishes` completes them (the end of backward
         does, and so does every publish with ``wait``)."""
-        for c in self.chunks if chunks is None else [self.chunks[i] for i in chunks]:
-            c.publish(async_op=True)
-        if wait:
-            self.finish_publishes()
+        self.group_ops.publish(chunks, wait)
 
     def finish_publishes(self) -> None:
         """Wait for the asynchronous publishes in flight (:meth:`publish_updates` with ``wait=False``)."""
-        for c in self.chunks:
-            c.finish_publish()
+        self.group_ops.finish_publishes()
 
     def drain(self) -> None:
         """Wait for the prefetch gathers still in flight (after a forward without backward, or
@@ -551,56 +511,32 @@ class ElixirModule(nn.Module):
 
     def iter_shards(self) -> Iterator[tuple[Chunk, torch.Tensor, Optional[torch.Tensor]]]:
         """(chunk, fp32 master shard, shard gradient in ``grad_dtype`` or None) for this rank, plan order."""
-        for c in self.chunks:
-            yield c, c.master, (c.shard_grad if c.grad_valid else None)
+        yield from self.group_ops.shards()
 
     def full_grads(self) -> dict[str, Optional[torch.Tensor]]:
         """Every trainable parameter's full fp32 gradient (None when it got none). Collective."""
-        if self.grad_sync.grad_ready_hooks:
-            raise RuntimeError(
-                "full_grads: with the fused backward-and-step (fused_step) each chunk's gradient is "
-                "consumed by its optimizer step during backward; use fused_step=False to inspect gradients"
-            )
-        out: dict[str, Optional[torch.Tensor]] = {}
-        for c in self.chunks:
-            full = torch.zeros(c.spec.capacity, dtype=torch.float32, device=self.device)
-            if c.grad_valid:
-                if c.spec.state_sharded:
-                    edist.all_gather_into(full, c.shard_grad.to(self.device, torch.float32), self.group)
-                else:
-                    full.copy_(c.shard_grad)
-            elif c.spec.state_sharded:
-                edist.all_gather_into(full, torch.zeros(c.spec.shard_numel, device=self.device), self.group)
-            for i in self._chunk_params[c.index]:
-                s = self.slots[i]
-                out[s.name] = full[s.offset : s.offset + s.numel].view(s.shape).clone() if self.has_grad[i] else None
-        return out
+        return full_grads(self, fused=bool(self.grad_sync.grad_ready_hooks))
 
     # ------------------------------------------------------------------------------------------
     # accounting
 
     def memory_report(self) -> dict[str, int]:
         """Where this rank's bytes are, by category: see :func:`elixir.wrapper.memory_report.memory_report`."""
-        extra: dict[str, int] = {}
-        for fn in self._memory_reporters:
-            extra.update(fn())
         return memory_report(self.ledger, self.all_chunks, self.cache, self.device, self.grad_dtype,
-                             self.grad_buffers, self.disk_store, extra)
+                             self.grad_buffers, self.disk_store, self.accounts.extra())
 
     @property
     def offload_stores(self) -> list:
         """This rank's offload stores that exist: masters and state (``disk_store``), frozen disk
         shards (``shard_store``), and the derived shards of ``KK`` chunks (``derived_shards``)."""
-        return [s for s in (self.disk_store, self.shard_store, self.derived_shards) if s is not None]
+        return list(self.accounts.stores)
 
     def reset_peak_memory(self) -> None:
-        self.ledger.reset_peaks()
-        for store in self.offload_stores:
-            store.reset_peak()
+        self.accounts.reset_peaks()
 
     def register_memory_reporter(self, fn) -> None:
         """``fn()`` returns a dict of byte counts merged into :meth:`memory_report`."""
-        self._memory_reporters.append(fn)
+        self.accounts.reporters.append(fn)
 
     # ------------------------------------------------------------------------------------------
     # state dict (full, unsharded, keys of the wrapped model)
@@ -623,9 +559,7 @@ class ElixirModule(nn.Module):
         return _generate(self, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        kinds: dict[str, int] = {}
-        for c in self.chunks:
-            kinds[c.spec.sharding.value] = kinds.get(c.spec.sharding.value, 0) + 1
+        kinds = self.group_ops.kinds()
         return (
             f"chunks={len(self.chunks)} ({', '.join(f'{v} {k}' for k, v in kinds.items())}), "
             f"frozen_chunks={len(self.frozen_chunks)}, cache_blocks={self.cache.capacity}, "

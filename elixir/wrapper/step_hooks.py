@@ -12,9 +12,10 @@ taken here is dropped by the end of backward (:meth:`release_pins`) or the next 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -179,7 +180,27 @@ class StepHooks:
                 c.unpin()
         self.unwind_forward()
 
-    def forget(self) -> None:
-        """An abandoned backward: forget the stacks (the owner unpins every chunk itself)."""
+    @contextlib.contextmanager
+    def hold(self, chunks: list[Chunk]) -> Iterator[None]:
+        """Gather (one all-gather each, issued here) and pin every sharded chunk of ``chunks`` for
+        the block (``no_sync``: gradients accumulate over whole payloads); unpin after."""
+        held = []
+        try:
+            for c in chunks:
+                if c.spec.sharded:
+                    if c not in self.cache:
+                        c.gather()
+                        self.cache.admit(c)
+                    c.pin()
+                    held.append(c)
+            yield
+        finally:
+            for c in held:
+                c.unpin()
+
+    def abandon(self) -> None:
+        """An abandoned backward: forget the stacks and drop every pin of every chunk."""
         self._bwd_stack.clear()
         self._fwd_stack.clear()
+        for c in self.all_chunks:
+            c.unpin(all_pins=True)
