@@ -806,7 +806,7 @@ class Evaluation:
 def reduction_in_flight_elements(layout: Layout, st: Setting) -> int:
     """Gradient-buffer elements the runtime holds beyond the open buffers: on a CPU device at world
     size > 1 a chunk's reduction is left running while the next chunk's gradients arrive
-    (``elixir.wrapper.module.REDUCTIONS_IN_FLIGHT``, one), and its buffer lives until it completes.
+    (``elixir.wrapper.grad_sync.REDUCTIONS_IN_FLIGHT``, one), and its buffer lives until it completes.
     A replicated chunk's buffer is its kept gradient, counted already; a sharded tied chunk's is
     open for the whole backward and completes last (at the end of backward), so the largest body
     or ZeRO chunk is the one counted."""
@@ -1459,7 +1459,7 @@ def _step_seconds(p: _Priced, comm: dict[str, float], t_h2d: float, t_shard_read
     elif hw.overlap_fraction > 0 and depth >= 1 and (n_sh or layout.n_frozen) and n_async > 1:
         # no copy engine, but gathers issued ahead still partly run while the rank computes; the
         # first gather of the step has nothing to hide under. Reductions also run on gloo's
-        # thread now (one in flight, module.REDUCTIONS_IN_FLIGHT), but on a CPU box they compete
+        # thread now (one in flight, grad_sync.REDUCTIONS_IN_FLIGHT), but on a CPU box they compete
         # with compute for the same cores and measured steps still exceed the predictions, so
         # none of their time is counted hidden
         per_gather = (comm["all_gather"] + t_h2d - t_sync) / n_async

@@ -39,6 +39,7 @@ class ChunkedModel(Protocol):
     streams: SideStreams
     disk_store: Optional[DiskStore]
     iteration: int
+    has_grad: list[bool]  # per trainable parameter: got a gradient (agreed across ranks) since zero_grad
     tensor_parallel: Optional[Any]  # dtensor_params.TensorParallelParams, or None without a tp axis
 
     @property

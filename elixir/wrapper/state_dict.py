@@ -9,7 +9,7 @@ publishes ZeRO-1/2 chunks' slices into their whole payloads.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -147,3 +147,27 @@ def load_full_state_dict(em: ChunkedModel, state_dict: dict, strict: bool = True
                         shard[piece.lo : piece.hi].copy_(v.reshape(-1)[piece.start : piece.start + piece.hi - piece.lo])
         em.publish_updates()  # ZeRO-1/2 chunks: every rank wrote its slice of the payload
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def full_grads(em: ChunkedModel, fused: bool) -> dict[str, Optional[torch.Tensor]]:
+    """Every trainable parameter's full fp32 gradient (None when it got none), keyed by its name.
+    Collective. ``fused``: a fused backward-and-step consumes the gradients, so this refuses."""
+    if fused:
+        raise RuntimeError(
+            "full_grads: with the fused backward-and-step (fused_step) each chunk's gradient is "
+            "consumed by its optimizer step during backward; use fused_step=False to inspect gradients"
+        )
+    out: dict[str, Optional[torch.Tensor]] = {}
+    for c in em.chunks:
+        full = torch.zeros(c.spec.capacity, dtype=torch.float32, device=em.device)
+        if c.grad_valid:
+            if c.spec.state_sharded:
+                edist.all_gather_into(full, c.shard_grad.to(em.device, torch.float32), em.group)
+            else:
+                full.copy_(c.shard_grad)
+        elif c.spec.state_sharded:
+            edist.all_gather_into(full, torch.zeros(c.spec.shard_numel, device=em.device), em.group)
+        for i in em.param_map.by_chunk[c.index]:
+            s = em.param_map.slots[i]
+            out[s.name] = full[s.offset : s.offset + s.numel].view(s.shape).clone() if em.has_grad[i] else None
+    return out

@@ -67,3 +67,33 @@ def check_trainable_unchanged(module: nn.Module, wrapped: list[bool]) -> None:
         "wrap a fresh model with that plan and build the optimizer over the new wrapper (load a checkpoint to keep the "
         "values: elixir.checkpoint)"
     )
+
+
+class WrappedParams:
+    """The model's parameters as they were when wrapped, to refuse a change made since."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.ids = [id(p) for p in module.parameters()]
+        self.trainable = trainable_flags(module)
+
+    def check(self) -> None:
+        """Raise if a parameter was added, removed or replaced since wrapping: chunks were built
+        from the parameters then, so a new one would never be gathered, reduced or stepped (it
+        would train silently wrong). A walk over the parameters per forward (tens of microseconds)."""
+        now = [id(p) for p in self.module.parameters()]
+        if now == self.ids:
+            check_trainable_unchanged(self.module, self.trainable)
+            return
+        was = set(self.ids)
+        new = [n for n, p in self.module.named_parameters() if id(p) not in was]
+        kept = {id(p) for p in self.module.parameters()}
+        gone = len(was - kept)
+        raise RuntimeError(
+            f"elixir: the model's parameters changed after it was wrapped: {len(new)} new or replaced "
+            f"({', '.join(new[:5])}{' ...' if len(new) > 5 else ''}), {gone} gone. ElixirModule packed the "
+            "parameters into chunks when it was built, so a parameter added or replaced since is never "
+            "gathered, reduced or stepped. Make every change to the model before wrapping it (and re-run "
+            "the search for the changed model); to load new values, copy them in (checkpoint.load, "
+            "load_state_dict)"
+        )
