@@ -1,0 +1,146 @@
+"""Per-rank peak memory of tensor parallelism x sharded data parallelism: elixir against FSDP2 + TP.
+
+Issue 31's memory check: on the same (dp_shard 2, tp 2) mesh (world 4, gloo), the same LLaMA-style
+model, batch and AdamW, the peak resident memory of one rank while training:
+
+- **elixir**: ``tensor_parallel`` (torch's ``parallelize_module`` with the model's own plan), then
+  ``ElixirModule`` with ZeRO-3 chunks of each rank's local shards over dp_shard
+  (``minimum_waste_search``), ``ElixirOptimizer`` over ``torch.optim.AdamW``;
+- **FSDP2 + TP** (torchtitan's composition): ``parallelize_module`` with the same plan, then
+  ``fully_shard`` on each decoder layer and the root over dp_shard, ``torch.optim.AdamW``.
+
+Both fp32, both built eagerly on the CPU from the same seed. Each system runs in its own fresh
+processes (spawned, so nothing is inherited). Per rank: the RSS before the model is built is the
+baseline; after construction, ``gc`` and ``malloc_trim`` return what building left behind and the
+peak (``VmHWM``) is reset (``/proc/self/clear_refs``); the figure is the peak over the training
+steps less the baseline. The table prints the largest rank's figure per system and the ratio.
+
+    python bench/tp_memory.py                 # hidden 1024, 8 layers (about 120M parameters)
+    python bench/tp_memory.py --tiny          # a smoke run (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from elixir import device as dev  # noqa: E402 - after the path fix: runs from a checkout
+from elixir.testing import run_distributed  # noqa: E402
+
+SIZES = {"tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256),
+         "default": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, vocab_size=8192)}
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _model(size: str):
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 - transformers: the hf extra
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
+                      tie_word_embeddings=False, attn_implementation="sdpa", **SIZES[size])
+    return LlamaForCausalLM(cfg)
+
+
+def _elixir(model, mesh):
+    from elixir.parallel import tensor_parallel  # noqa: PLC0415 - each system imports only its own stack
+    from elixir.plan import MeshLayout  # noqa: PLC0415
+    from elixir.search import minimum_waste_search  # noqa: PLC0415
+    from elixir.wrapper import ElixirModule, ElixirOptimizer  # noqa: PLC0415
+
+    model = tensor_parallel(model, mesh)
+    plan = minimum_waste_search(model, MeshLayout(dp_shard=mesh["dp_shard"].size(), tp=mesh["tp"].size()))
+    em = ElixirModule(model, plan, mesh=mesh)
+    return em, ElixirOptimizer(em, torch.optim.AdamW(em.parameters(), lr=1e-4))
+
+
+def _fsdp(model, mesh):
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - each system imports only its own stack
+    from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
+
+    from elixir.parallel import plan_for  # noqa: PLC0415 - the same plan as elixir's line
+
+    parallelize_module(model, mesh["tp"], plan_for(model))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def worker(system: str, size: str, steps: int, batch: int, seq: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 - inside the spawned rank
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    gc.collect()
+    dev.trim_host_memory()
+    base = _rss()
+    model, opt = (_elixir if system == "elixir" else _fsdp)(_model(size), mesh)
+    gc.collect()
+    dev.trim_host_memory()
+    built = _rss() - base
+    _reset_peak()
+    dp_rank = mesh.get_local_rank("dp_shard")
+    g = torch.Generator().manual_seed(1 + dp_rank)  # each dp rank its own batch; tp ranks the same
+    losses, t0 = [], time.perf_counter()
+    for _ in range(steps):
+        ids = torch.randint(0, SIZES[size]["vocab_size"], (batch, seq), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"peak": dev.peak_rss_bytes() - base, "built": built, "losses": losses,
+            "step_s": (time.perf_counter() - t0) / steps}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="a smoke run at toy sizes")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args()
+    size = "tiny" if args.tiny else "default"
+    out = {"size": SIZES[size], "steps": args.steps, "batch": args.batch, "seq": args.seq,
+           "load_average": os.getloadavg(), "torch": torch.__version__}
+    for system in ("elixir", "fsdp2_tp"):
+        ranks = run_distributed(worker, 4, system, size, args.steps, args.batch, args.seq, timeout=1800)
+        out[system] = {"peak_bytes_max_rank": max(r["peak"] for r in ranks), "per_rank_peak": [r["peak"] for r in ranks],
+                       "built_bytes_max_rank": max(r["built"] for r in ranks), "losses": ranks[0]["losses"],
+                       "step_s": max(r["step_s"] for r in ranks)}
+    ratio = out["elixir"]["peak_bytes_max_rank"] / max(1, out["fsdp2_tp"]["peak_bytes_max_rank"])
+    out["ratio_elixir_over_fsdp2_tp"] = ratio
+    print(f"{'system':<10} {'peak/rank (MiB)':>16} {'after build (MiB)':>18} {'step (s)':>9}  losses")
+    for system in ("elixir", "fsdp2_tp"):
+        r = out[system]
+        print(f"{system:<10} {r['peak_bytes_max_rank'] / 2**20:>16.1f} {r['built_bytes_max_rank'] / 2**20:>18.1f} "
+              f"{r['step_s']:>9.2f}  {[round(x, 4) for x in r['losses']]}")
+    print(f"elixir / FSDP2+TP peak per rank: {ratio:.3f}x (target <= 1.0); load average {out['load_average']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
