@@ -40,39 +40,39 @@ def _read_on_every_rank(em: ChunkedModel, chunk, read: Callable[[], torch.Tensor
     return mine
 
 
+def _gathered(em: ChunkedModel, chunk, dtype: torch.dtype, read, on_disk: bool, split: bool) -> torch.Tensor:
+    """``chunk``'s full values on CPU: each rank's piece (``read()``, every rank told of a disk
+    fault) all-gathered when the chunk is ``split`` over the ranks, else copied as it is."""
+    full = torch.empty(chunk.spec.capacity, dtype=dtype, device=em.device)
+    mine = _read_on_every_rank(em, chunk, read, on_disk)
+    if split:
+        edist.all_gather_into(full, mine, em.group)
+    else:
+        full.copy_(mine)
+    return full.cpu()
+
+
 def chunk_values(em: ChunkedModel, chunk) -> torch.Tensor:
     """The full fp32 values of ``chunk`` (gathered from the masters), on CPU; a frozen chunk's
     values in its own (compute) dtype, gathered from its shards."""
     if chunk.spec.frozen:
         return frozen_values(em, chunk)
-    full = torch.empty(chunk.spec.capacity, dtype=torch.float32, device=em.device)
 
     def read() -> torch.Tensor:
         with staged(em.disk_store, [chunk.index], write_back=False):  # a disk master: read, not written
             return chunk.master.to(em.device, torch.float32, copy=True)
 
-    mine = _read_on_every_rank(em, chunk, read, chunk.spec.master_on_disk)
-    if chunk.spec.state_sharded:
-        edist.all_gather_into(full, mine, em.group)
-    else:
-        full.copy_(mine)
-    return full.cpu()
+    return _gathered(em, chunk, torch.float32, read, chunk.spec.master_on_disk, chunk.spec.state_sharded)
 
 
 def frozen_values(em: ChunkedModel, chunk) -> torch.Tensor:
     """The full values of the frozen ``chunk``, in its dtype, on CPU (one all-gather)."""
-    full = torch.empty(chunk.spec.capacity, dtype=chunk.spec.dtype, device=em.device)
 
     def read() -> torch.Tensor:
         with chunk.shard_access(write=False) as shard:  # a disk shard: read in for the gather
             return shard.to(em.device, copy=True)
 
-    mine = _read_on_every_rank(em, chunk, read, chunk.spec.shard_on_disk)
-    if chunk.spec.sharded:
-        edist.all_gather_into(full, mine, em.group)
-    else:
-        full.copy_(mine)
-    return full.cpu()
+    return _gathered(em, chunk, chunk.spec.dtype, read, chunk.spec.shard_on_disk, chunk.spec.sharded)
 
 
 def full_state_dict(em: ChunkedModel, rank0_only: bool = False) -> dict[str, torch.Tensor]:
