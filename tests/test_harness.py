@@ -49,6 +49,11 @@ def test_failing_rank_fails_with_its_traceback():
     assert "rank 1" in msg and "boom from rank one" in msg and "_fail_on_rank_one" in msg
 
 
+# long enough for both ranks to start (import torch and elixir, join the group: 3-8 s here) and
+# reach the function, so rank 0's stack shows where it hangs; every second of it is waited out
+HANG_TIMEOUT_S = 15
+
+
 def _hang_on_rank_zero():
     if edist.get_rank() == 0:
         time.sleep(3600)
@@ -58,8 +63,8 @@ def _hang_on_rank_zero():
 def test_hanging_rank_is_caught():
     start = time.monotonic()
     with pytest.raises(DistributedHang) as err:
-        run_distributed(_hang_on_rank_zero, 2, timeout=30)
-    assert time.monotonic() - start < 60
+        run_distributed(_hang_on_rank_zero, 2, timeout=HANG_TIMEOUT_S)
+    assert time.monotonic() - start < HANG_TIMEOUT_S + 30
     msg = str(err.value)
     # rank 1 finished its function and waits for rank 0 at shutdown, so both may be listed
     assert "hang" in msg and "ranks [0" in msg and "--- rank 0 ---" in msg
