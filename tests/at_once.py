@@ -24,15 +24,16 @@ def _finish(p: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
 
 
 def run_at_once(commands: dict[str, list[str]], timeout: float = 300.0, cwds: dict[str, Any] | None = None,
-                **popen: Any) -> dict[str, subprocess.CompletedProcess]:
-    """Start every command (in ``cwds[name]`` where given), wait for all (each read by a thread of
-    its own, so none blocks on a full pipe); per name, the finished process with its text output.
-    One still running after ``timeout`` seconds is killed and comes back with return code None."""
+                envs: dict[str, dict] | None = None, **popen: Any) -> dict[str, subprocess.CompletedProcess]:
+    """Start every command (in ``cwds[name]``, with environment ``envs[name]``, where given), wait
+    for all (each read by a thread of its own, so none blocks on a full pipe); per name, the
+    finished process with its text output. One still running after ``timeout`` seconds is killed
+    and comes back with return code None."""
     procs = {}
     try:
         for name, cmd in commands.items():
-            procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                           cwd=(cwds or {}).get(name), **popen)
+            kw = dict(popen, cwd=(cwds or {}).get(name), **({"env": envs[name]} if envs and name in envs else {}))
+            procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
         with ThreadPoolExecutor(len(procs)) as pool:
             waits = {name: pool.submit(_finish, p, timeout) for name, p in procs.items()}
             return {name: w.result() for name, w in waits.items()}
