@@ -1,5 +1,6 @@
 """The multi-rank harness: results come back, failures carry the rank's traceback, hangs are caught."""
 
+import os
 import time
 
 import pytest
@@ -118,3 +119,18 @@ def _leave_exit_work(outdir):
 def test_clean_rank_runs_exit_handlers_and_joins_threads(tmp_path):
     assert run_distributed(_leave_exit_work, 2, str(tmp_path), timeout=60) == [0, 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit_0", "atexit_1", "thread_0", "thread_1"]
+
+
+def _environment_and_output():
+    print(f"rank {edist.get_rank()} prints to the launcher's stdout", flush=True)
+    return os.environ.get("ELIXIR_HARNESS_PROBE")
+
+
+def test_ranks_see_the_launchers_environment_and_write_to_its_output(monkeypatch, capfd):
+    # set after the first launch of this session (a fork server started then has its own copies)
+    run_distributed(_environment_and_output, 1, timeout=60)
+    monkeypatch.setenv("ELIXIR_HARNESS_PROBE", "set by the test")
+    capfd.readouterr()
+    assert run_distributed(_environment_and_output, 2, timeout=60) == ["set by the test"] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 prints to the launcher's stdout" in out and "rank 1 prints" in out, out
