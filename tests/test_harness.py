@@ -9,6 +9,7 @@ import torch
 from elixir import distributed as edist
 from elixir import launch
 from elixir.testing import DistributedFailure, DistributedHang, run_distributed
+from tests.launch_jobs import Job, result, run_jobs
 
 pytestmark = pytest.mark.dist
 
@@ -134,3 +135,25 @@ def test_ranks_see_the_launchers_environment_and_write_to_its_output(monkeypatch
     assert run_distributed(_environment_and_output, 2, timeout=60) == ["set by the test"] * 2
     out = capfd.readouterr().out
     assert "rank 0 prints to the launcher's stdout" in out and "rank 1 prints" in out, out
+
+
+def _double(x):
+    return 2 * x
+
+
+def _raise_on_rank_one():
+    if edist.get_rank() == 1:
+        raise ValueError("job failed on rank one")
+    return "fine"
+
+
+def test_batched_jobs_fail_only_the_tests_that_own_them():
+    """tests/launch_jobs.py: several tests' jobs in one launch; a job that raises fails its own
+    test with its traceback, the jobs after it say they did not run, those before it pass."""
+    res = run_jobs(2, {"first": Job(_double, (3,)), "bad": Job(_raise_on_rank_one), "after": Job(_double, (1,))},
+                   timeout=60)
+    assert result(res, "first") == [6, 6]
+    with pytest.raises(AssertionError, match=r"(?s)job 'bad'.*rank 1 raised.*job failed on rank one"):
+        result(res, "bad")
+    with pytest.raises(AssertionError, match=r"rank 1: not run \(an earlier job in the same launch failed: \['bad'\]\)"):
+        result(res, "after")
