@@ -18,6 +18,12 @@ writes its traceback and leaves with ``os._exit(1)`` at once. The reason: torch 
 worker threads alive past ``destroy_process_group``, and a gloo thread that finishes a collective
 while the interpreter finalizes aborts the rank ("terminate called without an active exception",
 see :mod:`elixir.distributed`), most readily when a rank fails with a collective in flight.
+
+The ranks start as fresh interpreters (``multiprocessing``'s "spawn") unless :data:`START_METHOD`
+says otherwise: the test suite uses "forkserver" with torch and elixir preloaded in the server
+(``tests/conftest.py``), so a launch costs a fork instead of importing torch in every rank. Each
+rank then takes the launching process's environment and standard output and error, as a spawned
+one would.
 """
 
 from __future__ import annotations
@@ -35,11 +41,14 @@ import tempfile
 import threading
 import time
 import traceback
+from multiprocessing import reduction
 from typing import Any, Callable
 
 import torch
 
 from elixir.distributed import init_distributed, shutdown
+
+START_METHOD = "spawn"  # multiprocessing start method of the ranks (see the module docstring)
 
 
 class DistributedFailure(RuntimeError):
@@ -56,7 +65,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads, backend="gloo"):
+class _LauncherContext:
+    """The launching process's environment and standard output and error, for a rank started
+    from a fork server (which has its own): pickled with the rank, the descriptors passed along."""
+
+    def __init__(self, env: dict[str, str], fds: tuple = ()) -> None:
+        self.env, self.fds = env, fds
+
+    def __reduce__(self):
+        return _LauncherContext, (self.env, tuple(reduction.DupFd(fd) for fd in (1, 2)))
+
+    def enter(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.env)
+        for target, fd in zip((1, 2), self.fds):
+            os.dup2(fd.detach(), target)
+
+
+def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads, backend="gloo", launcher=None):
+    if launcher is not None:
+        launcher.enter()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -73,7 +101,9 @@ def _worker(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads, 
     code = 1
     try:
         torch.set_num_threads(threads)
-        init_distributed(backend=backend, timeout_s=timeout)
+        # the group's own timeout outlasts the launch's: a rank waiting on a hung peer must not fail
+        # first, or the hang would be reported as that rank's timeout, without the hung rank's stack
+        init_distributed(backend=backend, timeout_s=timeout + 60)
         result = fn(*args, **kwargs)
         with open(os.path.join(outdir, f"result_{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
@@ -125,13 +155,14 @@ def run_distributed(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     threads = threads_per_rank or 1  # as torchrun (OMP_NUM_THREADS=1), and as tests/conftest.py
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(START_METHOD)
+    launcher = None if START_METHOD == "spawn" else _LauncherContext(dict(os.environ))
     outdir = tempfile.mkdtemp(prefix="elixir_dist_")
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads, backend),
+            args=(fn, args, kwargs, rank, world_size, port, outdir, timeout, threads, backend, launcher),
             name=f"elixir-rank{rank}",
         )
         for rank in range(world_size)

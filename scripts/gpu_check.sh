@@ -85,6 +85,9 @@ fi
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+# the CUDA tests' ranks start as fresh interpreters here, as they did when this check was sized: the
+# CPU suite forks them from a preloaded server (tests/conftest.py), not yet tried with NCCL
+export ELIXIR_TEST_SPAWN="${ELIXIR_TEST_SPAWN:-1}"
 say "elixir at $ROOT, mode $MODE, python $PYTHON, output in $OUT, PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF"
 
 # run_step NAME LOG CMD...: CMD under `timeout -s INT` for the step's planned seconds (less when

@@ -1,15 +1,17 @@
-"""`elixir demo`: flags survive the torchrun relaunch, and a tiny run trains on 2 ranks."""
+"""`elixir demo`: flags survive the torchrun relaunch, and a tiny run trains on 2 ranks.
+
+The two demo runs (a tiny training and a budget that fits nothing) start at once (``demos``)."""
 
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
 from elixir import cli
 from elixir.demo import PRESETS, DemoConfig, _param_count, build_gpt, config_from_args, lr_lambda, worker_argv
+from tests.at_once import run_at_once
 
 
 def _parse(argv):
@@ -76,15 +78,23 @@ def test_search_flags_are_checked():
     assert DemoConfig().search == "optimal"
 
 
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory) -> dict:
+    """Per demo run, its finished process; both start at once (``tiny`` writes ``json``)."""
+    out = tmp_path_factory.mktemp("demo") / "demo.json"
+    demo = [sys.executable, "-m", "elixir", "demo", "--preset", "tiny", "--world-size", "2", "--batch", "8", "--seq", "64",
+            "--corpus-bytes", "1000000"]
+    tiny = [*demo, "--steps", "30", "--budget-mib", f"{_binding_budget_mib(8, 64):.3f}", "--json", str(out)]
+    nothing = [*demo, "--steps", "2", "--budget-mib", "0.01"]
+    # the terminal widths each test was written for: the tiny run's tables, the message's lines
+    envs = {"tiny": dict(os.environ, COLUMNS="120"), "nothing": dict(os.environ, COLUMNS="200")}
+    done = run_at_once({"tiny": tiny, "nothing": nothing}, timeout=120, envs=envs)
+    return {**done, "json": out}
+
+
 @pytest.mark.dist
-def test_tiny_demo_trains_on_two_ranks(tmp_path):
-    out = tmp_path / "demo.json"
-    budget = _binding_budget_mib(8, 64)
-    cmd = [sys.executable, "-m", "elixir", "demo", "--preset", "tiny", "--steps", "30", "--world-size", "2",
-           "--batch", "8", "--seq", "64", "--corpus-bytes", "1000000", "--budget-mib", f"{budget:.3f}",
-           "--json", str(out)]
-    env = dict(os.environ, COLUMNS="120")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+def test_tiny_demo_trains_on_two_ranks(demos):
+    out, proc = demos["json"], demos["tiny"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     s = json.loads(out.read_text())
     assert s["world_size"] == 2 and len(s["losses"]) == 30
@@ -112,13 +122,10 @@ def test_tiny_demo_trains_on_two_ranks(tmp_path):
 
 
 @pytest.mark.dist
-def test_budget_that_fits_nothing_prints_the_message_once_without_a_traceback():
+def test_budget_that_fits_nothing_prints_the_message_once_without_a_traceback(demos):
     """Before: every rank printed a 40-line DoesNotFitError traceback, then torchrun its own report.
     Now rank 0 prints the search's message and suggestions as `elixir plan` does; exit status 1."""
-    cmd = [sys.executable, "-m", "elixir", "demo", "--preset", "tiny", "--steps", "2", "--world-size", "2",
-           "--batch", "8", "--seq", "64", "--corpus-bytes", "1000000", "--budget-mib", "0.01"]
-    env = dict(os.environ, COLUMNS="200")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    proc = demos["nothing"]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     both = proc.stdout + proc.stderr
     assert "Traceback" not in both and "ChildFailedError" not in both, both[-3000:]

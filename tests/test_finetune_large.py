@@ -1,10 +1,14 @@
 """example/finetune_large.py at a tiny size: --make-checkpoint writes a bf16 HF checkpoint in
 several files from a meta-built model; fine-tuning from it (built on meta, planned with
 optimal_search, load_pretrained) gives falling losses, every weight trained or (--lora) only
-PEFT adapters over a frozen base that the plan streams from disk."""
+PEFT adapters over a frozen base that the plan streams from disk.
+
+The two checkpoint builds run at once, then the two fine-tuning runs (tests/at_once.py); each test
+checks its own run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -14,6 +18,8 @@ import sys
 
 import pytest
 
+from tests.at_once import run_at_once
+
 pytestmark = pytest.mark.dist  # every test runs the example in its own process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,13 +27,15 @@ SCRIPT = os.path.join(ROOT, "example", "finetune_large.py")
 STEP = re.compile(r"^step (\d+): loss (\S+)")
 
 
-def _run(*args: str, code: str | None = None) -> str:
+def _env() -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
-    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, SCRIPT, *args]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+    return env
+
+
+def _stdout(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
 
 
 def _losses(out: str) -> list[float]:
@@ -35,35 +43,60 @@ def _losses(out: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("finetune_large") / "ckpt")
+def built(tmp_path_factory) -> dict:
+    """The checkpoint the runs below fine-tune, and the same one built with --stage-on-disk:
+    both builds at once (tests/at_once.py)."""
+    tmp = tmp_path_factory.mktemp("finetune_large")
+    (tmp / "off").mkdir()
     # big enough that the frozen bf16 base (14 MB) is well above the search's resolution (0.4% of the
     # budget), so the least memory that fits (--host-memory min) puts it on disk
-    print(_run("--make-checkpoint", path, "--hidden", "384", "--layers", "4", "--shard-size", "2MB"))
-    return path
+    make = ["--hidden", "384", "--layers", "4", "--shard-size", "2MB"]
+    done = run_at_once({
+        "ram": [sys.executable, SCRIPT, "--make-checkpoint", str(tmp / "ckpt"), *make],
+        "staged": [sys.executable, SCRIPT, "--make-checkpoint", str(tmp / "staged"), *make, "--stage-on-disk",
+                   "--offload-dir", str(tmp / "off")],
+    }, timeout=300, env=_env())
+    return {"ckpt": str(tmp / "ckpt"), "made": done["ram"], "staged": str(tmp / "staged"), "staged_run": done["staged"],
+            "staged_off": tmp / "off"}
 
 
-def test_make_checkpoint_then_finetune(ckpt, tmp_path):
+@pytest.fixture(scope="module")
+def ckpt(built) -> str:
+    print(_stdout(built["made"]))
+    return built["ckpt"]
+
+
+@pytest.fixture(scope="module")
+def trained(ckpt, tmp_path_factory) -> dict:
+    """The fine-tuning runs of the checkpoint, started at once: per run, its folder and process."""
+    tmp = {name: tmp_path_factory.mktemp(name) for name in ("finetune", "lora")}
+    cmds = {"finetune": [sys.executable, SCRIPT, ckpt, "--steps", "6", "--seq", "64", "--lr", "3e-3", "--offload-dir",
+                         str(tmp["finetune"] / "off")]}
+    if importlib.util.find_spec("peft") is not None:
+        cmds["lora"] = [sys.executable, "-c", _LORA, os.path.join(ROOT, "example"), ckpt, str(tmp["lora"])]
+    done = run_at_once(cmds, timeout=300, env=_env())
+    return {name: (tmp[name], p) for name, p in done.items()}
+
+
+def test_make_checkpoint_then_finetune(ckpt, trained):
     with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
         files = set(json.load(f)["weight_map"].values())
     assert len(files) >= 3
     with open(os.path.join(ckpt, "config.json")) as f:
         assert json.load(f)["dtype"] == "bfloat16"
-    out = _run(ckpt, "--steps", "6", "--seq", "64", "--lr", "3e-3", "--offload-dir", str(tmp_path / "off"))
+    out = _stdout(trained["finetune"][1])
     losses = _losses(out)
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0], losses
 
 
-def test_make_checkpoint_staged_on_disk_equals_the_one_built_in_ram(ckpt, tmp_path):
+def test_make_checkpoint_staged_on_disk_equals_the_one_built_in_ram(ckpt, built):
     """--stage-on-disk (what a model whose bf16 shards exceed the RAM gets) writes the same
     tensors as the build in RAM, and leaves no offload file behind."""
     from safetensors.torch import load_file
 
-    path, off = str(tmp_path / "ckpt"), tmp_path / "off"
-    off.mkdir()
-    out = _run("--make-checkpoint", path, "--hidden", "384", "--layers", "4", "--shard-size", "2MB",
-               "--stage-on-disk", "--offload-dir", str(off))
+    path, off = built["staged"], built["staged_off"]
+    out = _stdout(built["staged_run"])
     assert "staged on disk" in out, out
     assert not any(off.iterdir()), list(off.iterdir())
 
@@ -124,13 +157,14 @@ print(json.dumps({
 """
 
 
-def test_lora_frozen_base_streams_from_disk(ckpt, tmp_path):
+def test_lora_frozen_base_streams_from_disk(trained):
     """--lora with --host-memory min: the plan puts the frozen base on disk; losses fall and
     equal, bit for bit, those of the same run with the base in RAM; the frozen weights are the
     checkpoint's, unchanged by training; each step reads the frozen shards from disk and writes
     none of them back; the adapters are saved alone."""
     pytest.importorskip("peft")
-    out = _run(os.path.join(ROOT, "example"), ckpt, str(tmp_path), code=_LORA)
+    tmp_path, proc = trained["lora"]
+    out = _stdout(proc)
     got = json.loads(out.strip().splitlines()[-1])
     assert got["disk_frozen"] == ["disk"] and got["ram_frozen"] != ["disk"], got
     assert got["frozen_resident"] == 0, got

@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from tests.at_once import run_at_once
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -28,13 +30,26 @@ def _script(*args, env=None, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.dist  # starts processes
-@pytest.mark.parametrize("mode", [[], ["bench"]])
-def test_script_stops_at_the_first_cuda_step_without_a_gpu(tmp_path, mode):
+MODES = {"main": [], "bench": ["bench"]}
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory) -> dict:
+    """Both modes of the script on this GPU-less machine, run at once (each is a few interpreter
+    starts in a row): per mode, its output folder and the finished process."""
     env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
     env.pop("ELIXIR_GPU_CHECK_ALLOW_CPU", None)
-    out = tmp_path / "out"
-    r = _script(str(out), *mode, env=env)
+    outs = {mode: tmp_path_factory.mktemp(f"gpu_check_{mode}") / "out" for mode in MODES}
+    script = os.path.join(ROOT, "scripts", "gpu_check.sh")
+    done = run_at_once({mode: ["bash", script, str(outs[mode]), *args] for mode, args in MODES.items()}, timeout=120,
+                       env=env)
+    return {mode: (outs[mode], done[mode]) for mode in MODES}
+
+
+@pytest.mark.dist  # starts processes
+@pytest.mark.parametrize("mode", list(MODES))
+def test_script_stops_at_the_first_cuda_step_without_a_gpu(stopped, mode):
+    out, r = stopped[mode]
     assert r.returncode == 3, r.stdout + r.stderr
     assert "NO GPU" in r.stdout and "did not run" in r.stdout
     env_txt = (out / "env.txt").read_text()

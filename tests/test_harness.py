@@ -1,12 +1,15 @@
 """The multi-rank harness: results come back, failures carry the rank's traceback, hangs are caught."""
 
+import os
 import time
 
 import pytest
 import torch
 
 from elixir import distributed as edist
+from elixir import launch
 from elixir.testing import DistributedFailure, DistributedHang, run_distributed
+from tests.launch_jobs import Job, result, run_jobs
 
 pytestmark = pytest.mark.dist
 
@@ -49,6 +52,12 @@ def test_failing_rank_fails_with_its_traceback():
     assert "rank 1" in msg and "boom from rank one" in msg and "_fail_on_rank_one" in msg
 
 
+# long enough for both ranks to start and reach the function, so rank 0's stack shows where it
+# hangs (forked from the preloaded server, tests/conftest.py: well under a second; spawned, importing
+# torch and elixir: 3-8 s here); every second of it is waited out
+HANG_TIMEOUT_S = 15 if launch.START_METHOD == "spawn" else 6
+
+
 def _hang_on_rank_zero():
     if edist.get_rank() == 0:
         time.sleep(3600)
@@ -58,8 +67,8 @@ def _hang_on_rank_zero():
 def test_hanging_rank_is_caught():
     start = time.monotonic()
     with pytest.raises(DistributedHang) as err:
-        run_distributed(_hang_on_rank_zero, 2, timeout=30)
-    assert time.monotonic() - start < 60
+        run_distributed(_hang_on_rank_zero, 2, timeout=HANG_TIMEOUT_S)
+    assert time.monotonic() - start < HANG_TIMEOUT_S + 30
     msg = str(err.value)
     # rank 1 finished its function and waits for rank 0 at shutdown, so both may be listed
     assert "hang" in msg and "ranks [0" in msg and "--- rank 0 ---" in msg
@@ -111,3 +120,40 @@ def _leave_exit_work(outdir):
 def test_clean_rank_runs_exit_handlers_and_joins_threads(tmp_path):
     assert run_distributed(_leave_exit_work, 2, str(tmp_path), timeout=60) == [0, 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit_0", "atexit_1", "thread_0", "thread_1"]
+
+
+def _environment_and_output():
+    print(f"rank {edist.get_rank()} prints to the launcher's stdout", flush=True)
+    return os.environ.get("ELIXIR_HARNESS_PROBE")
+
+
+def test_ranks_see_the_launchers_environment_and_write_to_its_output(monkeypatch, capfd):
+    # set after the first launch of this session (a fork server started then has its own copies)
+    run_distributed(_environment_and_output, 1, timeout=60)
+    monkeypatch.setenv("ELIXIR_HARNESS_PROBE", "set by the test")
+    capfd.readouterr()
+    assert run_distributed(_environment_and_output, 2, timeout=60) == ["set by the test"] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 prints to the launcher's stdout" in out and "rank 1 prints" in out, out
+
+
+def _double(x):
+    return 2 * x
+
+
+def _raise_on_rank_one():
+    if edist.get_rank() == 1:
+        raise ValueError("job failed on rank one")
+    return "fine"
+
+
+def test_batched_jobs_fail_only_the_tests_that_own_them():
+    """tests/launch_jobs.py: several tests' jobs in one launch; a job that raises fails its own
+    test with its traceback, the jobs after it say they did not run, those before it pass."""
+    res = run_jobs(2, {"first": Job(_double, (3,)), "bad": Job(_raise_on_rank_one), "after": Job(_double, (1,))},
+                   timeout=60)
+    assert result(res, "first") == [6, 6]
+    with pytest.raises(AssertionError, match=r"(?s)job 'bad'.*rank 1 raised.*job failed on rank one"):
+        result(res, "bad")
+    with pytest.raises(AssertionError, match=r"rank 1: not run \(an earlier job in the same launch failed: \['bad'\]\)"):
+        result(res, "after")

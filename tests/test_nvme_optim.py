@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from elixir.offload import OffloadDirError
 from elixir.optim import CPUAdam, HybridAdam
+from tests.at_once import run_at_once
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -176,24 +177,23 @@ def test_inside_elixir_optimizer_bitwise_and_checkpoints(tmp_path):
 
 @pytest.mark.dist
 def test_example_and_bench_smoke(tmp_path):
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root}
+    example = [sys.executable, "example/gpt_nvme_offload.py", "--small", "--steps", "2", "--dir", str(tmp_path)]
+    bench = [sys.executable, "bench/nvme_optimizer.py", "--numel", "200000", "--steps", "1", "--dd-mib", "8", "--bucket",
+             "50000", "--dir", str(tmp_path)]
+    # the three runs at once, each with files of its own in the one folder
+    done = run_at_once({"0.0": [*example, "--fraction", "0.0"], "1.0": [*example, "--fraction", "1.0"], "bench": bench},
+                       timeout=120, cwd=root, env=env)
     outs = []
     for f in ("0.0", "1.0"):
-        r = subprocess.run(
-            [sys.executable, "example/gpt_nvme_offload.py", "--small", "--steps", "2", "--fraction", f, "--dir", str(tmp_path)],
-            cwd=root, env=env, capture_output=True, text=True, timeout=120,
-        )
+        r = done[f]
         assert r.returncode == 0, r.stderr[-2000:]
         outs.append([line for line in r.stdout.splitlines() if line.startswith("step ")])
     assert len(outs[0]) == 2 and outs[0] == outs[1]  # same losses with the moments on disk
-    r = subprocess.run(
-        [sys.executable, "bench/nvme_optimizer.py", "--numel", "200000", "--steps", "1", "--dd-mib", "8", "--bucket", "50000", "--dir", str(tmp_path)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=120,
-    )
+    r = done["bench"]
     assert r.returncode == 0, r.stderr[-2000:]
     assert "efficiency vs dd" in r.stdout and "RSS saved" in r.stdout
     assert os.listdir(tmp_path) == []  # every file was private to its run

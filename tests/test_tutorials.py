@@ -1,31 +1,43 @@
 """ColossalAI's NVMe-offload (Gemini) and Booster tutorials run on elixir with only their imports
 changed (tests/tutorials/ holds the programs; the CPU box maps their CUDA device to the CPU, see
-tests/tutorials/run.py). World 2, tiny models."""
+tests/tutorials/run.py). World 2, tiny models; the two torchrun jobs run at once (``ran``)."""
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
+from tests.at_once import run_at_once
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(name: str, cwd) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(ROOT, "tests", "tutorials", "run.py"), name]
+TUTORIALS = ("nvme_offload_gemini", "booster_api")
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory) -> dict:
+    """Per tutorial: its folder and its finished torchrun job (both jobs started at once)."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in TUTORIALS}
+    cmds = {name: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                   os.path.join(ROOT, "tests", "tutorials", "run.py"), name] for name in TUTORIALS}
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+    done = run_at_once(cmds, timeout=400, cwds=dirs, env=env)
+    return {name: (dirs[name], done[name]) for name in TUTORIALS}
+
+
+def _run(ran, name: str) -> tuple:
+    cwd, r = ran[name]
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-5000:])
-    return r
+    return cwd, r
 
 
 @pytest.mark.dist
-def test_nvme_offload_tutorial_runs_verbatim(tmp_path):
-    r = _run("nvme_offload_gemini", tmp_path)
+def test_nvme_offload_tutorial_runs_verbatim(ran):
+    _, r = _run(ran, "nvme_offload_gemini")
     losses = [float(x) for x in re.findall(r"loss: (-?\d+\.\d{3}|nan|inf)", r.stdout)]
     # two ranks x (train_cpu(0.0), train_cpu(1.0), train_gemini_cpu(0.0), train_gemini_cpu(1.0)) x 3 steps
     assert len(losses) == 2 * 4 * 3 and all(x == x and x < 20 for x in losses), r.stdout
@@ -37,11 +49,11 @@ def test_nvme_offload_tutorial_runs_verbatim(tmp_path):
 
 
 @pytest.mark.dist
-def test_booster_tutorial_runs_verbatim(tmp_path):
+def test_booster_tutorial_runs_verbatim(ran):
     import torch
     from safetensors.torch import load_file
 
-    r = _run("booster_api", tmp_path)
+    tmp_path, r = _run(ran, "booster_api")
     assert r.stdout.count("tutorial done") == 2
     saved = load_file(str(tmp_path / "model" / "model.safetensors")) if (tmp_path / "model" / "model.safetensors").exists() else {}
     if not saved:  # size_per_shard=10 MiB: a tiny model is one file, a larger one shards

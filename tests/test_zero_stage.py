@@ -8,7 +8,10 @@ replicated chunks in one plan, at world sizes 2 and 4.
   existing kinds (sharded, replicated) are;
 - ``no_sync`` accumulation issues no collective and equals the full accumulated batch;
 - a checkpoint of a mixed plan resumes exactly (bitwise equal losses and parameters).
-Clipping on ZeRO-1/2 and mixed plans is in ``tests/test_clipping.py`` (``kinds=``)."""
+Clipping on ZeRO-1/2 and mixed plans is in ``tests/test_clipping.py`` (``kinds=``).
+
+Every multi-rank job of one world size runs in one launch of the ranks (the ``launched`` fixture,
+``tests/launch_jobs.py``); each test asserts on its own job's results."""
 
 from __future__ import annotations
 
@@ -22,11 +25,11 @@ from elixir import checkpoint
 from elixir import distributed as edist
 from elixir.plan import MeshLayout
 from elixir.search import ChunkPlan, Placement, SearchResult, Sharding, minimum_waste_search
-from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch, train_wrapped
 from elixir.testing.zoo import ZOO, build_model
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 from tests.chunk_kinds import uniform, with_kinds
+from tests.launch_jobs import Job, Launches, result
 from tests.matrix_cases import BATCH, CASES, STEPS, Case, build, compare, opt_fn
 
 
@@ -86,9 +89,9 @@ def _matrix_worker(cases):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
-def test_zero_stage_matrix_matches_reference(world):
+def test_zero_stage_matrix_matches_reference(world, launched):
     cases = matrix_for(world)
-    res = run_distributed(_matrix_worker, world, cases, timeout=400)
+    res = result(launched[world], "matrix")
     errors = []
     for kc, got in zip(cases, res[0]):
         errors += [f"{kc.kinds}: {e}" for e in compare(kc.case, got, world)]
@@ -135,8 +138,8 @@ def _ddp_worker(model_name: str) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world,model", [(2, "gpt2"), (4, "tied")])
-def test_zero_stage_as_close_to_ddp_as_existing_kinds(world, model):
-    res = run_distributed(_ddp_worker, world, model, timeout=300)
+def test_zero_stage_as_close_to_ddp_as_existing_kinds(world, model, launched):
+    res = result(launched[world], f"ddp-{model}")
     d = res[0]
     existing = max(d["sharded"], d["replicated"])
     # the same bound for every rank's copy: ZeRO-1/2 and the mixed plan reduce in the same orders
@@ -187,9 +190,9 @@ def _nosync_reference(world: int) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
-def test_zero_stage_no_sync_accumulates(world):
+def test_zero_stage_no_sync_accumulates(world, launched):
     for kinds in ("zero2", "mixed"):
-        res = run_distributed(_nosync_worker, world, kinds, timeout=300)
+        res = result(launched[world], f"nosync-{kinds}")
         got = res[0]
         # zero2: nothing is gathered for use, so nothing at all is issued while accumulating;
         # mixed: the sharded chunks are gathered once on entering no_sync, before the count
@@ -240,8 +243,8 @@ def _ckpt_worker(path: str) -> dict:
 
 
 @pytest.mark.dist
-def test_mixed_plan_checkpoint_resumes_exactly(tmp_path):
-    res = run_distributed(_ckpt_worker, 2, os.fspath(tmp_path / "ckpt"), timeout=300)
+def test_mixed_plan_checkpoint_resumes_exactly(launched):
+    res = result(launched[2], "checkpoint")
     for r in res:
         assert r["kinds"] == ["replicated", "sharded", "zero1", "zero2"], r["kinds"]
         assert r["resumed"] == r["cont"], r
@@ -312,11 +315,11 @@ def _priced_worker(dtype_name: str) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
-def test_zero_chunk_pricing_matches_the_ledger_and_the_collectives(dtype_name):
+def test_zero_chunk_pricing_matches_the_ledger_and_the_collectives(dtype_name, launched):
     from elixir.hardware.registry import load_profile
     from elixir.search.cost_model import Setting, zero_chunk_bytes
 
-    got = run_distributed(_priced_worker, 2, dtype_name, timeout=300)[0]
+    got = result(launched[2], f"priced-{dtype_name}")[0]
     plan = SearchResult.from_json(got["plan"])
     e = 4 if dtype_name == "fp32" else 2
     st = Setting(layout=MeshLayout.data_parallel(2), elem=e, reduce_elem=e, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="float32", grad_elem=4)
@@ -432,8 +435,27 @@ def test_search_left_to_choose_its_step_is_never_slower_mixed_than_pure():
 
 
 @pytest.mark.dist
-def test_fused_backward_step_publishes_zero_chunks_during_backward():
+def test_fused_backward_step_publishes_zero_chunks_during_backward(launched):
     # with the fused backward-and-step each ZeRO chunk is stepped and all-gathered as soon as its
     # gradient is final (during backward): bitwise the separate step's parameters
     for kinds in ("zero2", "mixed"):
-        assert run_distributed(_fused_worker, 2, kinds, timeout=300) == [0.0, 0.0], kinds
+        assert result(launched[2], f"fused-{kinds}") == [0.0, 0.0], kinds
+
+
+# ---- one launch per world size runs every test's job above (tests/launch_jobs.py) ------------
+
+
+def _jobs(world: int, tmp: str) -> dict[str, Job]:
+    jobs = {"matrix": Job(_matrix_worker, (matrix_for(world),))}
+    jobs[f"ddp-{'gpt2' if world == 2 else 'tied'}"] = Job(_ddp_worker, ("gpt2" if world == 2 else "tied",))
+    jobs.update({f"nosync-{k}": Job(_nosync_worker, (k,)) for k in ("zero2", "mixed")})
+    if world == 2:
+        jobs["checkpoint"] = Job(_ckpt_worker, (os.path.join(tmp, "ckpt"),))
+        jobs.update({f"priced-{d}": Job(_priced_worker, (d,)) for d in ("fp32", "bf16")})
+        jobs.update({f"fused-{k}": Job(_fused_worker, (k,)) for k in ("zero2", "mixed")})
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Launches:
+    return Launches(lambda world: _jobs(world, os.fspath(tmp_path_factory.mktemp(f"w{world}"))), timeout=900)
