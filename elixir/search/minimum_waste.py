@@ -287,71 +287,24 @@ def minimum_waste_search(
             over its cache at every micro-step).
     """
     t0 = time.perf_counter()
-    if isinstance(group_size, int) and group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    mesh = MeshLayout.of(group_size)
-    if mesh.pp > 1 or mesh.dp_replicate > 1:
-        raise NotImplementedError(
-            f"minimum_waste_search plans dp_shard and tp axes; this mesh is {mesh.describe()}. Plan each pipeline "
-            "stage's module on its own sub-mesh: minimum_waste_search(stage, MeshLayout(dp_shard=..., tp=...))")
+    mesh = _plannable_mesh(group_size, inp, step_fn)
     group_size = mesh.dp_shard
-    if (inp is None) != (step_fn is None):
-        raise ValueError("give both inp and step_fn (to trace the order), or neither")
-    if mesh.tp > 1 and inp is not None:
-        raise NotImplementedError("minimum_waste_search cannot trace a tensor-parallel model yet: call it without inp/step_fn")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    frozen_named = [(n, p) for n, p in model.named_parameters()
-                    if not p.requires_grad and frozen_chunks and p.dtype in CHUNKABLE_DTYPES]
-    in_chunks = {n for n, _ in frozen_named}
-    frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad and n not in in_chunks)
+    named, frozen_named, frozen = _split_params(model, frozen_chunks)
     names = {id(p): n for n, p in named + frozen_named}
     tied = shared_params(model)
     order: Optional[list[tuple[str, ...]]] = None
     kinds: list[str] = []
     if inp is not None:
         order, kinds = _traced_order(model, inp, step_fn)
-        first_use: dict[str, int] = {}
-        for i, s in enumerate(order):
-            for n in s:
-                first_use.setdefault(n, i)
-        pos = {n: i for i, (n, _) in enumerate(named + frozen_named)}
-        named.sort(key=lambda np_: (first_use.get(np_[0], len(order)), pos[np_[0]]))
-        frozen_named.sort(key=lambda np_: (first_use.get(np_[0], len(order)), pos[np_[0]]))
+        _sort_by_first_use(order, named, frozen_named)
     shapes = {n: _local_shape(p) for n, p in named + frozen_named}  # a DTensor's local shard (tensor parallel)
-    sharded_names = [n for n, _ in named if n not in tied]
-    numels = [_numel(shapes[n]) for n in sharded_names]
     align = ALIGN * group_size
-    if max_chunk_size is not None and max_chunk_size < 1:
-        raise ValueError(f"max_chunk_size must be >= 1 element, got {max_chunk_size}")
-    size, oversize, _ = search_chunk_size(numels, align, max_chunk_size) if numels else (0, 0, 0)
     place = Placement.HOST if cpu_offload else Placement.DEVICE
     dt = dtype_name(unified_dtype)
-    chunks: list[ChunkPlan] = []
-    for idx, capacity in pack(numels, size, align, oversize) if numels else []:
-        ns = tuple(sharded_names[i] for i in idx)
-        chunks.append(ChunkPlan(ns, tuple(shapes[n] for n in ns), capacity, dt, True, place, place))
-    for n, _ in named:
-        if n in tied:
-            chunks.append(ChunkPlan((n,), (shapes[n],), _numel(shapes[n]), dt, False, Placement.DEVICE, place))
+    chunks, numels = _trainable_chunks(named, tied, shapes, align, dt, place, max_chunk_size)
     fchunks = _frozen_chunks(frozen_named, shapes, align, dt, place)
-
-    chunk_of = {n: ci for ci, c in enumerate(chunks + fchunks) if c.sharded for n in c.params}
     mods = _module_steps(model, names)
-    blocks = cache_blocks_needed(chunk_of, [d for d, _ in mods], [a for _, a in mods])
-    if order is not None:
-        blocks = max(blocks, cache_blocks_needed(chunk_of, order, kinds=kinds))
-    elif uses_checkpointing(model):
-        blocks *= 2  # recomputation runs while the backward step's chunks stay pinned
-    if accumulation:
-        blocks = max(blocks, no_sync_blocks(chunks, fchunks, mods, order, kinds))
-    if chunk_of:
-        blocks = max(1, blocks)
-    depth = 0
-    if prefetch and chunk_of:
-        depth = 1
-        blocks += 1
-    sharded_count = sum(c.sharded for c in chunks + fchunks)
-    blocks = min(blocks, sharded_count)
+    blocks, depth = _cache_blocks(model, chunks, fchunks, mods, order, kinds, accumulation, prefetch)
     elapsed = time.perf_counter() - t0
     result = SearchResult(
         chunks=tuple(chunks),
@@ -373,6 +326,86 @@ def minimum_waste_search(
     if verbose:
         print_plan(result, unified_dtype)
     return result
+
+
+def _plannable_mesh(group_size: Union[int, MeshLayout], inp, step_fn: Optional[Callable]) -> MeshLayout:
+    """The run's mesh, refused (with the way out) where this search cannot plan it."""
+    if isinstance(group_size, int) and group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    mesh = MeshLayout.of(group_size)
+    if mesh.pp > 1 or mesh.dp_replicate > 1:
+        raise NotImplementedError(
+            f"minimum_waste_search plans dp_shard and tp axes; this mesh is {mesh.describe()}. Plan each pipeline "
+            "stage's module on its own sub-mesh: minimum_waste_search(stage, MeshLayout(dp_shard=..., tp=...))")
+    if (inp is None) != (step_fn is None):
+        raise ValueError("give both inp and step_fn (to trace the order), or neither")
+    if mesh.tp > 1 and inp is not None:
+        raise NotImplementedError("minimum_waste_search cannot trace a tensor-parallel model yet: call it without inp/step_fn")
+    return mesh
+
+
+def _split_params(model: nn.Module, frozen_chunks: bool) -> tuple[list, list, tuple[str, ...]]:
+    """(trainable (name, param)s, frozen ones packed in chunks, names of frozen ones left whole)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    frozen_named = [(n, p) for n, p in model.named_parameters()
+                    if not p.requires_grad and frozen_chunks and p.dtype in CHUNKABLE_DTYPES]
+    in_chunks = {n for n, _ in frozen_named}
+    frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad and n not in in_chunks)
+    return named, frozen_named, frozen
+
+
+def _sort_by_first_use(order: Sequence[Sequence[str]], named: list, frozen_named: list) -> None:
+    """Sort ``named`` and ``frozen_named`` in place by the traced step that first uses each
+    parameter (unused ones last), ties in declaration order."""
+    first_use: dict[str, int] = {}
+    for i, s in enumerate(order):
+        for n in s:
+            first_use.setdefault(n, i)
+    pos = {n: i for i, (n, _) in enumerate(named + frozen_named)}
+    named.sort(key=lambda np_: (first_use.get(np_[0], len(order)), pos[np_[0]]))
+    frozen_named.sort(key=lambda np_: (first_use.get(np_[0], len(order)), pos[np_[0]]))
+
+
+def _trainable_chunks(named: list, tied: set[str], shapes: dict, align: int, dt: str, place: Placement,
+                      max_chunk_size: Optional[int]) -> tuple[list[ChunkPlan], list[int]]:
+    """The trainable parameters packed at the least-padding chunk size (sharded), then each tied
+    parameter in a replicated chunk of its own; and the sizes of the sharded parameters."""
+    sharded_names = [n for n, _ in named if n not in tied]
+    numels = [_numel(shapes[n]) for n in sharded_names]
+    if max_chunk_size is not None and max_chunk_size < 1:
+        raise ValueError(f"max_chunk_size must be >= 1 element, got {max_chunk_size}")
+    size, oversize, _ = search_chunk_size(numels, align, max_chunk_size) if numels else (0, 0, 0)
+    chunks: list[ChunkPlan] = []
+    for idx, capacity in pack(numels, size, align, oversize) if numels else []:
+        ns = tuple(sharded_names[i] for i in idx)
+        chunks.append(ChunkPlan(ns, tuple(shapes[n] for n in ns), capacity, dt, True, place, place))
+    for n, _ in named:
+        if n in tied:
+            chunks.append(ChunkPlan((n,), (shapes[n],), _numel(shapes[n]), dt, False, Placement.DEVICE, place))
+    return chunks, numels
+
+
+def _cache_blocks(model: nn.Module, chunks: list, fchunks: list, mods: list, order, kinds: list[str],
+                  accumulation: bool, prefetch: bool) -> tuple[int, int]:
+    """(rCache blocks, prefetch depth) for these chunks: what the module steps (or the traced
+    order) pin at once, doubled under activation checkpointing, under ``no_sync`` every trainable
+    chunk, plus one look-ahead block with ``prefetch``; never more than the sharded chunks."""
+    chunk_of = {n: ci for ci, c in enumerate(chunks + fchunks) if c.sharded for n in c.params}
+    blocks = cache_blocks_needed(chunk_of, [d for d, _ in mods], [a for _, a in mods])
+    if order is not None:
+        blocks = max(blocks, cache_blocks_needed(chunk_of, order, kinds=kinds))
+    elif uses_checkpointing(model):
+        blocks *= 2  # recomputation runs while the backward step's chunks stay pinned
+    if accumulation:
+        blocks = max(blocks, no_sync_blocks(chunks, fchunks, mods, order, kinds))
+    if chunk_of:
+        blocks = max(1, blocks)
+    depth = 0
+    if prefetch and chunk_of:
+        depth = 1
+        blocks += 1
+    sharded_count = sum(c.sharded for c in chunks + fchunks)
+    return min(blocks, sharded_count), depth
 
 
 def no_sync_blocks(chunks: list, fchunks: list, mods: list, order, kinds) -> int:

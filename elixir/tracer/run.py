@@ -80,6 +80,64 @@ def _first_answer(func: Any, args: tuple, kwargs: dict, known: KnownValues) -> A
     return known.answer(func, args, kwargs) if out is NotImplemented else out
 
 
+def _record_static(tr: StepTrace, work: nn.Module, params: list[nn.Parameter], batch: dict) -> None:
+    """Book the parameters, buffers and inputs, resident before the step starts, in ``tr``."""
+    seen: set = set()
+    tr.param_occ = _unique_storage_bytes(params, seen)
+    tr.buffer_occ = _unique_storage_bytes(work.buffers(), seen)
+    tr.input_occ = _unique_storage_bytes(batch.values(), seen)
+    for t in (*params, *work.buffers(), *batch.values()):
+        tr.acc.add_static(t)
+    tr.trainable_param_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
+
+class _StepRecorder:
+    """The step hooks' callbacks, appending to ``tr`` as the step of ``work`` runs: module steps,
+    gradients, checkpointed regions, and parameters used outside their owners' forward."""
+
+    def __init__(self, tr: StepTrace, work: nn.Module) -> None:
+        self.tr, self.acc = tr, tr.acc
+        self.owned = {mname: names for mname, _, names in param_owning_modules(work)}
+        # parameters used by an op in forward/recompute while no owner of theirs is inside forward
+        self.param_of_storage = {id(p.untyped_storage()): n for n, p in work.named_parameters()}
+        self.active: Counter = Counter()
+        self.open_region: list = []
+
+    def on_step(self, kind: StepKind, mname: str, _m: nn.Module) -> None:
+        self.tr.steps.append(TracedStep(kind, mname, self.owned[mname], self.acc.op_count))
+
+    def on_forward(self, kind: StepKind, mname: str, m: nn.Module) -> None:
+        self.on_step(kind, mname, m)
+        self.active.update(self.owned[mname])
+
+    def on_forward_end(self, _kind: StepKind, mname: str, _m: nn.Module) -> None:
+        self.active.subtract(self.owned[mname])
+
+    def observe(self, args: tuple, kwargs: dict) -> None:
+        if current_phase() is StepKind.BACKWARD:
+            return
+        for t in (*tensors_in(args), *tensors_in(kwargs)):
+            name = self.param_of_storage.get(id(t.untyped_storage()))
+            if name is not None and self.active[name] <= 0 and name not in self.tr.external_params:
+                self.tr.external_params[name] = self.acc.op_count
+
+    def on_grad(self, p: torch.Tensor) -> None:
+        self.tr.grad_events += 1
+        if p.grad is not None:
+            self.acc.mark_grad(p.grad)
+
+    def enter(self) -> None:
+        """A checkpointed region starts; recorded in the forward phase only."""
+        if current_phase() == StepKind.FORWARD:
+            self.open_region.append((self.acc.op_count, len(self.tr.steps)))
+
+    def leave(self) -> None:
+        if self.open_region and current_phase() == StepKind.FORWARD:
+            op0, st0 = self.open_region.pop()
+            self.tr.checkpoint_ops.append((op0, self.acc.op_count))
+            self.tr.checkpoint_steps.append((st0, len(self.tr.steps)))
+
+
 def trace_step(model: nn.Module, inp: dict, step_fn: StepFn, dtype: torch.dtype = torch.float,
                target: Target = "meta", op_cache: bool = True) -> StepTrace:
     """Run ``step_fn`` once on a copy of ``model`` and ``inp`` (meta twins, or real CPU copies for
@@ -107,65 +165,18 @@ def trace_step(model: nn.Module, inp: dict, step_fn: StepFn, dtype: torch.dtype 
 
     acc = StorageAccountant(MetaOpCache() if target == "meta" and op_cache else None)
     tr = StepTrace(target=target, dtype=dtype, acc=acc)
-    seen: set = set()
     params = list(work.parameters())
-    tr.param_occ = _unique_storage_bytes(params, seen)
-    tr.buffer_occ = _unique_storage_bytes(work.buffers(), seen)
-    tr.input_occ = _unique_storage_bytes(batch.values(), seen)
-    for t in (*params, *work.buffers(), *batch.values()):
-        acc.add_static(t)
-    tr.trainable_param_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-
-    owned = {mname: names for mname, _, names in param_owning_modules(work)}
-
-    def on_step(kind: StepKind, mname: str, _m: nn.Module) -> None:
-        tr.steps.append(TracedStep(kind, mname, owned[mname], acc.op_count))
-
-    # parameters used by an op in forward/recompute while no owner of theirs is inside forward
-    param_of_storage = {id(p.untyped_storage()): n for n, p in work.named_parameters()}
-    active: Counter = Counter()
-
-    def on_forward(kind: StepKind, mname: str, m: nn.Module) -> None:
-        on_step(kind, mname, m)
-        active.update(owned[mname])
-
-    def on_forward_end(_kind: StepKind, mname: str, _m: nn.Module) -> None:
-        active.subtract(owned[mname])
-
-    def observe(args: tuple, kwargs: dict) -> None:
-        if current_phase() is StepKind.BACKWARD:
-            return
-        for t in (*tensors_in(args), *tensors_in(kwargs)):
-            name = param_of_storage.get(id(t.untyped_storage()))
-            if name is not None and active[name] <= 0 and name not in tr.external_params:
-                tr.external_params[name] = acc.op_count
-
-    def on_grad(p: torch.Tensor) -> None:
-        tr.grad_events += 1
-        if p.grad is not None:
-            acc.mark_grad(p.grad)
-
-    open_region: list = []
-
-    def enter() -> None:
-        if current_phase() == StepKind.FORWARD:
-            open_region.append((acc.op_count, len(tr.steps)))
-
-    def leave() -> None:
-        if open_region and current_phase() == StepKind.FORWARD:
-            op0, st0 = open_region.pop()
-            tr.checkpoint_ops.append((op0, acc.op_count))
-            tr.checkpoint_steps.append((st0, len(tr.steps)))
-
-    acc.observer = observe
+    _record_static(tr, work, params, batch)
+    rec = _StepRecorder(tr, work)
+    acc.observer = rec.observe
     if known is not None:
         acc.fallback = lambda f, a, k: _first_answer(f, a, k, known)
-    hooks = install_step_hooks(work, on_forward=on_forward, on_backward=on_step, on_forward_end=on_forward_end)
-    grad_handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
+    hooks = install_step_hooks(work, on_forward=rec.on_forward, on_backward=rec.on_step, on_forward_end=rec.on_forward_end)
+    grad_handles = [p.register_post_accumulate_grad_hook(rec.on_grad) for p in params if p.requires_grad]
     route = sdpa_as_cpu() if target == "meta" else contextlib.nullcontext()
     shims = hf_meta_shims(known.value) if known is not None else contextlib.nullcontext()
     try:
-        with watch_checkpoints(enter, leave), shims, route, acc, known or contextlib.nullcontext():
+        with watch_checkpoints(rec.enter, rec.leave), shims, route, acc, known or contextlib.nullcontext():
             ret = step_fn(work, batch)
             del ret  # the loss and anything else the step returns die with the step
     finally:

@@ -1,11 +1,11 @@
 """ElixirOptimizer: runs any elementwise torch optimizer on this rank's fp32 master shards.
 
 The optimizer is built by the user on the original parameters. Wrapping rebuilds its param groups
-in place on *fragments*: for every parameter, the slice of its chunk's fp32 master that falls in
-this rank's shard (the whole parameter for replicated chunks). Hyper-parameters, group structure
-and the optimizer object itself are kept, so LR schedulers built before or after keep working.
-A fragment's ``.grad`` is the matching slice of the chunk's reduced shard gradient, or None when the
-parameter got no gradient on any rank (so the optimizer skips it, as torch does).
+in place on *fragments* (:mod:`elixir.wrapper.fragments`: this rank's slices of the fp32 masters), so
+LR schedulers built before or after keep working. ``ElixirOptimizer`` is a facade: it keeps the step's
+phases (learning-rate checks, loss scale, clipping, skip on overflow), the torn-step bookkeeping and
+the state dicts, and delegates the fragments to :class:`~elixir.wrapper.fragments.ShardFragments` and
+the update itself to :class:`~elixir.wrapper.shard_step.ShardStepper`.
 """
 
 from __future__ import annotations
@@ -14,34 +14,23 @@ import contextlib
 import enum
 import os
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from elixir import device as dev
 from elixir import distributed as edist
-from elixir.offload.pipeline import run_pipelined, staged
+from elixir.offload.pipeline import staged
 from elixir.offload.state_binding import FragmentState, bind_state
 from elixir.optim.loss_scaler import DynamicLossScaler, LossScalePolicy
 from elixir.optim.nvme import materialized
 from elixir.wrapper import optim_state
 from elixir.wrapper.backward_step import BackwardStep, fallback_reason
 from elixir.wrapper.clipping import clip_coefficient, global_grad_norm
-from elixir.wrapper.disk_faults import StepFaultPoints
-from elixir.wrapper.fused_step import fused_step, lowp_target, uses_fused_path
+from elixir.wrapper.fragments import Fragment, ShardFragments
 from elixir.wrapper.loss_scaling import scale_outputs
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.policies import loss_scale_policy as loss_scale_policy_of
-
-
-class UpdateKernel(enum.Enum):
-    """What updates a chunk's master and refreshes its compute shard; chosen once, from the inner
-    optimizer and the module's shard-gradient dtype."""
-
-    FUSED = "fused"  # elixir's native Adam: unscale, clip, step and write a low-precision shard in one pass
-    PER_CHUNK = "per_chunk"  # the inner optimizer chunk by chunk, on fp32 copies of low-precision gradients
-    INNER = "inner"  # the inner optimizer's own step, over every resident fragment at once
+from elixir.wrapper.shard_step import ShardStepper, UpdateKernel, choose_kernel
 
 
 class StepTiming(enum.Enum):
@@ -49,17 +38,6 @@ class StepTiming(enum.Enum):
 
     DURING_BACKWARD = "during_backward"  # each chunk as soon as its gradient is final (wrapper/backward_step.py)
     AFTER_BACKWARD = "after_backward"  # every chunk in step(), after backward
-
-
-@dataclass(frozen=True)
-class Fragment:
-    """The part of one parameter held by this rank: ``master[lo:hi]`` of chunk ``chunk``."""
-
-    param_index: int
-    chunk: int
-    lo: int  # offset in this rank's shard
-    hi: int
-    tensor: torch.Tensor  # the optimizer's param (a view of the master shard)
 
 
 def check_learning_rates(optimizer: torch.optim.Optimizer, at_construction: bool = False) -> None:
@@ -163,18 +141,15 @@ class ElixirOptimizer:
         self.retired = False
         self.module = module
         self.optim = optimizer
-        self.fragments: list[Fragment] = []
-        self._frags_of: dict[int, list[Fragment]] = {}
-        self._chunk_frags: dict[int, list[Fragment]] = {}
-        self._cut_fragments()
+        self.shards = ShardFragments(module, optimizer)
+        self.fragments: list[Fragment] = self.shards.fragments
         self.disk_store = store
         self.disk_chunks: list[int] = sorted(store.chunks) if store is not None else []
         self.layout = optim_state.capture_layout(module, optimizer)
-        self._rebuild_groups()
-        self._sync_grads: list[Callable] = []
-        self._lowp_grads: dict[int, torch.Tensor] = {}  # id(fragment tensor) -> its bf16/fp16 gradient
+        self.shards.rebuild_groups()
         self._init_precision(scale_policy, max_norm, norm_type)
         module.register_memory_reporter(self._memory_report)
+        self.stepper = ShardStepper(self, self.shards, self.kernel, self.disk_chunks)
         self.torn_step: Optional[int] = None  # a step a disk fault left partly applied
         self.backward_step: Optional[BackwardStep] = None
         self.fused_step_fallback: Optional[str] = None
@@ -194,50 +169,13 @@ class ElixirOptimizer:
 
     # ---- structure ---------------------------------------------------------------------------
 
-    def _cut_fragments(self) -> None:
-        m = self.module
-        for c in m.chunks:
-            store = m.disk_store
-            with store.sliceable(c.index) if store is not None and c.index in store.chunks else contextlib.nullcontext():
-                for piece in m.param_map.shard_pieces(c.spec):
-                    i = piece.param_index
-                    f = Fragment(i, c.index, piece.lo, piece.hi, c.master[piece.lo : piece.hi])
-                    self.fragments.append(f)
-                    self._frags_of.setdefault(i, []).append(f)
-                    self._chunk_frags.setdefault(c.index, []).append(f)
-
     def chunk_fragments(self, index: int) -> list[Fragment]:
         """This rank's fragments of chunk ``index`` (plan order)."""
-        return self._chunk_frags.get(index, [])
+        return self.shards.chunk_fragments(index)
 
     def fragment_states(self, index: int) -> list[FragmentState]:
-        """The inner optimizer's state dict (None before its first step) and range of each of
-        this rank's fragments of chunk ``index``: what disk offload binds to its flats."""
-        return [(self.optim.state.get(f.tensor), f.lo, f.hi) for f in self.chunk_fragments(index)]
-
-    def _rebuild_groups(self) -> None:
-        m = self.module
-        seen: set[int] = set()
-        for group in self.optim.param_groups:
-            new_params = []
-            for p in group["params"]:
-                slot = m.param_map.slot_of(p)
-                if slot is None:
-                    if p.requires_grad:
-                        raise ValueError(
-                            "the optimizer holds a trainable parameter that the ElixirModule does not "
-                            "manage; build the optimizer on the wrapped model's parameters"
-                        )
-                    new_params.append(p)  # frozen: left as it is (it never gets a gradient)
-                    continue
-                if slot.index in seen:
-                    raise ValueError(f"parameter {slot.name!r} appears in more than one param group")
-                seen.add(slot.index)
-                new_params.extend(f.tensor for f in self._frags_of.get(slot.index, []))
-            group["params"] = new_params
-        self.optim.state.clear()
-        if getattr(self.optim, "nvme", None) is not None:
-            self.optim.nvme.reset_layout()  # laid out again on the fragments at the first step
+        """(state, lo, hi) of this rank's fragments of chunk ``index`` (:meth:`ShardFragments.fragment_states`)."""
+        return self.shards.fragment_states(index)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -254,28 +192,9 @@ class ElixirOptimizer:
 
     # ---- stepping ----------------------------------------------------------------------------
 
-    def _attach_grads(self, chunk: Optional[int] = None) -> None:
-        """Give every fragment (of chunk ``chunk`` only, when given) its slice of the reduced
-        shard gradient: as ``.grad`` when it is fp32, else kept aside (torch refuses a
-        low-precision ``.grad`` on an fp32 tensor) for :meth:`grad_of`."""
-        m = self.module
-        for f in self.fragments if chunk is None else self.chunk_fragments(chunk):
-            c = m.chunks[f.chunk]
-            g = c.shard_grad[f.lo : f.hi] if c.grad_valid and m.has_grad[f.param_index] else None
-            if g is not None and g.dtype != f.tensor.dtype:
-                self._lowp_grads[id(f.tensor)] = g
-                g = None
-            f.tensor.grad = g
-
     def grad_of(self, f: Fragment) -> Optional[torch.Tensor]:
         """The gradient attached to fragment ``f`` for this step (any dtype), or None."""
-        g = f.tensor.grad
-        return g if g is not None else self._lowp_grads.get(id(f.tensor))
-
-    def _detach_grads(self, frags: Optional[list] = None) -> None:
-        for f in self.fragments if frags is None else frags:
-            f.tensor.grad = None
-            self._lowp_grads.pop(id(f.tensor), None)
+        return self.shards.grad_of(f)
 
     def step(self, closure: Optional[Callable] = None):
         """One optimizer step on the shards, then refresh what the next gather reads.
@@ -297,7 +216,7 @@ class ElixirOptimizer:
             if not any(c.grad_valid for c in self.module.chunks):
                 self.last_step_skipped = False
                 return None  # every chunk stepped during backward
-        self._attach_grads()
+        self.shards.attach_grads()
         self.module.run_pre_step_hooks()
         try:
             if self.max_norm > 0:
@@ -312,11 +231,11 @@ class ElixirOptimizer:
             self.last_step_skipped = skip
             if skip:
                 return None
-            fresh = self._apply_update()
+            fresh = self.stepper.apply(self._pending_factor())
         finally:
             self._grad_factor = None
             self._found_inf = None
-            self._detach_grads()
+            self.shards.detach_grads()
         # the chunks whose compute shard the kernel wrote need no master -> shard copy
         self.module.after_optimizer_step(fresh=fresh)
         return None
@@ -360,7 +279,7 @@ class ElixirOptimizer:
         self.module.zero_grad(set_to_none)
         self._grad_factor = None
         self._found_inf = None
-        self._detach_grads()
+        self.shards.detach_grads()
 
     # ---- precision, clipping, state (issue 5) --------------------------------------------------
 
@@ -372,12 +291,7 @@ class ElixirOptimizer:
     def _init_precision(self, policy: LossScalePolicy, max_norm: float, norm_type: float) -> None:
         self.max_norm = float(max_norm)
         self.norm_type = float(norm_type)
-        if uses_fused_path(self.optim):
-            self.kernel = UpdateKernel.FUSED
-        elif self.module.grad_dtype != torch.float32:  # torch optimizers take no bf16/fp16 grads for fp32 params
-            self.kernel = UpdateKernel.PER_CHUNK
-        else:
-            self.kernel = UpdateKernel.INNER
+        self.kernel = choose_kernel(self.optim, self.module.grad_dtype)
         for c in self.module.chunks:  # the fused kernel reads bf16/fp16 gradients as they are
             c.narrow_grads_ok = self.kernel is UpdateKernel.FUSED
         self.scaler: Optional[DynamicLossScaler] = None
@@ -429,144 +343,17 @@ class ElixirOptimizer:
         self._grad_factor = (factor * clip_coefficient(float(total32), float(max_norm))).to(torch.float32)
         return total32
 
-    def _apply_update(self) -> set[int]:
-        """Step the inner optimizer with the pending factor applied; return the fresh chunks."""
-        factor = self._pending_factor()
-        disk = set(self.disk_chunks)
-        if self.kernel is UpdateKernel.FUSED:
-            div = 1.0 / float(factor)
-            fresh = fused_step(self, div, skip=disk)
-            if disk:
-                self._step_disk(lambda i: fused_step(self, div, only=i), UpdateKernel.FUSED)
-            return fresh | disk
-        if self.kernel is UpdateKernel.PER_CHUNK:
-            self.plain_step(factor)  # scaled in the fp32 copies, not in place in low precision
-            return set()
-        if float(factor) != 1.0:
-            for c in self.module.chunks:
-                if c.grad_valid and c.shard_grad is not None:
-                    c.shard_grad.mul_(factor.to(c.shard_grad.device))
-        self.plain_step()
-        return set()
-
     def plain_step(self, factor: Optional[torch.Tensor] = None) -> None:
-        """``optimizer.step()`` over every fragment with a gradient: one call for the resident
-        chunks, then one per disk chunk while it is staged. With low-precision shard gradients
-        (which torch optimizers do not take for fp32 params), one call per chunk on an fp32 copy
-        of that chunk's gradients, times ``factor``."""
-        if self.module.grad_dtype != torch.float32:
-            disk = set(self.disk_chunks)
-            for c in self.module.chunks:
-                if c.index not in disk:
-                    self._plain_chunk(c.index, factor)
-            self._step_disk(lambda i: self._plain_chunk(i, factor), UpdateKernel.PER_CHUNK)
-            return
-        if not self.disk_chunks:
-            self.optim.step()
-            return
-        on_disk = {id(f.tensor) for i in self.disk_chunks for f in self.chunk_fragments(i)}
-        with self._only(lambda p: id(p) not in on_disk):
-            self.optim.step()
-
-        def one(i: int) -> None:
-            mine = {id(f.tensor) for f in self.chunk_fragments(i)}
-            with self._only(lambda p: id(p) in mine):
-                self.optim.step()
-
-        self._step_disk(one, UpdateKernel.INNER)
-
-    def _plain_chunk(self, i: int, factor: Optional[torch.Tensor] = None) -> None:
-        """Step chunk ``i``'s fragments that have a gradient with the inner optimizer, on fp32
-        copies of their gradients (times ``factor``)."""
-        frags = [f for f in self.chunk_fragments(i) if self.grad_of(f) is not None]
-        if not frags:
-            return
-        for f in frags:
-            g = self.grad_of(f)
-            if g.dtype != f.tensor.dtype:
-                g = g.to(f.tensor.dtype)
-                if factor is not None and float(factor) != 1.0:
-                    g.mul_(factor.to(g.device))
-            f.tensor.grad = g
-        mine = {id(f.tensor) for f in frags}
-        try:
-            with self._only(lambda p: id(p) in mine):
-                self.optim.step()
-        finally:
-            self._detach_grads(frags)
+        """``optimizer.step()`` over every fragment with a gradient (:meth:`ShardStepper.plain_step`)."""
+        self.stepper.plain_step(factor)
 
     def step_chunk(self, i: int) -> None:
-        """Step chunk ``i`` alone with its reduced gradient (no scale, no clip) and refresh its
-        compute shard: the fused backward-and-step's unit (the chunk is staged if on disk)."""
-        c = self.module.chunks[i]
-        frags = self.chunk_fragments(i)
-        self._attach_grads(i)
-        try:
-            with c.shard_access(write=True):  # a disk shard: read in, rewritten, written back
-                if self.kernel is UpdateKernel.FUSED:
-                    fused_step(self, 1.0, only=i)
-                    written = lowp_target(c)
-                else:
-                    self._plain_chunk(i)
-                    written = False
-                if not written and c.shard is not c.master:
-                    if c.spec.master_on_disk:  # the staged master goes when this block ends
-                        with torch.no_grad():
-                            c.shard.copy_(c.master)
-                    else:  # on the copy stream, non-blocking: step() waits for it (host and device)
-                        c.refresh_from_master()
-        finally:
-            self._detach_grads(frags)
-        # ZeRO-1/2: the other ranks' updated slices, left running while backward goes on (its
-        # end waits for them)
-        self.module.publish_updates([i], wait=False)
-
-    @contextlib.contextmanager
-    def _only(self, keep: Callable[[torch.Tensor], bool]) -> Iterator[None]:
-        """Restrict every param group to the params ``keep`` accepts for the block."""
-        saved = [g["params"] for g in self.optim.param_groups]
-        try:
-            for g in self.optim.param_groups:
-                g["params"] = [p for p in g["params"] if keep(p)]
-            yield
-        finally:
-            for g, params in zip(self.optim.param_groups, saved):
-                g["params"] = params
+        """Step chunk ``i`` alone, unscaled and unclipped (:meth:`ShardStepper.step_chunk`)."""
+        self.stepper.step_chunk(i)
 
     def for_each_disk_chunk(self, work: Callable[[int], None], chunks: Optional[list[int]] = None) -> None:
-        """Run ``work(i)`` on each disk chunk while it is staged (read-ahead pipeline), then bind
-        any new optimizer state to the disk and write the chunk back."""
-        def staged_work(i: int) -> None:
-            work(i)
-            bind_state(self.disk_store, i, self.fragment_states(i))
-
-        run_pipelined(self.disk_store, self.disk_chunks if chunks is None else chunks, staged_work)
-
-    def _step_disk(self, step_chunk: Callable[[int], None], kernel: UpdateKernel) -> None:
-        """Step the disk chunks that hold a gradient with ``step_chunk`` (an update by ``kernel``),
-        refreshing each compute shard while staged."""
-        kernel_writes_lowp = kernel is UpdateKernel.FUSED
-        todo = [i for i in self.disk_chunks if any(self.grad_of(f) is not None for f in self.chunk_fragments(i))]
-        # what backward freed (activations, gradient buffers) stays in malloc's heap under
-        # device.keep_host_memory; staging buffers rarely fit its holes, so hand it back first
-        # rather than hold both at once
-        dev.release_free_host_memory()
-
-        def work(i: int) -> None:
-            c = self.module.chunks[i]
-            with c.shard_access(write=True):  # a disk shard: read in, rewritten, written back
-                step_chunk(i)
-                if not (kernel_writes_lowp and lowp_target(c)):  # else the kernel wrote the shard already
-                    with torch.no_grad():
-                        c.shard.copy_(c.master)
-
-        points = StepFaultPoints(self.module.group, self.module.iteration, "optimizer step", todo)
-        with self.marking_torn_step():
-            try:
-                self.for_each_disk_chunk(points.guard(work), todo)
-            except OSError as e:  # a disk fault: the store kept every value (in memory or on disk)
-                points.failed(e)
-            points.point(None)
+        """Run ``work(i)`` on each disk chunk while staged (:meth:`ShardStepper.for_each_disk_chunk`)."""
+        self.stepper.for_each_disk_chunk(work, chunks)
 
     @contextlib.contextmanager
     def marking_torn_step(self) -> Iterator[None]:
