@@ -19,7 +19,13 @@ import torch
 import torch.nn as nn
 
 from elixir import distributed as edist
-from elixir.parallel import ElixirPipeline, NoPipelineSplit, PipelineOptimizer, causal_lm_loss, pipeline_mesh, split_decoder
+from elixir.parallel import (
+    ElixirPipeline,
+    NoPipelineSplit,
+    PipelineOptimizer,
+    pipeline_mesh,
+    split_decoder,
+)
 from elixir.parallel.pipeline import schedule_class
 from elixir.parallel.stages import layer_ranges, tied_names
 from elixir.plan import MeshLayout, Sharding
@@ -136,10 +142,12 @@ def _pipeline(name: str, layout: MeshLayout, schedule: str, variant: str) -> dic
     pipe = ElixirPipeline(_build(name), mesh, MICRO, schedule=schedule, plan_fn=_plan_fn(variant))
     opt = PipelineOptimizer(pipe, lambda ps: torch.optim.SGD(ps, lr=LR), max_norm=MAX_NORM)
     kinds = sorted({(c.spec.sharding.value, c.spec.master_on_host) for em in pipe.modules for c in em.chunks})
-    losses = []
+    losses, reductions = [], []
     for batch in _batches(name):
         ids = shard_batch(batch, dp_rank, dp)["input_ids"]
-        loss = pipe.step(ids, ids)
+        with edist.count_collectives() as counted:
+            loss = pipe.step(ids, ids)
+        reductions.append(counted["reduce_scatter"])
         opt.step()
         opt.zero_grad()
         if loss is not None:
@@ -153,7 +161,8 @@ def _pipeline(name: str, layout: MeshLayout, schedule: str, variant: str) -> dic
                 w = qkv_from_tp_order(w, layout.tp)
             weights[k] = w
     edist.barrier()
-    return {"losses": losses, "weights": weights, "kinds": kinds, "last": pipe.is_last_stage, "norm": opt.last_norm,
+    return {"losses": losses, "weights": weights, "kinds": kinds, "last": pipe.is_last_stage, "reductions": reductions,
+            "sharded_chunks": sum(c.spec.sharded for em in pipe.modules for c in em.chunks),
             "stages": [em.module.index for em in pipe.modules]}
 
 
@@ -176,6 +185,7 @@ def _worker(cases):
         init = _build(name).state_dict()
         out[key] = {"ref": ref_losses, "losses": res["losses"], "ddp_err": ddp_err, "errs": errs,
                     "kinds": res["kinds"], "last": res["last"], "stages": res["stages"],
+                    "reductions": res["reductions"], "sharded_chunks": res["sharded_chunks"],
                     "moved": max((res["weights"][k] - init[k]).abs().max().item() for k in res["weights"])}
     return out
 
@@ -189,6 +199,8 @@ def _check(results, cases):
             assert res["errs"], what
             worst = max(res["errs"], key=res["errs"].get)
             assert res["errs"][worst] <= 2 * res["ddp_err"], (what, worst, res["errs"][worst], res["ddp_err"])
+            if variant == "zero3" and layout_sizes.get("dp_shard", 1) > 1:  # one reduction per chunk and step
+                assert res["sharded_chunks"] > 0 and res["reductions"] == [res["sharded_chunks"]] * STEPS, (what, res)
             if res["last"]:
                 assert res["losses"] == pytest.approx(res["ref"], rel=1e-5), (what, res["losses"], res["ref"])
             else:
