@@ -114,6 +114,18 @@ class Booster:
         """Clip the global gradient norm; return it. Collective."""
         return self._plugin().clip_grad_by_norm(model, optimizer, max_norm, norm_type)
 
+    def execute_pipeline(self, data_iter: Any, model: nn.Module, criterion: Callable, optimizer: Any = None,
+                         return_loss: bool = True, return_outputs: bool = False) -> dict:
+        """Forward and backward of one batch from ``data_iter`` through a pipeline
+        (:class:`~elixir.booster.HybridParallelPlugin` with ``pp_size > 1``); returns
+        ``{"loss": ..., "outputs": ...}``, set on the last stage. Then step the optimizer."""
+        plugin = self._plugin()
+        run = getattr(plugin, "execute_pipeline", None)
+        if run is None:
+            raise TypeError(f"{type(plugin).__name__} runs no pipeline: use HybridParallelPlugin(pp_size=...), or train "
+                            "with loss = criterion(model(...)), booster.backward(loss, optimizer)")
+        return run(data_iter, model, criterion, optimizer, return_loss=return_loss, return_outputs=return_outputs)
+
     # ---- checkpoints ------------------------------------------------------------------------------
 
     def save_model(

@@ -110,8 +110,12 @@ class ElixirPipeline:
         model: a Hugging Face causal LM (:func:`~elixir.parallel.stages.split_decoder` names the
             families), the same on every rank.
         mesh: from :func:`pipeline_mesh`.
-        num_microbatches: microbatches per step (the batch must divide by it; at least ``pp`` for
-            the interleaved schedule).
+        num_microbatches: microbatches per step (the batch must divide by it; a multiple of ``pp``
+            for the interleaved schedule); or instead
+        microbatch_size: the rows of one microbatch (each batch is cut into as many as it holds).
+        layers_per_stage: decoder layers of each stage (default: as even as can be).
+        tp_plan: the tensor-parallel plan where the mesh has a tp axis (default: elixir's plan for
+            the model, :func:`~elixir.parallel.tensor.plan_for`).
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
         stages_per_rank: stages each rank holds (``"interleaved_1f1b"`` needs 2 or more; the
             others 1).
@@ -122,10 +126,11 @@ class ElixirPipeline:
         **module_kwargs: passed to every stage's :class:`ElixirModule` (``dtype=``, ``prefetch=``, ...).
     """
 
-    def __init__(self, model: nn.Module, mesh: Any, num_microbatches: int, schedule: str = "1f1b",
+    def __init__(self, model: nn.Module, mesh: Any, num_microbatches: Optional[int] = None, schedule: str = "1f1b",
                  stages_per_rank: Optional[int] = None, plan_fn: Optional[Callable[[nn.Module, MeshLayout], Any]] = None,
                  loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
-                 **module_kwargs: Any) -> None:
+                 microbatch_size: Optional[int] = None, layers_per_stage: Optional[list[int]] = None,
+                 tp_plan: Optional[dict] = None, **module_kwargs: Any) -> None:
         self.schedule_cls = schedule_class(schedule)
         interleaved = issubclass(self.schedule_cls, ScheduleInterleaved1F1B)
         v = stages_per_rank if stages_per_rank is not None else (2 if interleaved else 1)
@@ -142,14 +147,17 @@ class ElixirPipeline:
         self.pp, self.pp_rank = self.layout.pp, mesh.get_local_rank("pp")
         self.pp_group = mesh["pp"].get_group()
         self.num_stages = self.pp * v
-        if num_microbatches < 1 or (interleaved and num_microbatches % self.pp):
-            raise ValueError(f"num_microbatches={num_microbatches}: at least 1, and a multiple of pp ({self.pp}) for "
-                             "the interleaved schedule")
+        self.interleaved = interleaved
+        if num_microbatches is not None:
+            self._check_microbatches(num_microbatches)
+        elif microbatch_size is None or microbatch_size < 1:
+            raise ValueError("ElixirPipeline needs num_microbatches, or microbatch_size (a positive int)")
         self.num_microbatches = num_microbatches
+        self.microbatch_size = microbatch_size
         self.config = model.config
         if self.layout.tp > 1:
-            tensor_parallel(model, mesh)  # torch's parallelize_module over mesh["tp"], ties re-tied
-        self.tied = tied_names(model, self.num_stages)
+            tensor_parallel(model, mesh, plan=tp_plan)  # torch's parallelize_module over mesh["tp"], ties re-tied
+        self.tied = tied_names(model, self.num_stages, layers_per_stage)
         params = dict(model.named_parameters(remove_duplicate=False))
         self.tied_numels = [_local(params[first]).numel() for first, _ in self.tied]
         # a tie sharded over tp (vocab-parallel): its norm is summed over tp (clipping)
@@ -160,13 +168,19 @@ class ElixirPipeline:
         inner = MeshLayout(dp_shard=self.layout.dp_shard, tp=self.layout.tp)
         plan_fn = plan_fn or _default_plan
         self.modules: list[ElixirModule] = []
-        for stage in split_decoder(model, self.num_stages, self.stage_ids):
+        for stage in split_decoder(model, self.num_stages, self.stage_ids, layers_per_stage):
             em = ElixirModule(stage, plan_fn(stage, inner), mesh=sub, **module_kwargs)
             self.modules.append(em)
         self.loss_fn = loss_fn or causal_lm_loss
         self.steps = 0
+        self._n = num_microbatches or 1
+        self.outputs: Any = None
         self._built: Optional[tuple] = None  # (microbatch input shape, schedule)
         self._losses: list[torch.Tensor] = []
+
+    def _check_microbatches(self, n: int) -> None:
+        if n < 1 or (self.interleaved and n % self.pp):
+            raise ValueError(f"{n} microbatches: at least 1, and a multiple of pp ({self.pp}) for the interleaved schedule")
 
     # ---- where this rank sits -------------------------------------------------------------------
 
@@ -194,14 +208,14 @@ class ElixirPipeline:
 
     # ---- the step ---------------------------------------------------------------------------------
 
-    def _schedule(self, input_shape: tuple) -> Any:
-        if self._built is not None and self._built[0] == input_shape:
+    def _schedule(self, input_shape: tuple, n: int) -> Any:
+        if self._built is not None and self._built[0] == (input_shape, n):
             return self._built[1]
         mb, seq = input_shape
         stages = [self._stage(em, mb, seq) for em in self.modules]
-        sched = self.schedule_cls(stages if len(stages) > 1 else stages[0], self.num_microbatches,
-                                  loss_fn=self._microbatch_loss, scale_grads=False)
-        self._built = (input_shape, sched)
+        sched = self.schedule_cls(stages if len(stages) > 1 else stages[0], n, loss_fn=self._microbatch_loss,
+                                  scale_grads=False)
+        self._built = ((input_shape, n), sched)
         return sched
 
     def _stage(self, em: ElixirModule, mb: int, seq: int) -> ElixirPipelineStage:
@@ -217,20 +231,25 @@ class ElixirPipeline:
     def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(output, target)
         self._losses.append(loss.detach())
-        return loss / self.num_microbatches  # the accumulated gradient is the full batch's mean
+        return loss / self._n  # the accumulated gradient is the full batch's mean
 
-    def step(self, input_ids: Optional[torch.Tensor], target: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def step(self, input_ids: Optional[torch.Tensor], target: Optional[torch.Tensor] = None,
+             return_outputs: bool = False) -> Optional[torch.Tensor]:
         """Forward and backward of one batch (this dp rank's share) through the pipeline. The first
         stage's ranks pass ``input_ids``, the last stage's ``target``; others may pass either or
-        None. Returns the batch's mean loss on the last stage's ranks, None elsewhere. Collective
+        None. Returns the batch's mean loss on the last stage's ranks, None elsewhere (with
+        ``return_outputs``, the last stage's whole-batch output is ``self.outputs``). Collective
         over the whole mesh. Then step the :class:`~elixir.parallel.pipeline_optim.PipelineOptimizer`."""
         ref = input_ids if input_ids is not None else target
         if ref is None or ref.dim() != 2:
             raise ValueError("ElixirPipeline.step needs [batch, seq] input_ids (first stage) or target (last stage)")
         batch, seq = ref.shape
-        if batch % self.num_microbatches:
-            raise ValueError(f"a batch of {batch} does not split into {self.num_microbatches} microbatches")
-        sched = self._schedule((batch // self.num_microbatches, seq))
+        n = self.num_microbatches or max(1, batch // self.microbatch_size)
+        self._check_microbatches(n)
+        if batch % n:
+            raise ValueError(f"a batch of {batch} does not split into {n} microbatches")
+        sched = self._schedule((batch // n, seq), n)
+        self._n = n
         self.steps += 1
         self._losses = []
         for em in self.modules:
@@ -242,7 +261,7 @@ class ElixirPipeline:
             kwargs["target"] = target.to(self.modules[-1].device)
         try:
             with edist.engine_collectives():  # torch's p2p sends: see elixir.distributed
-                sched.step(*args, **kwargs)
+                self.outputs = sched.step(*args, return_outputs=return_outputs, **kwargs)
         finally:
             for em in self.modules:
                 em.pipeline_microbatch = None

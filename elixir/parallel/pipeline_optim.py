@@ -76,8 +76,10 @@ class PipelineOptimizer:
     Args:
         pipe: the :class:`~elixir.parallel.pipeline.ElixirPipeline`.
         make_optimizer: ``make_optimizer(params) -> torch.optim.Optimizer`` for each stage module's
-            parameters (e.g. ``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``), or an optimizer whose
-            class and defaults are used that way (its ``param_groups`` beyond the defaults are not).
+            parameters (e.g. ``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``), an optimizer whose
+            class and defaults are used that way (its ``param_groups`` beyond the defaults are not),
+            or a list of ready optimizers, one per stage module of this rank, each on that
+            module's parameters.
         max_norm, norm_type: clip the global norm over the whole mesh (0: no clipping).
         **optimizer_kwargs: passed to each :class:`ElixirOptimizer` (loss-scale policy, ...).
     """
@@ -86,11 +88,17 @@ class PipelineOptimizer:
                  **optimizer_kwargs: Any) -> None:
         if optimizer_kwargs.get("fused_step"):
             raise ValueError("a pipeline steps after the tied gradients are summed over the stages: fused_step=False")
-        make = _maker(make_optimizer)
+        if isinstance(make_optimizer, (list, tuple)):  # one ready optimizer per stage module
+            if len(make_optimizer) != len(pipe.modules):
+                raise ValueError(f"{len(make_optimizer)} optimizers for {len(pipe.modules)} stage modules on this rank")
+            inner = list(make_optimizer)
+        else:
+            make = _maker(make_optimizer)
+            inner = [make(list(em.parameters())) for em in pipe.modules]
         self.pipe = pipe
         self.max_norm, self.norm_type = float(max_norm), float(norm_type)
-        self.optimizers = [ElixirOptimizer(em, make(list(em.parameters())), fused_step=False, **optimizer_kwargs)
-                           for em in pipe.modules]
+        self.optimizers = [ElixirOptimizer(em, opt, fused_step=False, **optimizer_kwargs)
+                           for em, opt in zip(pipe.modules, inner)]
         for opt, em in zip(self.optimizers, pipe.modules):
             if not em.module.is_last:
                 opt.stop_scaling_outputs()

@@ -62,8 +62,15 @@ def family_of(model: nn.Module) -> Family:
     )
 
 
-def layer_ranges(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous layer ranges, as even as can be (earlier stages take the remainder)."""
+def layer_ranges(num_layers: int, num_stages: int, sizes: Optional[list[int]] = None) -> list[range]:
+    """Contiguous layer ranges, ``sizes`` long each, or as even as can be (earlier stages take the
+    remainder)."""
+    if sizes is not None:
+        if len(sizes) != num_stages or sum(sizes) != num_layers or min(sizes) < 1:
+            raise NoPipelineSplit(f"layers per stage {list(sizes)}: {num_stages} positive counts summing to the model's "
+                                  f"{num_layers} layers")
+        starts = [sum(sizes[:i]) for i in range(num_stages)]
+        return [range(a, a + n) for a, n in zip(starts, sizes)]
     if num_layers < num_stages:
         raise NoPipelineSplit(f"{num_layers} decoder layers cannot fill {num_stages} pipeline stages (one layer each at least)")
     base, extra = divmod(num_layers, num_stages)
@@ -124,23 +131,25 @@ def _causal_mask(config: Any, h: torch.Tensor, pos: torch.Tensor) -> Optional[to
     return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
 
 
-def split_decoder(model: nn.Module, num_stages: int, stage_ids: Optional[list[int]] = None) -> list[DecoderStage]:
+def split_decoder(model: nn.Module, num_stages: int, stage_ids: Optional[list[int]] = None,
+                  layers_per_stage: Optional[list[int]] = None) -> list[DecoderStage]:
     """The stage modules ``stage_ids`` (default: all) of ``model`` cut into ``num_stages`` stages by
-    layer (:func:`layer_ranges`). They share ``model``'s modules (nothing is copied)."""
+    layer (:func:`layer_ranges`, or ``layers_per_stage`` layers each). They share ``model``'s
+    modules (nothing is copied)."""
     fam = family_of(model)
     layers = getattr(getattr(model, fam.base), fam.layers)
-    ranges = layer_ranges(len(layers), num_stages)
+    ranges = layer_ranges(len(layers), num_stages, layers_per_stage)
     ids = list(range(num_stages)) if stage_ids is None else list(stage_ids)
     return [DecoderStage(model, fam, s, num_stages, ranges[s]) for s in ids]
 
 
-def tied_names(model: nn.Module, num_stages: int) -> list[tuple[str, str]]:
+def tied_names(model: nn.Module, num_stages: int, layers_per_stage: Optional[list[int]] = None) -> list[tuple[str, str]]:
     """Pairs (name on the first stage, name on the last stage) of parameters tied across them
     (GPT-2's ``transformer.wte.weight`` and ``lm_head.weight``). Only a tie between the first and
     the last stage is supported; any other cross-stage tie raises."""
     if num_stages == 1:
         return []
-    stages = split_decoder(model, num_stages)
+    stages = split_decoder(model, num_stages, layers_per_stage=layers_per_stage)
     owners: dict[int, list[tuple[int, str]]] = {}
     for s in stages:
         for name, p in s.named_parameters(remove_duplicate=False):
