@@ -7,7 +7,9 @@ batch: losses within rtol 1e-5; final weights within 2x the error of torch DDP (
 ranks, accumulating the same 4 microbatches under no_sync) in the same run. Each with ZeRO-3
 chunks, ZeRO-1 chunks and host-placed optimizer state; SGD with clipping that clips at every step
 (the norm is global over the pipeline, the tied weight counted once). GPipe and the interleaved
-1F1B (two stages per rank) on GPT-2, and TP2 x PP2, the same.
+1F1B (two stages per rank) on GPT-2, and TP2 x PP2, the same. ZeRO-3 chunks reduce once per step
+(one reduce-scatter per chunk, not one per microbatch). fp16: one loss scale over the pipeline
+and an overflow on one stage skipped by every rank.
 """
 
 from __future__ import annotations
@@ -166,8 +168,37 @@ def _pipeline(name: str, layout: MeshLayout, schedule: str, variant: str) -> dic
             "stages": [em.module.index for em in pipe.modules]}
 
 
+def _fp16_overflow() -> dict:
+    """fp16 on PP2 x DP2: one loss scale for the whole pipeline (only the last stage scales), and an
+    inf injected into stage 0's gradient makes every rank skip the step and back off together."""
+    mesh = pipeline_mesh(MeshLayout(pp=2, dp_shard=2))
+    dp_rank = mesh.get_local_rank("dp_shard")
+    pipe = ElixirPipeline(_build("gpt2"), mesh, MICRO, dtype=torch.float16, output_fp32=True)
+    opt = PipelineOptimizer(pipe, lambda ps: torch.optim.SGD(ps, lr=LR), max_norm=MAX_NORM)
+    em = pipe.modules[0]
+    before = {k: v.clone() for k, v in em.state_dict().items()}
+    out = {"skipped": [], "scale": []}
+    for step, batch in enumerate(_batches("gpt2")[:2]):
+        ids = shard_batch(batch, dp_rank, 2)["input_ids"]
+        pipe.step(ids, ids)
+        if step == 1 and em.module.is_first:
+            c = next(c for c in em.chunks if c.grad_valid)
+            c.shard_grad[0] = float("inf")
+        if step == 1:
+            kept = {k: v.clone() for k, v in em.state_dict().items()}
+        opt.step()
+        opt.zero_grad()
+        out["skipped"].append(opt.last_step_skipped)
+        out["scale"].append(opt.loss_scale)
+    after = em.state_dict()
+    out["moved_first"] = max((kept[k].float() - before[k].float()).abs().max().item() for k in before)
+    out["moved_second"] = max((after[k].float() - kept[k].float()).abs().max().item() for k in before)
+    edist.barrier()
+    return out
+
+
 def _worker(cases):
-    out = {}
+    out = {"fp16": _fp16_overflow()}
     refs = {}
     for name, layout_sizes, schedule, variant in cases:
         layout = MeshLayout(**layout_sizes)
@@ -217,6 +248,10 @@ def test_pp2_dp2_1f1b_matches_reference_llama_gpt2():
               ("gpt2", {"pp": 2, "tp": 2}, "1f1b", "zero3"), ("llama", {"pp": 2, "tp": 2}, "1f1b", "zero3")]
     results = run_distributed(_worker, 4, cases, timeout=500)
     _check(results, cases)
+    for r in results:  # fp16: the first step trains (gradients scaled once), the overflow is skipped everywhere
+        fp16 = r["fp16"]
+        assert fp16["skipped"] == [False, True] and fp16["moved_first"] > 1e-3 and fp16["moved_second"] == 0, fp16
+        assert fp16["scale"] == results[0]["fp16"]["scale"], fp16  # one scaler state on every stage
     first = results[0][("gpt2", tuple(sorted(PP2_DP2.items())), "interleaved_1f1b", "zero3")]
     assert first["stages"] == [0, 2]  # two stages per rank, looped
     kinds = results[0][("gpt2", tuple(sorted(PP2_DP2.items())), "1f1b", "zero1")]["kinds"]
