@@ -5,7 +5,9 @@ step): GeminiPlugin(tp_size=2) and HybridParallelPlugin(tp_size=2, pp_size=1, ze
 through ``model(**batch)`` / ``booster.backward``; HybridParallelPlugin(pp_size=2, zero_stage=1,
 num_microbatches=4) and (tp_size=2, pp_size=2) through ``booster.execute_pipeline`` with a
 ColossalAI ``criterion(outputs, inputs)``, ``prepare_dataloader`` sharding over dp, and the
-user's optimizer object (with its LR scheduler) doing the step. Losses within rtol 1e-5.
+user's optimizer object (with its LR scheduler) doing the step. Losses within rtol 1e-5. A TP2 x PP2
+checkpoint (``booster.save_model``, Hugging Face's layout) loads into PP2 x DP2 and, at world 1,
+into transformers' own ``from_pretrained``, and both continue with the uninterrupted losses.
 """
 
 from __future__ import annotations
@@ -92,7 +94,44 @@ def _run(plugin) -> list[float]:
     return losses
 
 
-def _worker():
+def _pipeline_steps(booster, plugin, model, opt, steps) -> list[float]:
+    out = []
+    for step in steps:
+        loader = plugin.prepare_dataloader(_Rows(step), batch_size=BATCH // plugin.dp_size)
+        loss = booster.execute_pipeline(iter(loader), model, lambda outputs, inputs: outputs.loss, opt)["loss"]
+        opt.step()
+        opt.zero_grad()
+        t = torch.zeros(()) if loss is None else loss.detach().clone()
+        edist.all_reduce(t)
+        out.append(t.item())
+    return out
+
+
+def _checkpoints(path: str) -> dict:
+    """TP2 x PP2 trains 2 steps, saves (HF layout), trains 2 more; the checkpoint loaded into a
+    PP2 x DP2 (ZeRO-3) layout continues with the same losses. The test process loads it at world 1."""
+    from elixir.booster import Booster, HybridParallelPlugin
+
+    def boosted(**kw):
+        plugin = HybridParallelPlugin(pp_size=2, microbatch_size=2, precision="fp32", max_norm=MAX_NORM, **kw)
+        booster = Booster(plugin=plugin)
+        model = _build()
+        model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=LR))
+        holders = torch.tensor([float(plugin.stage_manager.is_last_stage())])
+        edist.all_reduce(holders)
+        return booster, plugin, model, opt, holders.item()
+
+    booster, plugin, model, opt, n = boosted(tp_size=2, zero_stage=1)
+    first = [x / n for x in _pipeline_steps(booster, plugin, model, opt, range(2))]
+    booster.save_model(model, path)
+    after = [x / n for x in _pipeline_steps(booster, plugin, model, opt, range(2))]
+    booster, plugin, model, opt, n = boosted(tp_size=1, zero_stage=3)
+    booster.load_model(model, path)
+    reloaded = [x / n for x in _pipeline_steps(booster, plugin, model, opt, range(2))]
+    return {"first": first, "after": after, "reloaded": reloaded}
+
+
+def _worker(path: str):
     from elixir.booster import GeminiPlugin, HybridParallelPlugin
 
     ref = _reference()
@@ -112,15 +151,34 @@ def _worker():
         holders = torch.tensor([float(last)])
         edist.all_reduce(holders)
         out[name] = [x / holders.item() for x in losses]
+    out["ckpt"] = _checkpoints(path)
     return out
 
 
 @pytest.mark.dist
-def test_hybrid_and_gemini_tp_plugins_match_reference():
-    results = run_distributed(_worker, 4, timeout=400)
+def test_hybrid_and_gemini_tp_plugins_match_reference(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    path = str(tmp_path / "tp2_pp2")
+    results = run_distributed(_worker, 4, path, timeout=400)
     for r in results:
         for name in ("gemini_tp2", "hybrid_tp2_dp2_zero3", "hybrid_pp2_dp2_zero1", "hybrid_tp2_pp2"):
             assert r[name] == pytest.approx(r["ref"], rel=1e-5), (name, r[name], r["ref"])
+        ckpt = r["ckpt"]  # saved at (tp 2, pp 2, dp 1), loaded at (tp 1, pp 2, dp 2): the same losses
+        assert ckpt["first"] == pytest.approx(r["ref"][:2], rel=1e-5), ckpt
+        assert ckpt["reloaded"] == pytest.approx(ckpt["after"], rel=1e-5), ckpt
+    # ... and at world 1, by transformers itself, continuing with the same losses
+    model = GPT2LMHeadModel.from_pretrained(path)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for batch in _batches()[:2]:
+        loss = ZOO["gpt2"].loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses == pytest.approx(results[0]["ckpt"]["after"], rel=1e-5), (losses, results[0]["ckpt"])
 
 
 # ---- in-process: arguments ----------------------------------------------------------------------

@@ -22,7 +22,14 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from elixir import distributed as edist
 from elixir.booster.compat import ALWAYS, Compat, check_compat
-from elixir.booster.mesh_wrap import bind_optimizer, copy_optimizer, device_mesh, parameter_names
+from elixir.booster.mesh_wrap import (
+    bind_optimizer,
+    copy_optimizer,
+    device_mesh,
+    local_slice,
+    parameter_names,
+    whole_state,
+)
 from elixir.booster.plugin import Plugin, nothing
 from elixir.booster.runtime_plugin import PRECISIONS, pop_loss_scale
 from elixir.parallel import ElixirPipeline, PipelineOptimizer, causal_lm_loss, tensor_parallel
@@ -90,10 +97,11 @@ class PipelineModel(nn.Module):
     :class:`~elixir.parallel.ElixirPipeline` that runs them (``self.pipeline``). Train it with
     ``booster.execute_pipeline``."""
 
-    def __init__(self, pipeline: ElixirPipeline) -> None:
+    def __init__(self, pipeline: ElixirPipeline, model: nn.Module) -> None:
         super().__init__()
         self.stages = nn.ModuleList(pipeline.modules)
         self.pipeline = pipeline
+        self.__dict__["unwrapped"] = model  # the Hugging Face model (names, config): not a submodule
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a pipeline-parallel model runs a whole batch at once: call booster.execute_pipeline(data_iter, "
@@ -205,7 +213,7 @@ class HybridParallelPlugin(Plugin):
             inner = [optimizer] + [copy_optimizer(optimizer) for _ in pipe.modules[1:]]
             inner = [bind_optimizer(opt, names, em) for opt, em in zip(inner, pipe.modules)]
             optimizer = PipelineOptimizer(pipe, inner, max_norm=self.max_norm, loss_scale_policy=self.loss_scale)
-        return PipelineModel(pipe), optimizer
+        return PipelineModel(pipe, model), optimizer
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -251,20 +259,34 @@ class HybridParallelPlugin(Plugin):
     # ---- checkpoints ------------------------------------------------------------------------------
 
     def full_state_dict(self, model) -> dict:
-        if isinstance(model, PipelineModel):
-            raise NotImplementedError("save_model of a pipeline-parallel model is not built yet (issue 31 step 5): save "
-                                      "each stage's model.stages[i].state_dict() yourself")
-        if model.tensor_parallel is not None:
-            raise NotImplementedError("save_model of a tensor-parallel model is not built yet (issue 31 step 5)")
-        return model.state_dict(rank0_only=True)
+        """The whole model's state dict on rank 0 (``{}`` elsewhere), in the Hugging Face layout:
+        each stage's chunks gathered over dp, tensor-parallel shards over tp (GPT-2's fused
+        ``c_attn`` back in its own column order), the stages' pieces sent to rank 0. Collective."""
+        local: dict[str, torch.Tensor] = {}
+        for em in _modules(model):
+            local.update(whole_state(em, self.tp_size))
+        first = self.mesh.get_local_rank("dp_shard") == 0 and self.mesh.get_local_rank("tp") == 0
+        pieces = edist.all_gather_object(local if first else {})
+        if edist.get_rank() != 0:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for piece in pieces:
+            out.update(piece)
+        return out
 
     def load_full_state_dict(self, model, state, strict) -> None:
-        if isinstance(model, PipelineModel) or model.tensor_parallel is not None:
-            raise NotImplementedError("load_model into a tensor- or pipeline-parallel model is not built yet (issue 31 step 5)")
-        model.load_state_dict(state, strict=strict)
+        """Load a whole model's state dict (on every rank) into this layout: each stage takes its
+        names, each tp rank its slice."""
+        for em in _modules(model):
+            keys = list(em.module.state_dict(keep_vars=True))  # names only: keep_vars reads no payload
+            missing = [k for k in keys if k not in state]
+            if missing and strict:
+                raise KeyError(f"load_model: the checkpoint lacks {missing[:5]} of stage {getattr(em.module, 'index', 0)}")
+            em.load_state_dict({k: local_slice(em, k, state[k], self.tp_size) for k in keys if k in state}, strict=strict)
 
     def save_optimizer(self, optimizer, path) -> None:
-        raise NotImplementedError("save_optimizer with HybridParallelPlugin is not built yet (issue 31 step 5)")
+        raise NotImplementedError("save_optimizer with HybridParallelPlugin is not built yet (issue 31 step 5); "
+                                  "save_model works across layouts")
 
     def load_optimizer(self, optimizer, path) -> None:
         raise NotImplementedError("load_optimizer with HybridParallelPlugin is not built yet (issue 31 step 5)")
@@ -278,6 +300,10 @@ class HybridParallelPlugin(Plugin):
         sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.mesh.get_local_rank("dp_shard"),
                                      shuffle=shuffle, seed=seed, drop_last=drop_last)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
+
+
+def _modules(model: nn.Module) -> list[ElixirModule]:
+    return list(model.pipeline.modules) if isinstance(model, PipelineModel) else [model]
 
 
 def _criterion_on_rows(criterion: Callable, batch: dict) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -20,6 +20,8 @@ import torch.nn as nn
 
 from elixir import device as dev
 from elixir import distributed as edist
+from elixir.parallel import distribute_like
+from elixir.parallel.tensor import is_fused_qkv, qkv_from_tp_order, qkv_into_tp_order
 from elixir.plan import MeshLayout
 from elixir.wrapper import ElixirModule
 
@@ -82,3 +84,25 @@ def tp_dims(tp_size: int, world: Optional[int] = None) -> dict[str, int]:
     if tp_size < 1 or world % tp_size:
         raise ValueError(f"tp_size={tp_size} must divide the world size ({world})")
     return {"dp_shard": world // tp_size, "tp": tp_size}
+
+
+def whole_state(em: ElixirModule, tp: int) -> dict[str, torch.Tensor]:
+    """``em``'s state dict with tensor-parallel shards made whole (collective over dp and tp)."""
+    out = {}
+    for k, v in em.state_dict().items():
+        if em.tensor_parallel is not None:
+            v = em.tensor_parallel.full_tensor(k, v)
+            if tp > 1 and is_fused_qkv(k):
+                v = qkv_from_tp_order(v, tp)
+        out[k] = v.detach().cpu()
+    return out
+
+
+def local_slice(em: ElixirModule, name: str, full: torch.Tensor, tp: int) -> torch.Tensor:
+    """This tp rank's slice of the whole tensor ``full`` of parameter ``name``."""
+    t = em.tensor_parallel.by_name.get(name) if em.tensor_parallel is not None else None
+    if t is None:
+        return full
+    if tp > 1 and is_fused_qkv(name):
+        full = qkv_into_tp_order(full, tp)
+    return distribute_like(full.to(t.param.device, t.param.dtype), t.mesh, t.placements)

@@ -11,8 +11,16 @@ from typing import Any, Optional
 import torch
 
 from elixir import checkpoint
+from elixir import distributed as edist
 from elixir.booster.compat import Compat, check_compat
-from elixir.booster.mesh_wrap import bind_optimizer, device_mesh, parameter_names, tp_dims
+from elixir.booster.mesh_wrap import (
+    bind_optimizer,
+    device_mesh,
+    local_slice,
+    parameter_names,
+    tp_dims,
+    whole_state,
+)
 from elixir.booster.plugin import Plugin
 from elixir.parallel import tensor_parallel
 from elixir.search import SearchResult
@@ -127,9 +135,14 @@ class ElixirRuntimePlugin(Plugin):
         return optimizer.clip_grad_norm_(max_norm, norm_type)
 
     def full_state_dict(self, model) -> dict:
+        if model.tensor_parallel is not None:  # whole tensors from the tp shards (collective over dp and tp)
+            whole = whole_state(model, self.tp_size)
+            return whole if edist.get_rank() == 0 else {}
         return model.state_dict(rank0_only=True)
 
     def load_full_state_dict(self, model, state, strict) -> None:
+        if model.tensor_parallel is not None:  # each tp rank its slice
+            state = {k: local_slice(model, k, v, self.tp_size) for k, v in state.items()}
         model.load_state_dict(state, strict=strict)
 
     def save_optimizer(self, optimizer, path) -> None:
