@@ -142,6 +142,10 @@ def _worker(path: str):
                                                      precision="fp32", max_norm=MAX_NORM),
         "hybrid_tp2_pp2": HybridParallelPlugin(tp_size=2, pp_size=2, zero_stage=1, microbatch_size=2, precision="fp32",
                                                max_norm=MAX_NORM),
+        # two stages per rank: the second steps a copy of the user's optimizer, which follows its LR
+        "hybrid_pp2_interleaved": HybridParallelPlugin(tp_size=1, pp_size=2, zero_stage=3, num_microbatches=2,
+                                                       pp_style="interleaved", num_model_chunks=2, precision="fp32",
+                                                       max_norm=MAX_NORM),
     }
     out = {"ref": ref}
     for name, plugin in runs.items():
@@ -162,7 +166,7 @@ def test_hybrid_and_gemini_tp_plugins_match_reference(tmp_path):
     path = str(tmp_path / "tp2_pp2")
     results = run_distributed(_worker, 4, path, timeout=400)
     for r in results:
-        for name in ("gemini_tp2", "hybrid_tp2_dp2_zero3", "hybrid_pp2_dp2_zero1", "hybrid_tp2_pp2"):
+        for name in ("gemini_tp2", "hybrid_tp2_dp2_zero3", "hybrid_pp2_dp2_zero1", "hybrid_tp2_pp2", "hybrid_pp2_interleaved"):
             assert r[name] == pytest.approx(r["ref"], rel=1e-5), (name, r[name], r["ref"])
         ckpt = r["ckpt"]  # saved at (tp 2, pp 2, dp 1), loaded at (tp 1, pp 2, dp 2): the same losses
         assert ckpt["first"] == pytest.approx(r["ref"][:2], rel=1e-5), ckpt

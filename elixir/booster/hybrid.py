@@ -212,7 +212,8 @@ class HybridParallelPlugin(Plugin):
         if optimizer is not None:
             inner = [optimizer] + [copy_optimizer(optimizer) for _ in pipe.modules[1:]]
             inner = [bind_optimizer(opt, names, em) for opt, em in zip(inner, pipe.modules)]
-            optimizer = PipelineOptimizer(pipe, inner, max_norm=self.max_norm, loss_scale_policy=self.loss_scale)
+            optimizer = PipelineOptimizer(pipe, inner, max_norm=self.max_norm, follow_first=True,
+                                          loss_scale_policy=self.loss_scale)
         return PipelineModel(pipe, model), optimizer
 
     # ---- the loop -------------------------------------------------------------------------------

@@ -81,11 +81,14 @@ class PipelineOptimizer:
             or a list of ready optimizers, one per stage module of this rank, each on that
             module's parameters.
         max_norm, norm_type: clip the global norm over the whole mesh (0: no clipping).
+        follow_first: before each step, give every other stage module's optimizer the first one's
+            hyperparameters, group by group (``lr``, ...): the others are copies of one user
+            optimizer, and an LR scheduler built on it changes only the first.
         **optimizer_kwargs: passed to each :class:`ElixirOptimizer` (loss-scale policy, ...).
     """
 
     def __init__(self, pipe: Pipeline, make_optimizer: Any, max_norm: float = 0.0, norm_type: float = 2.0,
-                 **optimizer_kwargs: Any) -> None:
+                 follow_first: bool = False, **optimizer_kwargs: Any) -> None:
         if optimizer_kwargs.get("fused_step"):
             raise ValueError("a pipeline steps after the tied gradients are summed over the stages: fused_step=False")
         if isinstance(make_optimizer, (list, tuple)):  # one ready optimizer per stage module
@@ -96,6 +99,7 @@ class PipelineOptimizer:
             make = _maker(make_optimizer)
             inner = [make(list(em.parameters())) for em in pipe.modules]
         self.pipe = pipe
+        self.follow_first = follow_first
         self.max_norm, self.norm_type = float(max_norm), float(norm_type)
         self.optimizers = [ElixirOptimizer(em, opt, fused_step=False, **optimizer_kwargs)
                            for em, opt in zip(pipe.modules, inner)]
@@ -184,6 +188,10 @@ class PipelineOptimizer:
         """Sum tied gradients, clip over the whole mesh (``max_norm``), agree on overflow, then step
         every stage. Collective over the whole mesh."""
         self.sync_tied()
+        if self.follow_first:
+            for opt in self.optimizers[1:]:
+                for g, g0 in zip(opt.param_groups, self.optimizers[0].param_groups):
+                    g.update({k: v for k, v in g0.items() if k != "params"})
         scaled = self.optimizers[0].scaler is not None
         if self.max_norm > 0:
             self.last_norm = float(self.clip_grad_norm_(self.max_norm, self.norm_type))
