@@ -35,7 +35,7 @@ def _batches() -> list[dict]:
     return [ZOO["gpt2"].make_batch(BATCH, step) for step in range(STEPS)]
 
 
-def _reference() -> list[float]:
+def _reference(trained: bool = False):
     model = _build()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -48,7 +48,7 @@ def _reference() -> list[float]:
         opt.zero_grad()
         sched.step()
         losses.append(loss.item())
-    return losses
+    return model if trained else losses
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -62,7 +62,7 @@ class _Rows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _run(plugin) -> list[float]:
+def _run(plugin, save: str = "") -> list[float]:
     from elixir.booster import Booster
 
     booster = Booster(plugin=plugin)
@@ -91,6 +91,8 @@ def _run(plugin) -> list[float]:
         t = torch.zeros(()) if loss is None else loss.detach().clone()  # every rank joins the sum
         edist.all_reduce(t)
         losses.append(t.item())
+    if save:
+        booster.save_model(model, save)
     return losses
 
 
@@ -150,7 +152,7 @@ def _worker(path: str):
     out = {"ref": ref}
     for name, plugin in runs.items():
         last = plugin.stage_manager.is_last_stage() if getattr(plugin, "stage_manager", None) else True
-        losses = _run(plugin)
+        losses = _run(plugin, save=path + "_gemini" if name == "gemini_tp2" else "")
         # every rank summed the loss of the ranks that hold one: divide by how many do
         holders = torch.tensor([float(last)])
         edist.all_reduce(holders)
@@ -183,6 +185,11 @@ def test_hybrid_and_gemini_tp_plugins_match_reference(tmp_path):
         opt.zero_grad()
         losses.append(loss.item())
     assert losses == pytest.approx(results[0]["ckpt"]["after"], rel=1e-5), (losses, results[0]["ckpt"])
+    # GeminiPlugin(tp_size=2) saved whole tensors: the trained model, as the reference trained it
+    saved, ref = GPT2LMHeadModel.from_pretrained(path + "_gemini"), _reference(trained=True)
+    batch = ZOO["gpt2"].make_batch(BATCH, 99)
+    with torch.no_grad():
+        assert ZOO["gpt2"].loss(saved, batch).item() == pytest.approx(ZOO["gpt2"].loss(ref, batch).item(), rel=1e-5)
 
 
 # ---- in-process: arguments ----------------------------------------------------------------------
