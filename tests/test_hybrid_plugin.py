@@ -114,11 +114,11 @@ def _checkpoints(path: str) -> dict:
     PP2 x DP2 (ZeRO-3) layout continues with the same losses. The test process loads it at world 1."""
     from elixir.booster import Booster, HybridParallelPlugin
 
-    def boosted(**kw):
+    def boosted(momentum: float = 0.0, **kw):
         plugin = HybridParallelPlugin(pp_size=2, microbatch_size=2, precision="fp32", max_norm=MAX_NORM, **kw)
         booster = Booster(plugin=plugin)
         model = _build()
-        model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=LR))
+        model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum))
         holders = torch.tensor([float(plugin.stage_manager.is_last_stage())])
         edist.all_reduce(holders)
         return booster, plugin, model, opt, holders.item()
@@ -130,7 +130,21 @@ def _checkpoints(path: str) -> dict:
     booster, plugin, model, opt, n = boosted(tp_size=1, zero_stage=3)
     booster.load_model(model, path)
     reloaded = [x / n for x in _pipeline_steps(booster, plugin, model, opt, range(2))]
-    return {"first": first, "after": after, "reloaded": reloaded}
+    # optimizer state (SGD momentum) saved and loaded at the same layout
+    booster, plugin, model, opt, n = boosted(tp_size=2, zero_stage=1, momentum=0.9)
+    _pipeline_steps(booster, plugin, model, opt, range(1))
+    booster.save_model(model, path + "_m")
+    booster.save_optimizer(opt, path + "_opt")
+    kept = _pipeline_steps(booster, plugin, model, opt, range(1, 3))
+    resumed = {}
+    for load_state in (True, False):
+        booster, plugin, model, opt, n = boosted(tp_size=2, zero_stage=1, momentum=0.9)
+        booster.load_model(model, path + "_m")
+        if load_state:
+            booster.load_optimizer(opt, path + "_opt")
+        resumed[load_state] = _pipeline_steps(booster, plugin, model, opt, range(1, 3))
+    return {"first": first, "after": after, "reloaded": reloaded, "kept": kept, "resumed": resumed[True],
+            "fresh_state": resumed[False]}
 
 
 def _worker(path: str):
@@ -173,6 +187,8 @@ def test_hybrid_and_gemini_tp_plugins_match_reference(tmp_path):
         ckpt = r["ckpt"]  # saved at (tp 2, pp 2, dp 1), loaded at (tp 1, pp 2, dp 2): the same losses
         assert ckpt["first"] == pytest.approx(r["ref"][:2], rel=1e-5), ckpt
         assert ckpt["reloaded"] == pytest.approx(ckpt["after"], rel=1e-5), ckpt
+        assert ckpt["resumed"] == pytest.approx(ckpt["kept"], rel=1e-6), ckpt  # with the momentum it saved
+        assert ckpt["fresh_state"][1] != pytest.approx(ckpt["kept"][1], rel=1e-6), ckpt  # the state matters
     # ... and at world 1, by transformers itself, continuing with the same losses
     model = GPT2LMHeadModel.from_pretrained(path)
     opt = torch.optim.SGD(model.parameters(), lr=LR)

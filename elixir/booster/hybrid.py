@@ -14,12 +14,14 @@ it trains with ``booster.execute_pipeline``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from elixir import checkpoint
 from elixir import distributed as edist
 from elixir.booster.compat import ALWAYS, Compat, check_compat
 from elixir.booster.mesh_wrap import (
@@ -286,11 +288,21 @@ class HybridParallelPlugin(Plugin):
             em.load_state_dict({k: local_slice(em, k, state[k], self.tp_size) for k in keys if k in state}, strict=strict)
 
     def save_optimizer(self, optimizer, path) -> None:
-        raise NotImplementedError("save_optimizer with HybridParallelPlugin is not built yet (issue 31 step 5); "
-                                  "save_model works across layouts")
+        """elixir's sharded checkpoint of every stage module (fp32 master shards and optimizer
+        state), one directory per stage and tp rank (``stage00-tp00``), each rank its own shard;
+        loads back at the same layout. Collective."""
+        os.makedirs(path, exist_ok=True)
+        for sub, em, opt in self._optimizer_dirs(optimizer, path):
+            checkpoint.save(sub, em, opt)
 
     def load_optimizer(self, optimizer, path) -> None:
-        raise NotImplementedError("load_optimizer with HybridParallelPlugin is not built yet (issue 31 step 5)")
+        for sub, em, opt in self._optimizer_dirs(optimizer, path):
+            checkpoint.load(sub, em, opt)
+
+    def _optimizer_dirs(self, optimizer, path: str) -> list[tuple[str, ElixirModule, ElixirOptimizer]]:
+        opts = optimizer.optimizers if isinstance(optimizer, PipelineOptimizer) else [optimizer]
+        tp = self.mesh.get_local_rank("tp")
+        return [(os.path.join(path, f"stage{getattr(o.module.module, 'index', 0):02d}-tp{tp:02d}"), o.module, o) for o in opts]
 
     # ---- data -----------------------------------------------------------------------------------
 
