@@ -141,7 +141,12 @@ def _pipeline(name: str, layout: MeshLayout, schedule: str, variant: str) -> dic
 
     mesh = pipeline_mesh(layout)
     dp, dp_rank = layout.dp_shard, mesh.get_local_rank("dp_shard")
-    pipe = ElixirPipeline(_build(name), mesh, MICRO, schedule=schedule, plan_fn=_plan_fn(variant))
+    model = _build(name)
+    pipe = ElixirPipeline(model, mesh, MICRO, schedule=schedule, plan_fn=_plan_fn(variant))
+    # the other stages' layers are freed on this rank (meta), this rank's are not
+    held = {n for em in pipe.modules for n, _ in em.module.named_parameters(remove_duplicate=False)}
+    on_meta = {n for n, p in model.named_parameters(remove_duplicate=False) if p.device.type == "meta"}
+    assert on_meta and not (on_meta & held) and pipe.released > 0, (sorted(on_meta)[:3], pipe.released)
     opt = PipelineOptimizer(pipe, lambda ps: torch.optim.SGD(ps, lr=LR), max_norm=MAX_NORM)
     kinds = sorted({(c.spec.sharding.value, c.spec.master_on_host) for em in pipe.modules for c in em.chunks})
     losses, reductions = [], []

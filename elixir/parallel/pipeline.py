@@ -18,7 +18,8 @@ schedule; elixir adds:
 - **ties, clipping and loss scaling over the whole mesh**: :class:`~elixir.parallel.pipeline_optim.PipelineOptimizer`.
 
 Build the mesh with :func:`pipeline_mesh` (dimensions ``pp``, ``dp_shard``, ``tp``, sizes of 1
-allowed). Every rank passes the same model (same values); each keeps only its stages' modules.
+allowed). Every rank passes the same model (same values); each keeps only its stages' parameters:
+the others' become meta tensors (names and shapes kept, :func:`~elixir.parallel.stages.release_unheld`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch.distributed.tensor import Shard
 
 from elixir import device as dev
 from elixir import distributed as edist
-from elixir.parallel.stages import split_decoder, tied_names
+from elixir.parallel.stages import release_unheld, split_decoder, tied_names
 from elixir.parallel.tensor import tensor_parallel
 from elixir.plan import MeshLayout
 from elixir.search import minimum_waste_search
@@ -167,10 +168,9 @@ class ElixirPipeline:
         sub = mesh["dp_shard", "tp"]
         inner = MeshLayout(dp_shard=self.layout.dp_shard, tp=self.layout.tp)
         plan_fn = plan_fn or _default_plan
-        self.modules: list[ElixirModule] = []
-        for stage in split_decoder(model, self.num_stages, self.stage_ids, layers_per_stage):
-            em = ElixirModule(stage, plan_fn(stage, inner), mesh=sub, **module_kwargs)
-            self.modules.append(em)
+        stages = split_decoder(model, self.num_stages, self.stage_ids, layers_per_stage)
+        self.released = release_unheld(model, stages)  # other ranks' layers: meta (names and shapes kept)
+        self.modules: list[ElixirModule] = [ElixirModule(s, plan_fn(s, inner), mesh=sub, **module_kwargs) for s in stages]
         self.loss_fn = loss_fn or causal_lm_loss
         self.steps = 0
         self._n = num_microbatches or 1

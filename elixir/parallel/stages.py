@@ -166,3 +166,17 @@ def tied_names(model: nn.Module, num_stages: int, layers_per_stage: Optional[lis
         last = next(n for i, n in holders if i == num_stages - 1)
         out.append((first, last))
     return out
+
+
+def release_unheld(model: nn.Module, stages: list[nn.Module]) -> int:
+    """Replace every parameter of ``model`` that none of ``stages`` holds (the other ranks' layers)
+    by a meta tensor of its shape, freeing its memory; returns how many elements were freed. The
+    model keeps its names and shapes (for saving); only ``stages`` can run."""
+    held = {id(p) for s in stages for p in s.parameters()}
+    freed = 0
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and id(p) not in held and p.device.type != "meta":
+                m._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                freed += p.numel()
+    return freed
