@@ -300,6 +300,16 @@ def _python_free_tls() -> Iterator[None]:
             torch._C._stash_obj_in_tls(key, obj)
 
 
+@contextlib.contextmanager
+def engine_collectives() -> Iterator[None]:
+    """Around code whose collectives torch's own engines issue (a pipeline schedule's
+    point-to-point sends): they are issued with no Python object in the thread state, and the exit
+    hook that lets gloo threads finish letting go of works is registered (see the module docstring)."""
+    _register_exit_drain()
+    with _python_free_tls():
+        yield
+
+
 def python_free_backward() -> None:
     """Take the ``contextvars`` context torch stashed for the running backward out of this thread's
     state, for the rest of that backward (torch erases it at the end anyway). On a CPU device the

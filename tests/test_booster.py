@@ -204,7 +204,7 @@ def test_plugins_match_reference_and_resume(tmp_path):
 @pytest.mark.parametrize(
     "kw, says",
     [
-        ({"tp_size": 2}, "tensor parallelism"),
+        ({"tp_size": 2}, "must divide the world size (1)"),
         ({"extra_dp_size": 2}, "extra_dp_size=1"),
         ({"master_weights": False}, "fp32 master"),
         ({"placement_policy": "auto", "offload_optim_frac": 0.5}, "placement_policy='static'"),

@@ -1,6 +1,7 @@
 """ColossalAI's NVMe-offload (Gemini) and Booster tutorials run on elixir with only their imports
 changed (tests/tutorials/ holds the programs; the CPU box maps their CUDA device to the CPU, see
-tests/tutorials/run.py). World 2, tiny models; the two torchrun jobs run at once (``ran``)."""
+tests/tutorials/run.py). World 2, tiny models; and the Booster loop with HybridParallelPlugin at
+world 4. The torchrun jobs run at once (``ran``)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from tests.at_once import run_at_once
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-TUTORIALS = ("nvme_offload_gemini", "booster_api")
+TUTORIALS = ("nvme_offload_gemini", "booster_api", "hybrid_parallel")
+RANKS = {"hybrid_parallel": 4}  # tp 2 x pp 2; the others at world 2
 
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory) -> dict:
     """Per tutorial: its folder and its finished torchrun job (both jobs started at once)."""
     dirs = {name: tmp_path_factory.mktemp(name) for name in TUTORIALS}
-    cmds = {name: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+    cmds = {name: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS.get(name, 2)), "--standalone",
                    os.path.join(ROOT, "tests", "tutorials", "run.py"), name] for name in TUTORIALS}
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     done = run_at_once(cmds, timeout=400, cwds=dirs, env=env)
@@ -63,3 +65,18 @@ def test_booster_tutorial_runs_verbatim(ran):
         for f in set(index["weight_map"].values()):
             saved.update(load_file(str(tmp_path / "model" / f)))
     assert "fc.weight" in saved and torch.isfinite(saved["fc.weight"]).all()
+
+
+@pytest.mark.dist
+def test_hybrid_parallel_tutorial_runs_tp2_pp2(ran):
+    """The Booster loop with HybridParallelPlugin(tp_size=2, pp_size=2, zero_stage=1,
+    num_microbatches=4, precision="fp32") at world 4: the last stage's ranks print the loss, which
+    falls; the LR scheduler built on the user's optimizer drives the step (its lr is printed)."""
+    _, r = _run(ran, "hybrid_parallel")
+    assert r.stdout.count("tutorial done") == 4
+    losses = [float(x) for x in re.findall(r"loss: (-?\d+\.\d{3}|nan|inf)", r.stdout)]
+    # 64 rows / dp 1 / batch 8 = 8 steps a epoch, 2 epochs, printed by the 2 last-stage ranks (tp 2)
+    assert len(losses) == 2 * 2 * 8, r.stdout
+    first, last = losses[0], losses[-1]
+    assert all(x == x and x < 20 for x in losses) and last < first - 0.5, losses
+    assert "dp_size 1 lr" in r.stdout and f"lr {1e-2 * 0.9 ** 16:.6f}" in r.stdout, r.stdout

@@ -25,6 +25,7 @@ from elixir import distributed as edist
 from elixir.booster import model_io
 from elixir.booster.auto import choose_plugin
 from elixir.booster.compat import LOAD, SAVE_MODEL, SAVE_OPTIMIZER, check_compat, note
+from elixir.booster.hybrid import PipelineModel
 from elixir.booster.plugin import Plugin
 from elixir.booster.runtime_plugin import ElixirRuntimePlugin
 from elixir.booster.torch_plugins import OptimizerWrapper
@@ -114,6 +115,18 @@ class Booster:
         """Clip the global gradient norm; return it. Collective."""
         return self._plugin().clip_grad_by_norm(model, optimizer, max_norm, norm_type)
 
+    def execute_pipeline(self, data_iter: Any, model: nn.Module, criterion: Callable, optimizer: Any = None,
+                         return_loss: bool = True, return_outputs: bool = False) -> dict:
+        """Forward and backward of one batch from ``data_iter`` through a pipeline
+        (:class:`~elixir.booster.HybridParallelPlugin` with ``pp_size > 1``); returns
+        ``{"loss": ..., "outputs": ...}``, set on the last stage. Then step the optimizer."""
+        plugin = self._plugin()
+        run = getattr(plugin, "execute_pipeline", None)
+        if run is None:
+            raise TypeError(f"{type(plugin).__name__} runs no pipeline: use HybridParallelPlugin(pp_size=...), or train "
+                            "with loss = criterion(model(...)), booster.backward(loss, optimizer)")
+        return run(data_iter, model, criterion, optimizer, return_loss=return_loss, return_outputs=return_outputs)
+
     # ---- checkpoints ------------------------------------------------------------------------------
 
     def save_model(
@@ -138,7 +151,7 @@ class Booster:
             note("Booster.save_model(shard=True, use_safetensors=False): the shards are written as safetensors "
                  "(Hugging Face's layout, which load_model and from_pretrained read)", stacklevel=2)
         limit = max(1, int(size_per_shard * 2**20))  # bytes
-        if isinstance(model, ElixirModule):
+        if isinstance(model, ElixirModule) and model.tensor_parallel is None:
             ckpt.save_pretrained(checkpoint, model, max_shard_size=limit)
             return
         state = self._plugin().full_state_dict(model)
@@ -167,7 +180,7 @@ class Booster:
         ``torch.save`` file. Every rank reads it. ``model`` may be boosted or plain."""
         check_compat("Booster.load_model", {"low_cpu_mem_mode": low_cpu_mem_mode, "num_threads": num_threads}, LOAD)
         state = model_io.fill_tied(model_io.read(checkpoint, _unwrap(model)), _unwrap(model))
-        if isinstance(model, (ElixirModule, DistributedDataParallel)) or self.plugin is None:
+        if isinstance(model, (ElixirModule, DistributedDataParallel, PipelineModel)) or self.plugin is None:
             self._plugin().load_full_state_dict(model, state, strict)
         elif any(hasattr(p, "device_mesh") for p in model.parameters()):  # FSDP2's DTensors
             self._plugin().load_full_state_dict(model, state, strict)
@@ -206,6 +219,8 @@ class Booster:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
+    if isinstance(model, PipelineModel):
+        return model.unwrapped
     if isinstance(model, DistributedDataParallel):
         return model.module
     if isinstance(model, ElixirModule):

@@ -9,7 +9,7 @@ module lists is, at a value other than ColossalAI's default, either
   does instead, where the run is still the one the user asked for in every way that matters
   (a chunk-size hint, a memory ratio of Gemini's own manager, a device elixir picks itself), or
 - **refused** (``ValueError``) naming the alternative, where honouring it is impossible and
-  ignoring it would train something else (tensor parallelism, no fp32 master weights).
+  ignoring it would train something else (a second data-parallel axis, no fp32 master weights).
 
 An argument the plugin honours itself is not listed here; a name neither honoured nor listed is a
 ``TypeError``, as in ColossalAI.
@@ -90,13 +90,11 @@ GEMINI: dict[str, Compat] = {
     "steady_cuda_cap_ratio": Compat(0.9, _RATIOS),
     "gpu_margin_mem_ratio": Compat(0.0, _RATIOS),
     "master_weights": Compat(True, _MASTER, refuse=True),
-    "tp_size": Compat(1, "elixir is data parallel (chunked ZeRO-3); tensor parallelism is not supported: leave tp_size=1",
-                      refuse=True),
     "extra_dp_size": Compat(1, "elixir shards over its whole process group; leave extra_dp_size=1", refuse=True),
     "enable_fused_normalization": Compat(False, _SHARDFORMER),
     "enable_jit_fused": Compat(False, _SHARDFORMER),
-    "enable_sequence_parallelism": Compat(False, "sequence parallelism needs tensor parallelism (tp_size > 1), which "
-                                                 "elixir does not have (ColossalAI also drops it at tp_size=1)"),
+    "enable_sequence_parallelism": Compat(False, "sequence parallelism is not supported (elixir's tensor-parallel plans "
+                                                 "keep activations replicated; ColossalAI also drops it at tp_size=1)"),
     "enable_async_reduce": Compat(True, "gradient reductions always overlap backward"),
     "use_fp8": Compat(False, "fp8 compute is not supported; the chunks compute in the plugin's precision"),
     "fp8_communication": Compat(False, "gradients are reduced in the compute dtype (fp8 communication is not supported)"),

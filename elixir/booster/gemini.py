@@ -9,7 +9,9 @@ import torch
 
 from elixir import distributed as edist
 from elixir.booster.compat import GEMINI, note
+from elixir.booster.mesh_wrap import tp_dims
 from elixir.booster.runtime_plugin import ElixirRuntimePlugin
+from elixir.plan import MeshLayout
 from elixir.search import SearchResult
 from elixir.search.placement_policy import PLACEMENT_POLICIES, StaticFractions, make_plan
 
@@ -41,11 +43,16 @@ class GeminiPlugin(ElixirRuntimePlugin):
         offload_dir: where disk-placed state goes (plans with disk placement).
         verbose: print the plan.
         plan: a ready plan (a SearchResult or a plan JSON path); overrides the policy.
+        tp_size: tensor-parallel ranks: the model is parallelised with torch's DTensor styles
+            (:func:`elixir.parallel.tensor_parallel`, elixir's plan for the model) over groups of
+            ``tp_size`` adjacent ranks, and the chunks, holding each rank's local shards, shard
+            over the other ``world // tp_size`` (``placement_policy`` ``"static"``, ``"cuda"`` or
+            ``"cpu"``; ``"auto"`` does not plan tensor parallelism yet).
 
     Every other argument of ColossalAI 0.5's GeminiPlugin is accepted: at a value other than
     ColossalAI's default it is ignored with a one-line note saying what elixir does instead
     (chunk-size hints, Gemini's memory ratios, devices), or refused naming the alternative where
-    it cannot be honoured (``tp_size > 1``, ``extra_dp_size > 1``, ``master_weights=False``); see
+    it cannot be honoured (``extra_dp_size > 1``, ``master_weights=False``); see
     :data:`elixir.booster.compat.GEMINI`.
     """
 
@@ -70,6 +77,7 @@ class GeminiPlugin(ElixirRuntimePlugin):
         offload_dir: Optional[str] = None,
         verbose: bool = False,
         plan: Optional[Union[SearchResult, str]] = None,
+        tp_size: int = 1,
         **options: Any,
     ) -> None:
         super().__init__(GEMINI, options, precision, max_norm, norm_type, enable_gradient_accumulation, verbose, plan)
@@ -94,9 +102,14 @@ class GeminiPlugin(ElixirRuntimePlugin):
         self.offload_dir = offload_dir
         self.output_fp32 = force_outputs_fp32
         self.use_fused_kernels = bool(enable_flash_attention or enable_all_optimization)
+        self.layout = MeshLayout(**tp_dims(tp_size)) if tp_size != 1 else None
+        self.tp_size = tp_size
+        if self.layout is not None and placement_policy == "auto":
+            raise ValueError("GeminiPlugin(tp_size > 1, placement_policy='auto'): optimal_search does not plan a "
+                             "tensor-parallel layout yet; use placement_policy='static' (or 'cuda'/'cpu')")
 
     def make_plan(self, model: torch.nn.Module) -> SearchResult:
-        world = edist.get_world_size()
+        world = self.layout if self.layout is not None else edist.get_world_size()
         verbose = self.verbose and edist.get_rank() == 0
         if self.plan is not None:
             result = make_plan(model, world, self.dtype, plan=self.plan, pin_memory=self.pin_memory)

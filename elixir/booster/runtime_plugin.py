@@ -11,8 +11,18 @@ from typing import Any, Optional
 import torch
 
 from elixir import checkpoint
+from elixir import distributed as edist
 from elixir.booster.compat import Compat, check_compat
+from elixir.booster.mesh_wrap import (
+    bind_optimizer,
+    device_mesh,
+    local_slice,
+    parameter_names,
+    tp_dims,
+    whole_state,
+)
 from elixir.booster.plugin import Plugin
+from elixir.parallel import tensor_parallel
 from elixir.search import SearchResult
 from elixir.wrapper import ElixirModule, ElixirOptimizer, LossScalePolicy
 from elixir.wrapper.policies import SCALE_KEYWORDS, loss_scale_policy
@@ -46,6 +56,8 @@ class ElixirRuntimePlugin(Plugin):
         output_fp32: the model's floating outputs in fp32 (None: whenever the chunks compute in
             low precision).
         use_fused_kernels: ElixirModule's ``use_fused_kernels`` (fused SDPA attention).
+        tp_size: tensor-parallel ranks (DTensor, :func:`elixir.parallel.tensor_parallel`); the
+            chunks shard over the other ``world // tp_size`` ranks.
         precision, verbose, plan: the plugin's arguments of these names.
     """
 
@@ -59,6 +71,7 @@ class ElixirRuntimePlugin(Plugin):
     offload_dir: Optional[str] = None
     output_fp32: Optional[bool] = None
     use_fused_kernels: bool = False
+    tp_size: int = 1
 
     def __init__(
         self,
@@ -94,11 +107,17 @@ class ElixirRuntimePlugin(Plugin):
     def configure(self, model, optimizer, criterion, dataloader, lr_scheduler) -> tuple:
         if not isinstance(model, ElixirModule):
             output_fp32 = self.dtype != torch.float32 if self.output_fp32 is None else self.output_fp32
+            names, mesh = parameter_names(model), None
+            if self.tp_size > 1:  # DTensor tensor parallelism first; chunks then hold the local shards
+                mesh = device_mesh(tp_dims(self.tp_size))
+                tensor_parallel(model, mesh)
             model = ElixirModule(
                 model, self.make_plan(model), dtype=self.dtype, output_fp32=output_fp32,
                 prefetch=self.max_prefetch > 0, offload_dir=self.offload_dir, reduce_always_fp32=self.reduce_always_fp32,
-                use_fused_kernels=self.use_fused_kernels,
+                use_fused_kernels=self.use_fused_kernels, mesh=mesh,
             )
+            if mesh is not None and optimizer is not None and not isinstance(optimizer, ElixirOptimizer):
+                bind_optimizer(optimizer, names, model)  # its parameters were replaced by local shards
         if optimizer is not None and not isinstance(optimizer, ElixirOptimizer):
             optimizer = ElixirOptimizer(model, optimizer, max_norm=self.max_norm, norm_type=self.norm_type,
                                         loss_scale_policy=self.loss_scale)
@@ -116,9 +135,14 @@ class ElixirRuntimePlugin(Plugin):
         return optimizer.clip_grad_norm_(max_norm, norm_type)
 
     def full_state_dict(self, model) -> dict:
+        if model.tensor_parallel is not None:  # whole tensors from the tp shards (collective over dp and tp)
+            whole = whole_state(model, self.tp_size)
+            return whole if edist.get_rank() == 0 else {}
         return model.state_dict(rank0_only=True)
 
     def load_full_state_dict(self, model, state, strict) -> None:
+        if model.tensor_parallel is not None:  # each tp rank its slice
+            state = {k: local_slice(model, k, v, self.tp_size) for k, v in state.items()}
         model.load_state_dict(state, strict=strict)
 
     def save_optimizer(self, optimizer, path) -> None:

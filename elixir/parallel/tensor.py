@@ -211,6 +211,17 @@ def qkv_to_tp_order(conv: nn.Module, tp: int) -> None:
             conv.bias.copy_(_reorder(conv.bias, tp, to_tp=True))
 
 
+def qkv_into_tp_order(t: torch.Tensor, tp: int) -> torch.Tensor:
+    """:func:`qkv_to_tp_order` on a full weight or bias tensor (last dim ``3E``): a checkpoint's
+    value made ready to be split over tp."""
+    return _reorder(t, tp, to_tp=True)
+
+
+def is_fused_qkv(name: str) -> bool:
+    """The parameter ``name`` is GPT-2's fused ``c_attn`` (reordered for tensor parallelism)."""
+    return name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias")
+
+
 def qkv_from_tp_order(t: torch.Tensor, tp: int) -> torch.Tensor:
     """The inverse of :func:`qkv_to_tp_order` on a full weight or bias (last dim ``3E``)."""
     return _reorder(t, tp, to_tp=False)
@@ -231,4 +242,4 @@ def distribute_like(t: torch.Tensor, mesh: Any, placements: tuple) -> torch.Tens
 
 
 __all__ = ["tensor_parallel", "plan_for", "hf_plan", "NoTensorParallelPlan", "qkv_to_tp_order",
-           "qkv_from_tp_order", "distribute_like", "HF_STYLES", "Shard", "Replicate"]
+           "qkv_from_tp_order", "qkv_into_tp_order", "is_fused_qkv", "distribute_like", "HF_STYLES", "Shard", "Replicate"]

@@ -267,6 +267,9 @@ class ElixirModule(nn.Module):
         mark_owned(self, self.params + self.frozen_map.params)
         self.grad_sync = GradientSync(self.chunks, self.param_map, self.tracker, self.streams, self.group, self.world_size)
         self.iteration = 0  # training forwards so far (the step named if a collective fails)
+        # set by a pipeline (elixir.parallel.pipeline) while its step runs: forwards are that
+        # step's microbatches, and `iteration` counts the pipeline's steps instead
+        self.pipeline_microbatch: Optional[int] = None
         self._no_sync = False
         self._pre_step_hooks: list = []
         self.accounts = MemoryAccounts(self.ledger, (self.disk_store, self.shard_store, self.derived_shards))
@@ -411,9 +414,10 @@ class ElixirModule(nn.Module):
         if not tracker.in_backward:
             self._wrapped.check()
             _check_input_devices(args, kwargs, self.device)
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and self.pipeline_microbatch is None:
                 self.iteration += 1
-            edist.set_where(f"step {self.iteration}, forward")
+            mb = "" if self.pipeline_microbatch is None else f", microbatch {self.pipeline_microbatch}"
+            edist.set_where(f"step {self.iteration}{mb}, forward")
             self.step_hooks.unwind_forward()
             self._access.release()  # a forward with gradients whose backward never ran
             self.step_hooks.start_iteration()

@@ -25,7 +25,7 @@ from elixir.optim.loss_scaler import DynamicLossScaler, LossScalePolicy
 from elixir.optim.nvme import materialized
 from elixir.wrapper import optim_state
 from elixir.wrapper.backward_step import BackwardStep, fallback_reason
-from elixir.wrapper.clipping import clip_coefficient, global_grad_norm
+from elixir.wrapper.clipping import GradNorm, clip_coefficient, global_grad_norm
 from elixir.wrapper.fragments import Fragment, ShardFragments
 from elixir.wrapper.loss_scaling import scale_outputs
 from elixir.wrapper.module import ElixirModule
@@ -308,6 +308,13 @@ class ElixirOptimizer:
             return output
         return scale_outputs(output, lambda: self.loss_scale)
 
+    def stop_scaling_outputs(self) -> None:
+        """Leave the module's outputs unscaled (fp16): a pipeline stage before the last, whose output
+        gradients arrive from the next stage already scaled by the last stage's loss scale."""
+        if self._scale_hook is not None:
+            self._scale_hook.remove()
+            self._scale_hook = None
+
     @property
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 when the module does not compute in fp16)."""
@@ -333,11 +340,16 @@ class ElixirOptimizer:
                 "clip_grad_norm_ cannot clip with fused_step: each chunk was stepped during backward, "
                 "before the global norm was known. Use ElixirOptimizer(..., fused_step=False, max_norm=...)."
             )
-        gn = global_grad_norm(self.module, norm_type)
+        return self.clip_by(global_grad_norm(self.module, norm_type), max_norm)
+
+    def clip_by(self, gn: GradNorm, max_norm: Optional[float]) -> torch.Tensor:
+        """:meth:`clip_grad_norm_` with a norm taken over more than this module (a pipeline's
+        stages, :mod:`elixir.parallel.pipeline_optim`): records its overflow flag for
+        :meth:`step`, and with ``max_norm`` (not None) clips by it. Returns the unscaled norm."""
         factor = self._pending_factor()
         self._found_inf = bool(self._found_inf) or gn.found_inf
-        if gn.found_inf:
-            return torch.tensor(gn.norm, dtype=torch.float32)
+        if gn.found_inf or max_norm is None:
+            return torch.tensor(gn.norm, dtype=torch.float32) * (1.0 if gn.found_inf else factor)
         total = torch.tensor(gn.norm, dtype=torch.float64) * factor.double()
         total32 = total.to(torch.float32)
         self._grad_factor = (factor * clip_coefficient(float(total32), float(max_norm))).to(torch.float32)
