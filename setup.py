@@ -43,6 +43,7 @@ def native_extensions():
         "elixir._C",
         sources,
         include_dirs=["csrc"],
+        depends=sorted(glob.glob(os.path.join("csrc", "*.h"))),  # a header's change rebuilds the extension
         extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
         extra_link_args=["-fopenmp"],
         cxx_std=17,

@@ -20,11 +20,13 @@
 //
 // SIMD variants (AVX-512 with or without native bf16 conversion, AVX2+F16C, scalar) are compiled
 // into this one object with target attributes and chosen at run time; OpenMP splits the work.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -572,9 +574,12 @@ std::vector<Span> to_spans(const std::vector<SpanTuple>& spans, bool need_out) {
   return list;
 }
 
+#include "cpu_adam_lowbit.h"  // low-precision state: shares this namespace's helpers
+
 }  // namespace
 
 void register_cpu_adam(py::module_& m) {
+  register_lowbit(m);
   m.def(
       "adam_update",
       [](const std::vector<SpanTuple>& spans, int grad_dtype, int out_dtype, double step, double lr,

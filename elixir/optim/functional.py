@@ -36,8 +36,9 @@ from typing import Iterator, List, Optional, Sequence, Union
 import torch
 
 from elixir._native import get_native, warn_fallback
+from elixir.optim import lowbit
 
-__all__ = ["adam_step", "adam_step_multi", "kernel_available", "kernel_level", "GRAD_DTYPES", "LOWP_DTYPES"]
+__all__ = ["adam_step", "adam_step_multi", "adam_step_lowbit", "kernel_available", "kernel_level", "GRAD_DTYPES", "LOWP_DTYPES"]
 
 #: Gradient dtypes the kernel reads.
 GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -177,6 +178,69 @@ def adam_step_multi(
                 hyper["beta2"], hyper["eps"], hyper["weight_decay"], hyper["adamw_mode"],
                 hyper["bias_correction"], hyper["div_scale"], threads, _forced_simd,
             )
+
+
+def adam_step_lowbit(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    states: Sequence[dict],
+    *,
+    master: str,
+    moments: str,
+    keys: Sequence[int],
+    offsets: Sequence[int],
+    out_lowps: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    **hyper: Union[int, float, bool],
+) -> None:
+    """:func:`adam_step_multi` with low-precision state (:mod:`elixir.optim.lowbit`): ``params``
+    in the master's dtype (fp32, or bf16 for ``bf16-sr``/``bf16-kahan``), ``states[i]`` the state
+    dict of ``params[i]`` in format ``moments`` (:func:`lowbit.new_state`), ``keys[i]`` and
+    ``offsets[i]`` its random stream (:func:`lowbit.stream_key`) and the index of its first
+    element there. The native kernel on contiguous CPU tensors, else torch with the same arithmetic
+    (bitwise the same results)."""
+    n = len(params)
+    outs = list(out_lowps) if out_lowps is not None else [None] * n
+    if not (len(grads) == len(states) == len(keys) == len(offsets) == len(outs) == n):
+        raise ValueError("params, grads, states, keys, offsets and out_lowps must have the same length")
+    if int(hyper["step"]) < 1:
+        raise ValueError(f"step must be >= 1 (the step this update makes), got {hyper['step']}")
+    pdt = lowbit.master_dtype(master)
+    for p, g, o in zip(params, grads, outs):
+        if p.dtype != pdt:
+            raise TypeError(f"master={master!r} steps {pdt} parameters, got {p.dtype}")
+        if g.dtype not in GRAD_DTYPES or g.numel() != p.numel():
+            raise TypeError(f"grad must be one of {GRAD_DTYPES} with {p.numel()} elements, got {g.dtype} ({g.numel()})")
+        if o is not None and (o.dtype not in LOWP_DTYPES or o.numel() != p.numel()):
+            raise TypeError(f"out_lowp must be one of {LOWP_DTYPES} with {p.numel()} elements")
+    consts = lowbit.kernel_consts(**{k: hyper[k] for k in ("step", "lr", "beta1", "beta2", "eps", "weight_decay",
+                                                          "adamw_mode", "bias_correction", "div_scale")})
+    native = get_native() if hasattr(get_native(), "adam_update_lowbit") else None
+    groups: dict = defaultdict(list)
+    for i, (p, g, st, o) in enumerate(zip(params, grads, states, outs)):
+        tensors = [p, g, o, *(st[k] for k in lowbit.state_keys(master, moments))]
+        if native is not None and all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors):
+            groups[(g.dtype, None if o is None else o.dtype)].append(i)
+            continue
+        if native is None and p.device.type == "cpu":
+            warn_fallback("CPU Adam with low-precision state")
+        lowbit.adam_step_lowbit_torch(p, g, st, o, master=master, moments=moments, key=keys[i], offset=offsets[i],
+                                      consts=consts)
+    threads = torch.get_num_threads()
+    for (gdt, odt), idx in groups.items():
+        spans = []
+        for i in idx:
+            st = states[i]
+            ptr = {k: st[k].data_ptr() if k in st else 0 for k in ("exp_avg_absmax", "exp_avg_sq_absmax", "master_comp")}
+            spans.append((params[i].data_ptr(), grads[i].data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
+                          ptr["exp_avg_absmax"], ptr["exp_avg_sq_absmax"], ptr["master_comp"],
+                          0 if outs[i] is None else outs[i].data_ptr(), params[i].numel(), keys[i] & 0xFFFFFFFF,
+                          offsets[i] & 0xFFFFFFFF))
+        native.adam_update_lowbit(
+            spans, _GRAD_CODE[gdt], lowbit.MASTER_CODE[master], lowbit.MOMENT_CODE[moments], _OUT_CODE[odt],
+            int(hyper["step"]), float(hyper["lr"]), float(hyper["beta1"]), float(hyper["beta2"]), float(hyper["eps"]),
+            float(hyper["weight_decay"]), bool(hyper["adamw_mode"]), bool(hyper["bias_correction"]),
+            float(hyper["div_scale"]), threads, _forced_simd,
+        )
 
 
 def _check(p, g, m, v, o) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from elixir.fileio import atomic_write_json, read_json, require_version
 from elixir.plan.mesh import MeshLayout
+from elixir.plan.state_format import check_state_formats
 
 PLAN_FORMAT_VERSION = 1
 """The version of the plan's JSON format that `SearchResult.save` writes and `load` reads."""
@@ -319,6 +320,9 @@ class SearchResult:
             backward, and free the gradient then (so the shard gradients of all chunks never
             exist at once); the optimizer falls back to a separate step, with its reason, where
             something needs every gradient first (clipping, fp16 overflow checks).
+        master_format, moments_format: the optimizer-state formats the plan was searched with
+            (:mod:`elixir.plan.state_format`), or None when the plan records none: the runtime then
+            takes the formats of the ``MixedPrecisionPolicy`` it is given.
     """
 
     chunks: tuple[ChunkPlan, ...]
@@ -334,6 +338,8 @@ class SearchResult:
     grad_dtype: str = "float32"
     fused_step: bool = False
     layout: Optional[MeshLayout] = None
+    master_format: Optional[str] = None
+    moments_format: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.layout is None:
@@ -345,6 +351,10 @@ class SearchResult:
             )
         if self.grad_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"plan grad_dtype must be float32, float16 or bfloat16, got {self.grad_dtype!r}")
+        if (self.master_format is None) != (self.moments_format is None):
+            raise ValueError("a plan records both master_format and moments_format, or neither")
+        if self.master_format is not None:
+            check_state_formats(self.master_format, self.moments_format, where="plan")
 
     # ---- derived views (pure functions of the data) ----
 
@@ -412,6 +422,8 @@ class SearchResult:
             "info": self.info,
             "grad_dtype": self.grad_dtype,
             "fused_step": self.fused_step,
+            **({} if self.master_format is None else
+               {"master_format": self.master_format, "moments_format": self.moments_format}),
         }
 
     @classmethod
@@ -432,6 +444,8 @@ class SearchResult:
             info=dict(d.get("info", {})),
             grad_dtype=d.get("grad_dtype", "float32"),
             fused_step=bool(d.get("fused_step", False)),
+            master_format=d.get("master_format"),
+            moments_format=d.get("moments_format"),
             layout=MeshLayout.from_json(d["layout"]) if "layout" in d else None,  # plans before layouts: data parallel
         )
 

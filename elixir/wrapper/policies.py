@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from elixir.optim.loss_scaler import LossScalePolicy
+from elixir.plan.state_format import MASTER_FORMATS, MOMENT_FORMATS, check_state_formats, is_lossy
 
 CHUNK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -51,14 +52,22 @@ class MixedPrecisionPolicy:
             ``None`` (default): the plan's ``grad_dtype``.
         output_dtype: cast the module's floating outputs to this dtype (``torch.float32`` for an
             fp32 loss from a low-precision model). ``None`` (default): leave them as computed.
+        master: format of the optimizer's master copy: ``"fp32"`` (default), ``"bf16-sr"`` (bf16,
+            updated with stochastic rounding) or ``"bf16-kahan"`` (bf16 plus a bf16 Kahan
+            compensation buffer). Lossy formats need CPUAdam/HybridAdam (:mod:`elixir.optim.lowbit`).
+        moments: format of Adam's moments: ``"fp32"`` (default), ``"bf16"`` or ``"int8"``
+            (blockwise 8-bit codes with one fp32 scale per block).
     """
 
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: Optional[torch.dtype] = None
     grad_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None
+    master: str = "fp32"
+    moments: str = "fp32"
 
     def __post_init__(self) -> None:
+        check_state_formats(self.master, self.moments)
         _check_dtype("param_dtype", self.param_dtype, optional=False)
         for name in ("reduce_dtype", "grad_dtype", "output_dtype"):
             _check_dtype(name, getattr(self, name), optional=True)
@@ -72,6 +81,11 @@ class MixedPrecisionPolicy:
     def reduce(self) -> torch.dtype:
         """The dtype gradients are reduced in (``reduce_dtype``, else ``param_dtype``)."""
         return self.reduce_dtype or self.param_dtype
+
+    @property
+    def lossy_state(self) -> bool:
+        """Whether the optimizer state is kept in a format below fp32."""
+        return is_lossy(self.master, self.moments)
 
 
 @dataclass(frozen=True)
@@ -155,4 +169,4 @@ def loss_scale_policy(policy: Optional[LossScalePolicy], **keywords: float) -> L
     return LossScalePolicy(**keywords)
 
 
-__all__ = ["LossScalePolicy", "MixedPrecisionPolicy", "OffloadPolicy", "module_policies", "loss_scale_policy"]
+__all__ = ["LossScalePolicy", "MixedPrecisionPolicy", "MASTER_FORMATS", "MOMENT_FORMATS", "check_state_formats", "OffloadPolicy", "module_policies", "loss_scale_policy"]
