@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from elixir.checkpoint.index import encode
-from elixir.wrapper import optim_state
+from elixir.wrapper import lowbit_state, optim_state
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer, Fragment
 
@@ -102,4 +102,4 @@ def optimizer_meta(eo: ElixirOptimizer, em: ElixirModule) -> dict:
         g = {k: encode(v, f"hyper-parameter {k!r}") for k, v in group.items() if k not in ("params", "param_names")}
         g["params"] = [em.slots[e].name if isinstance(e, int) else frozen_names.get(id(e), "?") for e in entries]
         groups.append(g)
-    return {"class": type(eo.optim).__name__, "param_groups": groups}
+    return {"class": type(eo.optim).__name__, "param_groups": groups, "state_format": lowbit_state.formats(eo)}

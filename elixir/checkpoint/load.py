@@ -15,7 +15,7 @@ from elixir.checkpoint.errors import CheckpointError, agree
 from elixir.checkpoint.format import Reader, dtype_of
 from elixir.checkpoint.index import Index, decode
 from elixir.offload.pipeline import disk_mapped
-from elixir.wrapper import optim_state
+from elixir.wrapper import lowbit_state, optim_state
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer
 
@@ -86,6 +86,7 @@ def _group_check(index: Index, eo: ElixirOptimizer, em: ElixirModule) -> list[di
             f"elixir: optimizer state saved by {saved_cls} is loaded into {cls}; its state keys must mean the "
             "same (e.g. CPUAdam <-> AdamW)", stacklevel=4,
         )
+    lowbit_state.warn_format_change(index.optimizer.get("state_format"), eo, "checkpoint load")
     saved = index.optimizer["param_groups"]
     current = layout.optimizer_meta(eo, em)["param_groups"]
     if len(saved) != len(current):

@@ -27,6 +27,7 @@ from elixir.fileio import fsync_file
 from elixir.offload.pipeline import disk_mapped
 from elixir.offload.state_binding import is_elementwise
 from elixir.optim.nvme import materialized
+from elixir.wrapper import lowbit_state
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer
 
@@ -109,8 +110,8 @@ def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], ext
             key = f"param/{pname}/{start}"
             master = mapped.get(f.chunk, em.chunks[f.chunk].master)
             tensors[key] = master[f.lo : f.hi]  # written from the master's memory
-            entries.append(Entry("param", pname, key, "float32", fname, start, end))
-            st = state.get(f.tensor) or {}
+            entries.append(Entry("param", pname, key, tensor_files.dtype_name(master.dtype), fname, start, end))
+            st = lowbit_state.export_state(eo, state.get(f.tensor), f.hi - f.lo) or {}
             for k, v in st.items():
                 if is_elementwise(v, f.hi - f.lo):
                     skey = f"state/{k}/{pname}/{start}"

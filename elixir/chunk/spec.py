@@ -42,6 +42,8 @@ class ChunkSpec(ShardedBy):
             none (read as ``DEVICE``).
         pin_memory: page-lock host tensors (only matters with an accelerator).
         kind: trainable, or frozen (weights only; the master and gradient fields are unused).
+        master_dtype: dtype of the master the optimizer updates: fp32, or bf16 for the lossy
+            master formats (:mod:`elixir.plan.state_format`).
     """
 
     index: int
@@ -57,6 +59,7 @@ class ChunkSpec(ShardedBy):
     optim_placement: Placement = Placement.DEVICE
     pin_memory: bool = True
     kind: ChunkKind = ChunkKind.TRAINABLE
+    master_dtype: torch.dtype = torch.float32
 
     @property
     def frozen(self) -> bool:

@@ -38,8 +38,9 @@ def nbytes(numel: int, dtype: torch.dtype) -> int:
 
 
 def master_is_shard(spec: ChunkSpec) -> bool:
-    """The fp32 master is the shard tensor itself: fp32 compute, both in the same place, and not on disk."""
-    return spec.dtype == torch.float32 and spec.shard_placement == spec.optim_placement and not spec.master_on_disk
+    """The master is the shard tensor itself: the compute dtype is the master's (fp32, or bf16 with
+    a bf16 master), both in the same place, and not on disk."""
+    return spec.dtype == spec.master_dtype and spec.shard_placement == spec.optim_placement and not spec.master_on_disk
 
 
 def _copy_of(src: torch.Tensor, dtype: torch.dtype, placement: Placement, spec: ChunkSpec) -> torch.Tensor:
@@ -88,10 +89,10 @@ class ChunkStorage:
             self.master = self.shard
         else:
             if spec.master_on_disk:  # plain (resizable) host memory: elixir.offload frees it
-                self.master = src.to(device="cpu", dtype=torch.float32, copy=True)
+                self.master = src.to(device="cpu", dtype=spec.master_dtype, copy=True)
             else:
-                self.master = _copy_of(src, torch.float32, spec.optim_placement, spec)
-            self.ledger.alloc("master", location(spec.optim_placement), nbytes(n, torch.float32))
+                self.master = _copy_of(src, spec.master_dtype, spec.optim_placement, spec)
+            self.ledger.alloc("master", location(spec.optim_placement), nbytes(n, spec.master_dtype))
         return self.payload
 
     # ---- the payload ----------------------------------------------------------------------

@@ -83,7 +83,8 @@ class DerivedShards:
         self._book(rec.nbytes)
         if self._pieces is None:  # sized for the largest shard, held from now on (read_buffer_bytes)
             n = min(PIECE_ELEMENTS, max(r.shard.numel() for r in self.chunks.values()))
-            self._pieces = (torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32))
+            dt = self.masters.chunks[index].flats[MASTER].dtype  # fp32, or a bf16 master (issue 33)
+            self._pieces = (torch.empty(n, dtype=dt), torch.empty(n, dtype=dt))
         try:
             with torch.no_grad():
                 self.bytes_read += self.masters.read_converted(index, MASTER, rec.shard, self._pieces)

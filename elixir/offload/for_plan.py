@@ -58,12 +58,13 @@ class StoreSite:
         return store
 
 
-def store_for_plan(plan: SearchResult, site: StoreSite) -> Optional[DiskStore]:
+def store_for_plan(plan: SearchResult, site: StoreSite, bytes_per_element: int = RESERVE_BYTES_PER_ELEMENT) -> Optional[DiskStore]:
     """The rank's DiskStore for ``plan``'s disk chunks (``optim_placement == DISK``: masters and
-    optimizer state), or None when no chunk is on disk."""
+    optimizer state), or None when no chunk is on disk; ``bytes_per_element`` is reserved per
+    element (less with low-precision state, :func:`elixir.plan.state_format.disk_state_bytes`)."""
     world = site.world_size
     return site.open([cp.state_size(world) for cp in plan.chunks if cp.optim_placement is Placement.DISK],
-                     RESERVE_BYTES_PER_ELEMENT)
+                     bytes_per_element)
 
 
 def shard_store_for_plan(plan: SearchResult, site: StoreSite, element_size: int) -> Optional[DiskStore]:

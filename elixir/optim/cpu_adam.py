@@ -7,8 +7,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from elixir.optim.functional import adam_step_multi
+from elixir.optim import lowbit
+from elixir.optim.functional import adam_step_lowbit, adam_step_multi
 from elixir.optim.nvme import NvmeOffload, absorb, materialized
+from elixir.plan.state_format import check_state_formats, is_lossy
 
 __all__ = ["CPUAdam"]
 
@@ -41,6 +43,12 @@ class CPUAdam(torch.optim.Optimizer):
             with the process. A directory that cannot be written or lacks the space raises
             :class:`~elixir.offload.OffloadDirError` here, naming the fix.
         nvme_offload_bucket_numel: elements per staged bucket.
+        master, moments: the state formats (:mod:`elixir.optim.lowbit`): ``master="bf16-sr"`` or
+            ``"bf16-kahan"`` steps bf16 parameters (the bf16 tensor is the master), ``moments=
+            "bf16"`` or ``"int8"`` keeps Adam's moments in that format. Default fp32 for both (the
+            bitwise-torch path above). Under an ElixirModule the module's ``MixedPrecisionPolicy``
+            sets them (:meth:`set_state_format`).
+        seed: seed of the random streams of stochastic rounding (per parameter and step).
 
     ``state_dict`` is torch's format (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``; torch's
     group keys plus ``bias_correction``), so ``torch.optim.AdamW`` loads it and vice versa.
@@ -62,6 +70,10 @@ class CPUAdam(torch.optim.Optimizer):
         nvme_offload_fraction: float = 0.0,
         nvme_offload_dir: Optional[str] = None,
         nvme_offload_bucket_numel: int = 4 << 20,
+        *,
+        master: str = "fp32",
+        moments: str = "fp32",
+        seed: int = 0,
     ) -> None:
         if amsgrad:
             raise NotImplementedError(
@@ -97,11 +109,33 @@ class CPUAdam(torch.optim.Optimizer):
         if not 0.0 <= float(nvme_offload_fraction) <= 1.0:
             raise ValueError(f"nvme_offload_fraction must lie in [0, 1], got {nvme_offload_fraction}")
         self.nvme: Optional[NvmeOffload] = None
+        self.state_format = ("fp32", "fp32")
+        self.seed = int(seed)
+        # id(param) -> (random stream, index of its first element there); others: their position
+        self.rng_streams: Dict[int, Tuple[int, int]] = {}
+        self.set_state_format(master, moments, nvme_offload_fraction)
         if nvme_offload_fraction > 0:
             self.nvme = NvmeOffload(
                 float(nvme_offload_fraction), nvme_offload_dir, _reserve_bytes(self._all_params(), nvme_offload_fraction, nvme_offload_bucket_numel),
                 nvme_offload_bucket_numel,
             )
+
+    def set_state_format(self, master: str, moments: str, nvme_offload_fraction: Optional[float] = None) -> None:
+        """Keep the state in these formats from now on (state in another format is converted, with
+        a warning, at its next step)."""
+        check_state_formats(master, moments, where=type(self).__name__)
+        fraction = nvme_offload_fraction if nvme_offload_fraction is not None else (0.0 if self.nvme is None else 1.0)
+        if is_lossy(master, moments) and fraction > 0:
+            raise NotImplementedError(
+                f"{type(self).__name__}: nvme_offload_fraction keeps fp32 moments only; with master={master!r}, "
+                f"moments={moments!r} put the state on disk through the ElixirModule's plan (optim placement DISK)"
+            )
+        self.state_format = (master, moments)
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the state is kept in a format below fp32."""
+        return is_lossy(*self.state_format)
 
     def _all_params(self) -> List[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -117,8 +151,18 @@ class CPUAdam(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """torch's format; moments of offloaded parameters are moved to the disk one bucket at a time."""
+        """torch's format; moments of offloaded parameters are moved to the disk one bucket at a time.
+        State in another format than this optimizer's is converted at its next step, with a warning."""
+        # torch casts all state to the parameter's dtype: low-precision formats keep their own
+        # (8-bit codes, bf16 moments, fp32 block scales), put back after the load
+        kept = {k: {n: v.detach().clone() for n, v in st.items() if n in lowbit.FORMAT_KEYS and isinstance(v, torch.Tensor)}
+                for k, st in state_dict["state"].items()}
         super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for i, p in zip(ids, self._all_params()):
+            for n, v in kept.get(i, {}).items():
+                if self.state[p][n].dtype != v.dtype:
+                    self.state[p][n] = v.to(p.device)
         if self.nvme is not None:
             absorb(self)
 
@@ -164,6 +208,15 @@ class CPUAdam(torch.optim.Optimizer):
         if out_lowps is None:
             out_lowps = [None] * len(params)
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        if self.lossy:
+            self._step_lowbit(params, grads, out_lowps, group_of, div_scale)
+            return
+        for p in params:  # state loaded from a low-precision format: converted to fp32 first
+            st = self.state.get(p)
+            if st and "exp_avg" in st and (st["exp_avg"].dtype != p.dtype or not lowbit.FORMAT_KEYS.isdisjoint(st.keys() - {"exp_avg", "exp_avg_sq"})):
+                lowbit.conform_state(st, p.numel(), "fp32", "fp32")
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k] = st[k].to(p.dtype).view(p.shape)
         # One kernel call per (group, step count): hyperparameters and bias correction are shared.
         buckets: Dict[Tuple[int, int], List[int]] = defaultdict(list)
         nvme = self.nvme
@@ -224,6 +277,45 @@ class CPUAdam(torch.optim.Optimizer):
                         self.state[s.param]["step"] += 1
 
             nvme.step(set(disk), step_bucket)
+
+    def _step_lowbit(self, params, grads, out_lowps, group_of, div_scale: float) -> None:
+        """:meth:`step_params` with low-precision state: one kernel call per (group, step)."""
+        master, moments = self.state_format
+        position = {id(p): k for k, p in enumerate(self._all_params())}
+        buckets: Dict[Tuple[int, int], List[int]] = defaultdict(list)
+        for i, p in enumerate(params):
+            gi = group_of.get(id(p))
+            if gi is None:
+                raise ValueError("step_params got a tensor that is not a parameter of this optimizer")
+            if p.device.type != "cpu" and not self._accepts_accelerator:
+                raise RuntimeError(f"{type(self).__name__} steps CPU parameters only, got one on {p.device}")
+            if p.dtype != lowbit.master_dtype(master):
+                raise TypeError(
+                    f"{type(self).__name__}(master={master!r}) steps {lowbit.master_dtype(master)} parameters, got "
+                    f"{p.dtype}: cast the model (model.to(torch.bfloat16) for the bf16 masters) or change the format"
+                )
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+                state.update({k: t if k in lowbit.SCALE_KEYS else t.view(p.shape)
+                              for k, t in lowbit.new_state(p.numel(), master, moments, p.device).items()})
+            else:
+                lowbit.conform_state(state, p.numel(), master, moments)
+            state["step"] += 1
+            buckets[(gi, int(state["step"].item()))].append(i)
+        for (gi, step), idx in buckets.items():
+            group = self.param_groups[gi]
+            _check_supported(group, type(self).__name__)
+            beta1, beta2 = group["betas"]
+            streams = [self.rng_streams.get(id(params[i]), (position.get(id(params[i]), 0), 0)) for i in idx]
+            adam_step_lowbit(
+                [params[i] for i in idx], [grads[i] for i in idx], [self.state[params[i]] for i in idx],
+                master=master, moments=moments, keys=[lowbit.stream_key(self.seed, s, step) for s, _ in streams],
+                offsets=[o for _, o in streams], out_lowps=[out_lowps[i] for i in idx], step=step,
+                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["decoupled_weight_decay"]),
+                bias_correction=bool(group["bias_correction"]), div_scale=float(div_scale),
+            )
 
     def _run_kernel(self, gi, step, params, grads, exp_avgs, exp_avg_sqs, out_lowps, div_scale) -> None:
         group = self.param_groups[gi]

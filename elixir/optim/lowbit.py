@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from elixir.plan.state_format import QUANT_BLOCK, check_state_formats
+from elixir.plan.state_format import QUANT_BLOCK, check_state_formats, master_torch_dtype
 
 __all__ = [
     "MASTER_CODE", "MOMENT_CODE", "QUANT_BLOCK", "stream_key", "random_bits", "new_state", "conform_state",
@@ -50,12 +50,15 @@ _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 _SALT_M, _SALT_V = 0x68E31DA4, 0xB5297A4D
 _ELEM_KEYS = ("exp_avg", "exp_avg_sq", "master_comp")
-_SCALE_KEYS = ("exp_avg_absmax", "exp_avg_sq_absmax")
+SCALE_KEYS = ("exp_avg_absmax", "exp_avg_sq_absmax")
+_SCALE_KEYS = SCALE_KEYS
+#: Every state entry whose dtype is the format's own (not the parameter's).
+FORMAT_KEYS = frozenset(("exp_avg", "exp_avg_sq", "master_comp", *SCALE_KEYS))
 
 
 def master_dtype(master: str) -> torch.dtype:
     """The dtype of the master copy in format ``master``."""
-    return torch.float32 if master == "fp32" else torch.bfloat16
+    return master_torch_dtype(master)
 
 
 def state_keys(master: str, moments: str) -> tuple[str, ...]:

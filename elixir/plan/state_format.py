@@ -21,6 +21,10 @@ the plan, the kernels (:mod:`elixir.optim.lowbit`) and the search's cost model r
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 #: Formats of the master copy.
 MASTER_FORMATS = ("fp32", "bf16-sr", "bf16-kahan")
 #: Formats of Adam's moments.
@@ -30,6 +34,12 @@ QUANT_BLOCK = 256
 
 _MASTER_BYTES = {"fp32": 4.0, "bf16-sr": 2.0, "bf16-kahan": 4.0}
 _MOMENT_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 8.0 / QUANT_BLOCK}
+
+
+def master_torch_dtype(master: str) -> torch.dtype:
+    """The torch dtype of a master kept in format ``master`` (fp32, or bf16)."""
+    check_state_formats(master, "fp32")
+    return torch.float32 if master == "fp32" else torch.bfloat16
 
 
 def check_state_formats(master: object, moments: object, where: str = "MixedPrecisionPolicy") -> None:
@@ -50,6 +60,11 @@ def moment_bytes(moments: str) -> float:
     """Bytes per element of Adam's two moments together (block scales included)."""
     check_state_formats("fp32", moments)
     return _MOMENT_BYTES[moments]
+
+
+def disk_state_bytes(master: str, moments: str) -> int:
+    """Bytes per element a disk-placed chunk keeps in its offload file: master and moments, rounded up."""
+    return int(math.ceil(master_bytes(master) + moment_bytes(moments)))
 
 
 def is_lossy(master: str, moments: str) -> bool:

@@ -22,6 +22,7 @@ from elixir.offload.derived import DerivedShards
 from elixir.offload.for_plan import StoreSite, shard_store_for_plan, store_for_plan
 from elixir.offload.store import DiskStore
 from elixir.plan import Placement, Sharding
+from elixir.plan.state_format import disk_state_bytes, master_torch_dtype
 from elixir.wrapper.materialize import Materializer, assign
 from elixir.wrapper.mesh import RunMesh
 from elixir.wrapper.param_map import ParamMap, ParamSlot
@@ -56,6 +57,7 @@ class Runtime:
     reduce_dtype: torch.dtype
     grad_dtype: torch.dtype
     device: torch.device
+    state_formats: tuple[str, str] = ("fp32", "fp32")  # (master, moments), issue 33
 
 
 def own_version_param(view: torch.Tensor, requires_grad: bool) -> nn.Parameter:
@@ -151,7 +153,7 @@ class ChunkBuilder:
         plan, rt, out = self.plan, self.rt, self.out
         m = rt.mesh
         site = StoreSite(rt.ledger, m.shard_rank, m.shard_world, m.shard_group, self.offload.offload_dir, self.offload.direct)
-        out.disk_store = store_for_plan(plan, site)
+        out.disk_store = store_for_plan(plan, site, disk_state_bytes(*rt.state_formats))
         out.shard_store = shard_store_for_plan(plan, site, torch.empty((), dtype=rt.dtype).element_size())
         if out.disk_store is not None and any(cp.sharded and cp.shard_placement is Placement.DISK for cp in plan.chunks):
             out.derived_shards = DerivedShards(out.disk_store, rt.ledger)
@@ -177,6 +179,7 @@ class ChunkBuilder:
             shard_placement=cp.shard_placement,  # read as the device where parameters are whole
             optim_placement=cp.optim_placement,  # and where a frozen chunk has no master
             pin_memory=bool(self.plan.info.get("pin_memory", True)),
+            master_dtype=master_torch_dtype(rt.state_formats[0]),
         )
 
     def _build_one(self, ci: int, cp: Any, kind: ChunkKind, staging: torch.Tensor, named: dict, sync: bool) -> Chunk:

@@ -52,7 +52,7 @@ from elixir.wrapper.materialize import Materializer, agreed_seed, has_meta_tenso
 from elixir.wrapper.memory_report import MemoryAccounts, memory_report
 from elixir.wrapper.mesh import require_runnable, resolve_mesh, tp_mesh
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
-from elixir.wrapper.policies import MixedPrecisionPolicy, OffloadPolicy, module_policies
+from elixir.wrapper.policies import MixedPrecisionPolicy, OffloadPolicy, module_policies, state_formats
 from elixir.wrapper.released import AccessGathers, install_release_guards
 from elixir.wrapper.state_dict import full_grads, full_state_dict, load_full_state_dict
 from elixir.wrapper.step_hooks import StepHooks
@@ -201,6 +201,7 @@ class ElixirModule(nn.Module):
         self.mp_policy, self.offload_policy = mp_policy, offload_policy
         search_result = as_plan(search_result)
         self.grad_dtype = mp_policy.grad_dtype or dtype_from_name(search_result.grad_dtype)
+        self.state_formats = state_formats(mp_policy, search_result)  # (master, moments), issue 33
         self.module = module
         self.plan = search_result
         edist.bind_device()  # before any collective: NCCL and object collectives use the current device
@@ -247,7 +248,7 @@ class ElixirModule(nn.Module):
         if sync and self.world_size > 1:
             broadcast_non_chunked(self.module, self.plan, named, self.group)
         rt = Runtime(self.mesh, self.ledger, self.streams, self.grad_buffers, self.dtype, self.reduce_dtype,
-                     self.grad_dtype, self.device)
+                     self.grad_dtype, self.device, self.state_formats)
         built = ChunkBuilder(self.module, self.plan, rt, self.offload_policy, self.materializer).build(named, sync)
         # trainable chunks (index = position), then frozen ones (index = len(chunks) + position),
         # and the parameters in them (the frozen map's indices are global): see BuiltChunks

@@ -25,6 +25,7 @@ from elixir import distributed as edist
 from elixir.offload.pipeline import staged
 from elixir.offload.state_binding import is_elementwise
 from elixir.optim.nvme import absorb
+from elixir.wrapper import lowbit_state
 
 if TYPE_CHECKING:
     from elixir.wrapper.interfaces import ShardedOptimizer
@@ -92,7 +93,7 @@ def gather_full_state(eo: ShardedOptimizer, rank0_only: bool = False) -> dict:
     # Per managed parameter on this rank: key -> ("elem", dtype) | ("scalar", value), in order.
     meta: dict[int, dict] = {}
     for f in eo.fragments:
-        st = state.get(f.tensor)
+        st = lowbit_state.export_state(eo, state.get(f.tensor), f.tensor.numel(), decode=False)
         if not st:
             continue
         d = meta.setdefault(f.param_index, {})
@@ -124,7 +125,7 @@ def gather_full_state(eo: ShardedOptimizer, rank0_only: bool = False) -> dict:
         shards = {k: torch.zeros(c.spec.shard_numel, dtype=dtype, device=em.device) for k, dtype in elem_keys.items()}
         with staged(eo.disk_store, [c.index], write_back=False):  # disk chunks: read, not written
             for f in frags:
-                st = state.get(f.tensor)
+                st = lowbit_state.export_state(eo, state.get(f.tensor), f.tensor.numel())
                 for k, shard in shards.items():
                     if st and k in st:
                         shard[f.lo : f.hi].copy_(st[k].reshape(-1))
@@ -231,6 +232,7 @@ def install_state(eo: ShardedOptimizer, new_state: dict, saved_groups: list[dict
     """Replace the inner optimizer's state (keyed by fragment tensors) and its groups'
     hyper-parameters (``saved_groups``, whose ``params`` entries are ignored), as torch's
     ``load_state_dict`` does."""
+    lowbit_state.conform_loaded(eo, new_state)  # to the run's state formats, before binding to the disk
     state: defaultdict = defaultdict(dict)
     state.update(new_state)
     new_groups = []

@@ -23,7 +23,7 @@ from elixir.offload.pipeline import staged
 from elixir.offload.state_binding import FragmentState, bind_state
 from elixir.optim.loss_scaler import DynamicLossScaler, LossScalePolicy
 from elixir.optim.nvme import materialized
-from elixir.wrapper import optim_state
+from elixir.wrapper import lowbit_state, optim_state
 from elixir.wrapper.backward_step import BackwardStep, fallback_reason
 from elixir.wrapper.clipping import GradNorm, clip_coefficient, global_grad_norm
 from elixir.wrapper.fragments import Fragment, ShardFragments
@@ -148,6 +148,7 @@ class ElixirOptimizer:
         self.layout = optim_state.capture_layout(module, optimizer)
         self.shards.rebuild_groups()
         self._init_precision(scale_policy, max_norm, norm_type)
+        lowbit_state.configure(self, self.kernel is UpdateKernel.FUSED)  # the module's state formats
         module.register_memory_reporter(self._memory_report)
         self.stepper = ShardStepper(self, self.shards, self.kernel, self.disk_chunks)
         self.torn_step: Optional[int] = None  # a step a disk fault left partly applied
@@ -401,11 +402,14 @@ class ElixirOptimizer:
             sd = optim_state.gather_full_state(self, rank0_only=rank0_only)
         if sd and self.scaler is not None:
             sd["loss_scaler"] = self.scaler.state_dict()
+        if sd:
+            sd["state_format"] = lowbit_state.formats(self)
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full torch-format optimizer state dict (from :meth:`state_dict` or a plain torch
         optimizer on the unwrapped model). Every rank needs the whole dict; no collective."""
+        lowbit_state.warn_format_change(state_dict.get("state_format"), self, "load_state_dict")
         optim_state.scatter_full_state(self, state_dict)
         self.bind_disk_state()
         self.forget_torn_step()

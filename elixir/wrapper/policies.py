@@ -14,7 +14,7 @@ refuse both spellings at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -147,6 +147,23 @@ def module_policies(
     return mp_policy, offload_policy
 
 
+def state_formats(mp_policy: MixedPrecisionPolicy, plan: Any) -> tuple[str, str]:
+    """The (master, moments) formats a run keeps its optimizer state in: those the plan records
+    (it was searched with them, and its memory figures count them), else the policy's. A policy
+    asking for other lossy formats than the plan's raises, naming both."""
+    recorded = getattr(plan, "master_format", None), getattr(plan, "moments_format", None)
+    wanted = (mp_policy.master, mp_policy.moments)
+    if recorded[0] is None:
+        return wanted
+    if mp_policy.lossy_state and wanted != recorded:
+        raise ValueError(
+            f"the plan was searched with master={recorded[0]!r}, moments={recorded[1]!r} but the MixedPrecisionPolicy "
+            f"asks for master={wanted[0]!r}, moments={wanted[1]!r}: search again with the policy's formats, or leave "
+            "them at their defaults to take the plan's"
+        )
+    return recorded
+
+
 _SCALE_DEFAULTS = LossScalePolicy()
 SCALE_KEYWORDS = ("initial_scale", "min_scale", "max_scale", "growth_factor", "backoff_factor", "growth_interval",
                   "hysteresis")
@@ -169,4 +186,4 @@ def loss_scale_policy(policy: Optional[LossScalePolicy], **keywords: float) -> L
     return LossScalePolicy(**keywords)
 
 
-__all__ = ["LossScalePolicy", "MixedPrecisionPolicy", "MASTER_FORMATS", "MOMENT_FORMATS", "check_state_formats", "OffloadPolicy", "module_policies", "loss_scale_policy"]
+__all__ = ["LossScalePolicy", "MixedPrecisionPolicy", "MASTER_FORMATS", "MOMENT_FORMATS", "check_state_formats", "OffloadPolicy", "module_policies", "loss_scale_policy", "state_formats"]
