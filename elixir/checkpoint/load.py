@@ -134,7 +134,9 @@ def _prepare_sharded(root: str, index: Index, em: ElixirModule, eo: Optional[Eli
         pname, start, end = layout.frag_range(em, f)
         if pname not in saved_params:
             continue  # strict=False
-        values.append((f, reader.assemble(pieces.get(("param", pname), []), start, end, torch.float32, f"parameter {pname}")))
+        found = pieces.get(("param", pname), [])
+        saved = dtype_of(found[0].dtype) if found else torch.float32  # fp32, or a bf16 master (issue 33)
+        values.append((f, reader.assemble(found, start, end, saved, f"parameter {pname}")))
     frozen = []  # (frozen piece, values in the saved dtype)
     for fp in layout.frozen_pieces(em) if "frozen" in index.model else ():
         found = pieces.get(("frozen", fp.name), [])
