@@ -14,6 +14,9 @@ over the roofline probe's.
     python bench/cpu_adam.py --params 20e6 --rounds 3 --markdown
 
 fp32: ours vs torch fused / foreach / for-loop (and DeepSpeedCPUAdam when importable).
+Low-precision state (issue 33, ``elixir.optim.lowbit``): one row per (master, moments) format,
+fp32 gradients in, its ratio to our fp32 kernel in the same rounds, and the int8-moments/fp32
+throughput ratio on its own line (the issue's target: >= 0.9x).
 bf16 grads in, bf16 params out, loss scale: ours in one pass vs torch fused plus its casts
 (grad bf16->fp32 copy, fused AdamW with ``grad_scale``, param fp32->bf16 copy).
 """
@@ -30,13 +33,20 @@ import torch
 from torch.optim.adam import adam as torch_adam
 
 from elixir.optim import functional as F
+from elixir.optim import lowbit as L
 
 # Bytes per parameter the update has to move (reads + writes, no write-allocate traffic).
 BYTES = {
     "fp32": 16 + 12,  # read p g m v, write p m v
     "bf16": 14 + 14,  # read p m v + bf16 g, write p m v + bf16 copy
     "bf16_torch": 6 + 28 + 4 + 6,  # cast g in; fused step (+ grad_scale writes g back); cast p out
+    # low-precision state, fp32 gradients: read p g m v (+ comp), write p m v (+ comp); scales aside
+    "fp32/int8": 10 + 6,
+    "fp32/bf16": 12 + 8,
+    "bf16-sr/int8": 8 + 4,
+    "bf16-kahan/bf16": 12 + 8,
 }
+LOWBIT = (("fp32", "int8"), ("fp32", "bf16"), ("bf16-sr", "int8"), ("bf16-kahan", "bf16"))
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 LOSS_SCALE = 1024.0
 
@@ -59,6 +69,9 @@ class Bench:
         self.p_bf16 = torch.empty(n, dtype=torch.bfloat16)
         self.g_buf = torch.empty(n)  # torch's fp32 landing buffer for the cast-in
         self.zeros = torch.zeros(n)  # the roofline probe's "gradient"
+        self.low = {}  # (master, moments) -> (master tensor, state)
+        for master, moments in LOWBIT:
+            self.low[(master, moments)] = (self.p.to(L.master_dtype(master)), L.new_state(n, master, moments))
         self.step_t = torch.tensor(0.0)
         self.step = 0
         self.scale_t = torch.tensor(LOSS_SCALE)
@@ -78,6 +91,12 @@ class Bench:
                    fused=fused, decoupled_weight_decay=True, amsgrad=False, maximize=False,
                    beta1=HYPER["beta1"], beta2=HYPER["beta2"], lr=HYPER["lr"],
                    weight_decay=HYPER["weight_decay"], eps=HYPER["eps"])  # fmt: skip
+
+    def ours_lowbit(self, master: str, moments: str) -> None:
+        p, st = self.low[(master, moments)]
+        step = self._next()
+        F.adam_step_lowbit([p], [self.g], [st], master=master, moments=moments, keys=[L.stream_key(0, 0, step)],
+                           offsets=[0], step=step, adamw_mode=True, bias_correction=True, div_scale=1.0, **HYPER)
 
     # --- bf16 grads in, bf16 params out -----------------------------------------------------
     def ours_bf16(self) -> None:
@@ -136,7 +155,7 @@ def main() -> None:
     args = ap.parse_args()
 
     n = int(args.params)
-    b = Bench(n)
+    b = b_ = Bench(n)
     variants: Dict[str, tuple] = {  # name -> (fn, bytes key, group, peer of the group)
         "copy_ probe": (b.copy_probe, None, "probe", None),
         "in-place mul_ probe": (b.rmw_probe, None, "probe", None),
@@ -146,6 +165,9 @@ def main() -> None:
         "torch fused + casts": (b.torch_bf16, "bf16_torch", "bf16", None),
         "elixir fused bf16": (b.ours_bf16, "bf16", "bf16", "torch fused + casts"),
     }
+    for master, moments in LOWBIT:
+        variants[f"elixir {master} master, {moments} moments"] = (
+            lambda a=master, b=moments: b_.ours_lowbit(a, b), f"{master}/{moments}", "lowbit", "elixir CPUAdam kernel")
     if args.loop:
         variants["torch AdamW foreach"] = (lambda: b.torch_fp32(False, True), "fp32", "fp32", None)
         variants["torch AdamW for-loop"] = (lambda: b.torch_fp32(False, False), "fp32", "fp32", None)
@@ -178,10 +200,10 @@ def main() -> None:
     from rich.table import Table
 
     table = Table(title=f"CPU Adam, {n / 1e6:.0f}M params (median / best of {args.rounds} rounds)")
-    for col in ("variant", "ms/step med", "ms/step best", "Mparam/s", "GB/s", "% roofline", "vs torch fused"):
+    for col in ("variant", "ms/step med", "ms/step best", "Mparam/s", "GB/s", "% roofline", "vs torch fused*"):
         table.add_column(col, justify="right" if col != "variant" else "left")
     rows = []
-    fused_ref = {"fp32": "torch AdamW fused", "bf16": "torch fused + casts"}
+    fused_ref = {"fp32": "torch AdamW fused", "bf16": "torch fused + casts", "lowbit": "elixir CPUAdam kernel"}
     for name, (_, bkey, group, _peer) in variants.items():
         t_med, t_best = med[name], best[name]
         if group == "probe":
@@ -197,6 +219,10 @@ def main() -> None:
         table.add_row(name, *cells)
         rows.append((name, cells))
     Console(width=150).print(table)
+    print("* low-precision rows: vs elixir's fp32 kernel (elixir CPUAdam kernel), paired per round")
+    int8 = "elixir fp32 master, int8 moments"
+    ratio = statistics.median(a / b for a, b in zip(times["elixir CPUAdam kernel"], times[int8]))
+    print(f"int8 moments / fp32 kernel throughput (params/s, median of paired rounds): {ratio:.2f}x (target >= 0.9x)")
     print(f"bandwidth probes (median): copy_ {copy_gbs:.1f} GB/s, in-place mul_ {rmw_gbs:.1f} GB/s, "
           f"roofline (the update's traffic, no math) {roof_gbs:.1f} GB/s; "
           f"effective GB/s counts {BYTES['fp32']} B/param fp32, {BYTES['bf16']} ours bf16, "

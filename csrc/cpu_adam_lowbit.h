@@ -17,9 +17,10 @@
 //   to its block's absmax (a dynamic code: 15 binades below the block's largest value, then a
 //   linear subnormal range), rounded stochastically. A nonzero sqrt(v) never rounds to 0 (that
 //   would turn a small update into m / eps).
-// - Random bits: mix32(key ^ index * 0x9E3779B9), `key` per (seed, chunk, step) from Python and
-//   `index` the element's position in its chunk, so a run is reproducible and ranks draw
-//   independent streams.
+// - Random bits: h = mix32(key ^ index * 0x9E3779B9), `key` per (seed, chunk, step) from Python
+//   and `index` the element's position in its chunk, so a run is reproducible and ranks draw
+//   independent streams. The master's rounding takes h's low 16 bits; the moments take
+//   h2 = mix32(h ^ 0x68E31DA4), exp_avg its low and exp_avg_sq its high 16 bits.
 
 enum MasterFmt : int { kMasterF32 = 0, kMasterBF16SR = 1, kMasterBF16Kahan = 2 };
 enum MomentFmt : int { kMomF32 = 0, kMomBF16 = 1, kMomQ8 = 2 };
@@ -63,15 +64,16 @@ inline float f16_to_f32_flat(uint16_t h) {
   return bits_f32(f32_bits(f) | (static_cast<uint32_t>(h & 0x8000u) << 16));
 }
 
-// 8-bit float code with M mantissa bits of y in [0, ~1], rounded stochastically with `rb`.
+// 8-bit float code with M mantissa bits of y in [0, ~1], rounded stochastically with the 16
+// random bits `r16` (placed at the top of the bits the code drops).
 // Branch-free (the compiler vectorises the loops calling these only without control flow).
 template <int M>
-inline int32_t code_encode(float y, uint32_t rb) {
+inline int32_t code_encode(float y, uint32_t r16) {
   constexpr int kShift = 23 - M;
-  const int32_t normal = static_cast<int32_t>((f32_bits(y) + (rb & ((1u << kShift) - 1u))) >> kShift) - (112 << M);
+  const int32_t normal = static_cast<int32_t>((f32_bits(y) + (r16 << (kShift - 16))) >> kShift) - (112 << M);
   // the linear range below 2^-14, in steps of 2^-(14+M)
   const int32_t linear =
-      static_cast<int32_t>(y * static_cast<float>(1 << (14 + M)) + static_cast<float>(static_cast<int32_t>(rb >> 8)) * 0x1p-24f);
+      static_cast<int32_t>(y * static_cast<float>(1 << (14 + M)) + static_cast<float>(static_cast<int32_t>(r16)) * 0x1p-16f);
   const int32_t is_normal = -static_cast<int32_t>(y >= 0x1p-14f);
   const int32_t q = (normal & is_normal) | (linear & ~is_normal);
   return std::min(q, M == 3 ? 127 : 255);
@@ -109,13 +111,13 @@ ELIXIR_AVX512 inline __m512 code_decode16(__m512i c) {
 }
 
 template <int M>
-ELIXIR_AVX512 inline __m512i code_encode16(__m512 y, __m512i rb) {
+ELIXIR_AVX512 inline __m512i code_encode16(__m512 y, __m512i r16) {
   constexpr int kShift = 23 - M;
   const __m512i normal = _mm512_sub_epi32(
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(y), _mm512_and_si512(rb, _mm512_set1_epi32((1 << kShift) - 1))), kShift),
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(y), _mm512_slli_epi32(r16, kShift - 16)), kShift),
       _mm512_set1_epi32(112 << M));
   const __m512 lin = _mm512_add_ps(_mm512_mul_ps(y, _mm512_set1_ps(static_cast<float>(1 << (14 + M)))),
-                                   _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(rb, 8)), _mm512_set1_ps(0x1p-24f)));
+                                   _mm512_mul_ps(_mm512_cvtepi32_ps(r16), _mm512_set1_ps(0x1p-16f)));
   const __m512i linear = _mm512_cvttps_epi32(lin);
   const __mmask16 is_normal = _mm512_cmp_ps_mask(y, _mm512_set1_ps(0x1p-14f), _CMP_GE_OQ);
   return _mm512_min_epi32(_mm512_mask_blend_epi32(is_normal, linear, normal), _mm512_set1_epi32(M == 3 ? 127 : 255));
@@ -153,14 +155,14 @@ ELIXIR_AVX512 int64_t q8_encode_avx512(const float* m, const float* r, const uin
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   int64_t j = 0;
   for (; j + 16 <= len; j += 16) {
-    const __m512i hh = _mm512_load_si512(h + j);
+    const __m512i h2 = mix32x16(_mm512_xor_si512(_mm512_load_si512(h + j), _mm512_set1_epi32(0x68E31DA4)));
     const __m512i mb = _mm512_load_si512(m + j);
     const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(mb, abs_mask));
-    __m512i qm = code_encode16<3>(_mm512_mul_ps(am, mi), mix32x16(_mm512_xor_si512(hh, _mm512_set1_epi32(0x68E31DA4))));
+    __m512i qm = code_encode16<3>(_mm512_mul_ps(am, mi), _mm512_and_si512(h2, _mm512_set1_epi32(0xFFFF)));
     qm = _mm512_or_si512(qm, _mm512_and_si512(_mm512_srli_epi32(mb, 24), _mm512_set1_epi32(0x80)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dm + j), _mm512_cvtepi32_epi8(qm));
     const __m512 y = _mm512_mul_ps(_mm512_load_ps(r + j), vi);
-    __m512i qv = code_encode16<4>(y, mix32x16(_mm512_xor_si512(hh, _mm512_set1_epi32(static_cast<int>(0xB5297A4Du)))));
+    __m512i qv = code_encode16<4>(y, _mm512_srli_epi32(h2, 16));
     const __mmask16 bump = _mm512_cmpeq_epi32_mask(qv, _mm512_setzero_si512()) &
                            _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ);
     qv = _mm512_mask_add_epi32(qv, bump, qv, _mm512_set1_epi32(1));
@@ -302,8 +304,9 @@ __attribute__((always_inline)) inline void low_block(const Consts& c, const LowO
   } else if (o.moments == kMomBF16) {
     uint16_t* dm = static_cast<uint16_t*>(s.m) + b;
     uint16_t* dv = static_cast<uint16_t*>(s.v) + b;
-    for (int64_t j = 0; j < len; ++j) dm[j] = sr_bf16(m[j], mix32(h[j] ^ 0x68E31DA4u));
-    for (int64_t j = 0; j < len; ++j) dv[j] = sr_bf16(v[j], mix32(h[j] ^ 0xB5297A4Du));
+    for (int64_t j = 0; j < len; ++j) h[j] = mix32(h[j] ^ 0x68E31DA4u);  // the moments' bits: m low, v high half
+    for (int64_t j = 0; j < len; ++j) dm[j] = sr_bf16(m[j], h[j]);
+    for (int64_t j = 0; j < len; ++j) dv[j] = sr_bf16(v[j], h[j] >> 16);
   } else {
     uint8_t* dm = static_cast<uint8_t*>(s.m) + b;
     uint8_t* dv = static_cast<uint8_t*>(s.v) + b;
@@ -317,12 +320,12 @@ __attribute__((always_inline)) inline void low_block(const Consts& c, const LowO
 #endif
     for (int64_t j = j0; j < len; ++j) {
       const uint32_t sign = (f32_bits(m[j]) >> 24) & 0x80u;
-      const int32_t q = code_encode<3>(std::fabs(m[j]) * minv, mix32(h[j] ^ 0x68E31DA4u));
+      const int32_t q = code_encode<3>(std::fabs(m[j]) * minv, mix32(h[j] ^ 0x68E31DA4u) & 0xFFFFu);
       dm[j] = static_cast<uint8_t>(static_cast<uint32_t>(q) | sign);
     }
     for (int64_t j = j0; j < len; ++j) {
       const float y = r[j] * vinv;
-      const int32_t q = code_encode<4>(y, mix32(h[j] ^ 0xB5297A4Du));
+      const int32_t q = code_encode<4>(y, mix32(h[j] ^ 0x68E31DA4u) >> 16);
       dv[j] = static_cast<uint8_t>(q + static_cast<int32_t>((q == 0) & (y > 0.f)));
     }
   }

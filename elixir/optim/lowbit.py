@@ -48,7 +48,7 @@ MASTER_CODE = {"fp32": 0, "bf16-sr": 1, "bf16-kahan": 2}
 MOMENT_CODE = {"fp32": 0, "bf16": 1, "int8": 2}
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
-_SALT_M, _SALT_V = 0x68E31DA4, 0xB5297A4D
+_SALT = 0x68E31DA4
 _ELEM_KEYS = ("exp_avg", "exp_avg_sq", "master_comp")
 SCALE_KEYS = ("exp_avg_absmax", "exp_avg_sq_absmax")
 _SCALE_KEYS = SCALE_KEYS
@@ -115,10 +115,11 @@ def _sr_bf16(x: torch.Tensor, rb: torch.Tensor) -> torch.Tensor:
 
 
 def _encode(y: torch.Tensor, rb: torch.Tensor, mant: int) -> torch.Tensor:
-    """8-bit float code (``mant`` mantissa bits) of ``y`` >= 0, rounded with ``rb``: int64."""
+    """8-bit float code (``mant`` mantissa bits) of ``y`` >= 0, rounded with the 16 random bits
+    ``rb`` (at the top of the bits the code drops): int64."""
     shift = 23 - mant
-    normal = ((_bits(y) + (rb & ((1 << shift) - 1))) >> shift) - (112 << mant)
-    linear = (y * float(1 << (14 + mant)) + (rb >> 8).to(torch.float32) * 2.0**-24).to(torch.int32).to(torch.int64)
+    normal = ((_bits(y) + (rb << (shift - 16))) >> shift) - (112 << mant)
+    linear = (y * float(1 << (14 + mant)) + rb.to(torch.float32) * 2.0**-16).to(torch.int32).to(torch.int64)
     q = torch.where(y >= 2.0**-14, normal, linear)
     return q.clamp(max=127 if mant == 3 else 255)
 
@@ -159,7 +160,8 @@ def _store_moments(m: torch.Tensor, v: torch.Tensor, sq: Optional[torch.Tensor],
     """The state entries holding fp32 ``m``, ``v`` (``sq``: sqrt(v) when computed) in ``moments``."""
     if moments == "fp32":
         return {"exp_avg": m, "exp_avg_sq": v}
-    hm, hv = _mix32_t(h ^ _SALT_M), _mix32_t(h ^ _SALT_V)
+    h2 = _mix32_t(h ^ _SALT)
+    hm, hv = h2 & 0xFFFF, h2 >> 16
     if moments == "bf16":
         return {"exp_avg": _sr_bf16(m, hm), "exp_avg_sq": _sr_bf16(v, hv)}
     if sq is None:
