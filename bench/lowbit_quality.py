@@ -49,16 +49,18 @@ def build(args) -> torch.nn.Module:
 
 
 def state_bytes_per_param(em: ElixirModule, eo: ElixirOptimizer) -> float:
-    """Bytes per trainable element of masters and optimizer state, from the runtime's storage."""
-    total = numel = 0
+    """Bytes per trainable element of masters and optimizer state, from the runtime's storage: the
+    masters' bytes per chunk element (padding included) plus the state's per stepped element."""
+    master = chunk_numel = state = stepped = 0
     for c in em.chunks:
-        numel += c.spec.shard_numel
-        total += c.master.untyped_storage().nbytes()
+        chunk_numel += c.spec.shard_numel
+        master += c.master.untyped_storage().nbytes()
         for f in eo.chunk_fragments(c.index):
+            stepped += f.hi - f.lo
             for v in (eo.optim.state.get(f.tensor) or {}).values():
                 if isinstance(v, torch.Tensor) and v.dim() >= 1:
-                    total += v.numel() * v.element_size()
-    return total / numel
+                    state += v.numel() * v.element_size()
+    return master / chunk_numel + state / stepped
 
 
 def run(args, corpus, master: str, moments: str) -> dict:
