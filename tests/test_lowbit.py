@@ -282,3 +282,18 @@ def test_lossy_state_needs_the_fused_adam():
     em = ElixirModule(build_gpt2(), minimum_waste_search(build_gpt2(), 1), mp_policy=MixedPrecisionPolicy(moments="int8"))
     with pytest.raises(ValueError, match="build the optimizer as elixir.optim.CPUAdam or HybridAdam, not AdamW"):
         ElixirOptimizer(em, torch.optim.AdamW(em.parameters()))
+
+
+def test_integrations_take_the_formats():
+    from elixir.booster import GeminiPlugin
+    from elixir.integrations.options import ElixirOptions
+
+    opts = ElixirOptions(placement_policy="cpu", master="bf16-sr", moments="int8")
+    model = build_gpt2()
+    em = opts.wrap(model, minimum_waste_search(model, 1), torch.float32, output_fp32=False)
+    assert em.state_formats == ("bf16-sr", "int8")
+    with pytest.raises(ValueError, match="elixir.moments must be one of"):
+        ElixirOptions(moments="int4")
+    assert GeminiPlugin(precision="fp32", master="bf16-kahan", moments="bf16").state_formats == ("bf16-kahan", "bf16")
+    with pytest.raises(ValueError, match="GeminiPlugin.master must be one of"):
+        GeminiPlugin(master="fp16")

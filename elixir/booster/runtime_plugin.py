@@ -23,9 +23,10 @@ from elixir.booster.mesh_wrap import (
 )
 from elixir.booster.plugin import Plugin
 from elixir.parallel import tensor_parallel
+from elixir.plan.state_format import check_state_formats
 from elixir.search import SearchResult
 from elixir.wrapper import ElixirModule, ElixirOptimizer, LossScalePolicy
-from elixir.wrapper.policies import SCALE_KEYWORDS, loss_scale_policy
+from elixir.wrapper.policies import SCALE_KEYWORDS, MixedPrecisionPolicy, loss_scale_policy
 
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -90,6 +91,9 @@ class ElixirRuntimePlugin(Plugin):
         subclass's ``scale_defaults``), else ColossalAI arguments ``compat`` lists
         (:func:`~elixir.booster.compat.check_compat`: noted or refused)."""
         self.loss_scale = pop_loss_scale(options, **scale_defaults)
+        # optimizer-state formats (MixedPrecisionPolicy.master / .moments), checked now
+        self.state_formats = (options.pop("master", "fp32"), options.pop("moments", "fp32"))
+        check_state_formats(*self.state_formats, where=type(self).__name__)
         check_compat(type(self).__name__, options, compat)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
@@ -111,10 +115,14 @@ class ElixirRuntimePlugin(Plugin):
             if self.tp_size > 1:  # DTensor tensor parallelism first; chunks then hold the local shards
                 mesh = device_mesh(tp_dims(self.tp_size))
                 tensor_parallel(model, mesh)
+            mp = MixedPrecisionPolicy(
+                param_dtype=self.dtype, reduce_dtype=torch.float32 if self.reduce_always_fp32 else None,
+                output_dtype=torch.float32 if output_fp32 else None, master=self.state_formats[0],
+                moments=self.state_formats[1],
+            )
             model = ElixirModule(
-                model, self.make_plan(model), dtype=self.dtype, output_fp32=output_fp32,
-                prefetch=self.max_prefetch > 0, offload_dir=self.offload_dir, reduce_always_fp32=self.reduce_always_fp32,
-                use_fused_kernels=self.use_fused_kernels, mesh=mesh,
+                model, self.make_plan(model), mp_policy=mp, prefetch=self.max_prefetch > 0,
+                offload_dir=self.offload_dir, use_fused_kernels=self.use_fused_kernels, mesh=mesh,
             )
             if mesh is not None and optimizer is not None and not isinstance(optimizer, ElixirOptimizer):
                 bind_optimizer(optimizer, names, model)  # its parameters were replaced by local shards

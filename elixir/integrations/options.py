@@ -11,9 +11,10 @@ import torch
 import torch.nn as nn
 
 from elixir.plan import SearchResult
+from elixir.plan.state_format import check_state_formats
 from elixir.search.placement_policy import PlanArg, SearchArg, check_plan_args, make_plan
 from elixir.wrapper import ElixirModule, ElixirOptimizer
-from elixir.wrapper.policies import SCALE_KEYWORDS, LossScalePolicy, loss_scale_policy
+from elixir.wrapper.policies import SCALE_KEYWORDS, LossScalePolicy, MixedPrecisionPolicy, loss_scale_policy
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class ElixirOptions:
         offload_dir: where disk-placed masters and optimizer state go.
         loss_scale: the fp16 loss scale's arguments (``initial_scale`` ... ``hysteresis``).
         verbose: print the search's report on the main process.
+        master, moments: the optimizer-state formats (``MixedPrecisionPolicy.master`` and
+            ``.moments``: low-precision state, docs/optimizer.md); fp32 by default.
     """
 
     placement_policy: str = "cuda"
@@ -38,8 +41,11 @@ class ElixirOptions:
     offload_dir: Optional[str] = None
     loss_scale: Mapping[str, float] = field(default_factory=dict)
     verbose: bool = False
+    master: str = "fp32"
+    moments: str = "fp32"
 
     def __post_init__(self) -> None:
+        check_state_formats(self.master, self.moments, where="elixir")
         check_plan_args(self.plan, self.search, self.placement_policy)
         unknown = sorted(set(self.loss_scale) - set(SCALE_KEYWORDS))
         if unknown:
@@ -60,8 +66,10 @@ class ElixirOptions:
 
     def wrap(self, model: nn.Module, plan: SearchResult, dtype: torch.dtype, output_fp32: bool,
              init_seed: Optional[int] = None) -> ElixirModule:
-        return ElixirModule(model, plan, prefetch=self.prefetch, dtype=dtype, output_fp32=output_fp32,
-                            offload_dir=self.offload_dir, init_seed=init_seed)
+        mp = MixedPrecisionPolicy(param_dtype=dtype, output_dtype=torch.float32 if output_fp32 else None,
+                                  master=self.master, moments=self.moments)
+        return ElixirModule(model, plan, prefetch=self.prefetch, mp_policy=mp, offload_dir=self.offload_dir,
+                            init_seed=init_seed)
 
     def wrap_optimizer(self, module: ElixirModule, optimizer: torch.optim.Optimizer) -> ElixirOptimizer:
         return ElixirOptimizer(module, optimizer, loss_scale_policy=self.scale_policy())

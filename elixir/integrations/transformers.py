@@ -98,6 +98,7 @@ class ElixirTrainer(Trainer):
         prefetch, offload_dir: passed to :class:`~elixir.wrapper.ElixirModule`.
         loss_scale: keyword arguments of ``ElixirOptimizer``'s dynamic loss scale (fp16 only).
         verbose: print the plan on rank 0.
+        master, moments: optimizer-state formats (``MixedPrecisionPolicy.master``/``.moments``).
     """
 
     def __init__(
@@ -110,9 +111,12 @@ class ElixirTrainer(Trainer):
         offload_dir: Optional[str] = None,
         loss_scale: Optional[dict[str, float]] = None,
         verbose: bool = False,
+        master: str = "fp32",
+        moments: str = "fp32",
         **kwargs: Any,
     ) -> None:
-        self.options = ElixirOptions(placement_policy, plan, search, prefetch, offload_dir, loss_scale or {}, verbose)
+        self.options = ElixirOptions(placement_policy, plan, search, prefetch, offload_dir, loss_scale or {}, verbose,
+                                     master, moments)
         self.elixir_module: Optional[ElixirModule] = None
         self.elixir_optimizer: Optional[ElixirOptimizer] = None
         super().__init__(*args, **kwargs)

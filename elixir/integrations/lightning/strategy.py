@@ -113,8 +113,11 @@ class ElixirStrategy(ParallelStrategy):
         verbose: bool = False,
         pretrained: Optional[str] = None,
         pretrained_submodule: Optional[str] = None,
+        master: str = "fp32",
+        moments: str = "fp32",
     ) -> None:
-        self.options = ElixirOptions(placement_policy, plan, search, prefetch, offload_dir, loss_scale or {}, verbose)
+        self.options = ElixirOptions(placement_policy, plan, search, prefetch, offload_dir, loss_scale or {}, verbose,
+                                     master, moments)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
