@@ -564,9 +564,6 @@ class ElixirModule(nn.Module):
         return _generate(self, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        kinds = self.group_ops.kinds()
-        return (
-            f"chunks={len(self.chunks)} ({', '.join(f'{v} {k}' for k, v in kinds.items())}), "
-            f"frozen_chunks={len(self.frozen_chunks)}, cache_blocks={self.cache.capacity}, "
-            f"world_size={self.world_size}, dtype={self.dtype}"
-        )
+        kinds = ", ".join(f"{v} {k}" for k, v in self.group_ops.kinds().items())
+        return (f"chunks={len(self.chunks)} ({kinds}), frozen_chunks={len(self.frozen_chunks)}, "
+                f"cache_blocks={self.cache.capacity}, world_size={self.world_size}, dtype={self.dtype}")
