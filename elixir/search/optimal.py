@@ -375,14 +375,19 @@ class _Searcher:
         memo: dict[tuple[int, int, int], tuple[Optional[Evaluation], Any]] = {}
         best = bound
         blocks = [_block_candidates(lay, self.world) for lay in lays]
-        if prune:  # each layout at its most blocks and deepest prefetch first: the likely best
+        if prune:  # each layout at its most blocks and deepest prefetch first: the likely best,
+            # priced in the order of their floors until the next floor is above the best found (the
+            # rest could not lower it: the best, hence the scan below, is the same as pricing all)
+            tops = []
             for zi, lay in enumerate(lays):
                 b = blocks[zi][-1]
                 g = simulate_layout(lay, b)
                 d = self._depths(lay, b)[-1]
-                if bound < math.inf and StepFloor(self.profile, lay, self.setting, g).at(d) > best * (1 + SLACK):
-                    continue  # cannot beat what the caller needs beaten: the scan below skips it too
-                ev = self.evaluate(lay, b, d, gathers=g)
+                tops.append((StepFloor(self.profile, lay, self.setting, g).at(d), zi, b, d, g))
+            for floor, zi, b, d, g in sorted(tops, key=lambda t: t[:2]):
+                if floor > best * (1 + SLACK):
+                    break
+                ev = self.evaluate(lays[zi], b, d, gathers=g)
                 self.priced += 1
                 memo[(zi, b, d)] = (ev, g)
                 if ev is not None:
