@@ -59,9 +59,7 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
         for blocks, rw in itertools.product(block_options, (Placement.DEVICE, Placement.HOST)):
             base = sum(fixed_device_bytes(profile, lay, stt, blocks).values()) + zd
             rd, rh = replicated_optimizer_bytes(lay, stt, rw)
-            for counts in itertools.product(range(n + 1), repeat=len(types)):
-                if sum(counts) != n:
-                    continue
+            for counts in _compositions(n, len(types)):
                 if blocks == 0 and any(k for k, t in zip(counts, types) if t.shard is not Placement.DEVICE):
                     continue
                 d = base + rd + sum(k * cb[t][0] for k, t in zip(counts, types))
@@ -75,6 +73,17 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
                 if d <= dev and (d + h if unified_memory(HW) else h) <= host and k_disk <= disk:
                     return True
     return False
+
+
+def _compositions(n: int, parts: int):
+    """Every tuple of ``parts`` counts >= 0 summing to ``n`` (what filtering ``product(range(n + 1),
+    repeat=parts)`` by its sum gives, in the same order, without walking the (n + 1) ** parts others)."""
+    if parts == 1:
+        yield (n,)
+        return
+    for k in range(n + 1):
+        for rest in _compositions(n - k, parts - 1):
+            yield (k, *rest)
 
 
 def _search(profile, world, budgets, **kw):
