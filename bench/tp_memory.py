@@ -73,6 +73,36 @@ def _elixir(model, mesh):
     return em, ElixirOptimizer(em, torch.optim.AdamW(em.parameters(), lr=1e-4))
 
 
+def _elixir_predicted(model, mesh, batch: int, seq: int):
+    """elixir with the plan ``elixir plan --tp`` makes (``search_mesh`` on the cpu-box profile, from
+    a meta trace of the whole model at this rank's batch): its predicted device + host bytes are
+    checked against the measured peak (issue 31: the mesh prediction checked on a layout this box runs)."""
+    from elixir.hardware import load_profile  # noqa: PLC0415 - each system imports only its own stack
+    from elixir.models import lm_step_fn  # noqa: PLC0415
+    from elixir.parallel import tensor_parallel  # noqa: PLC0415
+    from elixir.plan import MeshLayout  # noqa: PLC0415
+    from elixir.plan.tensor_plans import local_shapes, style_plan  # noqa: PLC0415
+    from elixir.search.mesh_profile import search_mesh  # noqa: PLC0415
+    from elixir.search.step_profile import profile_step  # noqa: PLC0415
+    from elixir.wrapper import ElixirModule, ElixirOptimizer  # noqa: PLC0415
+
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    prof = profile_step(meta, {"input_ids": ids, "labels": ids}, lm_step_fn)
+    tp, dp = mesh["tp"].size(), mesh["dp_shard"].size()
+    shapes = local_shapes(prof.params, style_plan(meta), tp)
+    mp = search_mesh(prof, MeshLayout(dp_shard=dp, tp=tp), tp_shapes=shapes, hidden=model.config.hidden_size,
+                     microbatches=1, hardware=load_profile("cpu-box"), device_memory=64 << 30, host_memory=64 << 30,
+                     optimizer_type="AdamW")
+    plan = mp.stages[0]
+    model = tensor_parallel(model, mesh)
+    em = ElixirModule(model, plan, mesh=mesh)
+    p = plan.prediction
+    em.predicted_bytes = p.peak_device_bytes + p.peak_host_bytes
+    return em, ElixirOptimizer(em, torch.optim.AdamW(em.parameters(), lr=1e-4))
+
+
 def _fsdp(model, mesh):
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - each system imports only its own stack
     from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
@@ -93,7 +123,10 @@ def worker(system: str, size: str, steps: int, batch: int, seq: int) -> dict:
     gc.collect()
     dev.trim_host_memory()
     base = _rss()
-    model, opt = (_elixir if system == "elixir" else _fsdp)(_model(size), mesh)
+    if system == "elixir_mesh_plan":
+        model, opt = _elixir_predicted(_model(size), mesh, batch, seq)
+    else:
+        model, opt = (_elixir if system == "elixir" else _fsdp)(_model(size), mesh)
     gc.collect()
     dev.trim_host_memory()
     built = _rss() - base
@@ -109,7 +142,7 @@ def worker(system: str, size: str, steps: int, batch: int, seq: int) -> dict:
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return {"peak": dev.peak_rss_bytes() - base, "built": built, "losses": losses,
-            "step_s": (time.perf_counter() - t0) / steps}
+            "step_s": (time.perf_counter() - t0) / steps, "predicted": getattr(model, "predicted_bytes", None)}
 
 
 def main() -> int:
@@ -119,15 +152,18 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--predicted", action="store_true",
+                    help="also run elixir on the mesh search's own plan and print its prediction against the peak")
     args = ap.parse_args()
     size = "tiny" if args.tiny else "default"
     out = {"size": SIZES[size], "steps": args.steps, "batch": args.batch, "seq": args.seq,
            "load_average": os.getloadavg(), "torch": torch.__version__}
-    for system in ("elixir", "fsdp2_tp"):
+    systems = ("elixir", "fsdp2_tp") + (("elixir_mesh_plan",) if args.predicted else ())
+    for system in systems:
         ranks = run_distributed(worker, 4, system, size, args.steps, args.batch, args.seq, timeout=1800)
         out[system] = {"peak_bytes_max_rank": max(r["peak"] for r in ranks), "per_rank_peak": [r["peak"] for r in ranks],
                        "built_bytes_max_rank": max(r["built"] for r in ranks), "losses": ranks[0]["losses"],
-                       "step_s": max(r["step_s"] for r in ranks)}
+                       "step_s": max(r["step_s"] for r in ranks), "predicted": ranks[0]["predicted"]}
     ratio = out["elixir"]["peak_bytes_max_rank"] / max(1, out["fsdp2_tp"]["peak_bytes_max_rank"])
     out["ratio_elixir_over_fsdp2_tp"] = ratio
     print(f"{'system':<10} {'peak/rank (MiB)':>16} {'after build (MiB)':>18} {'step (s)':>9}  losses")
@@ -136,6 +172,11 @@ def main() -> int:
         print(f"{system:<10} {r['peak_bytes_max_rank'] / 2**20:>16.1f} {r['built_bytes_max_rank'] / 2**20:>18.1f} "
               f"{r['step_s']:>9.2f}  {[round(x, 4) for x in r['losses']]}")
     print(f"elixir / FSDP2+TP peak per rank: {ratio:.3f}x (target <= 1.0); load average {out['load_average']}")
+    if args.predicted:
+        r = out["elixir_mesh_plan"]
+        print(f"elixir with `elixir plan --tp 2` 's plan: {r['peak_bytes_max_rank'] / 2**20:.1f} MiB measured "
+              f"(largest rank, over its pre-build RSS) against {r['predicted'] / 2**20:.1f} MiB predicted "
+              f"(device + host, no process bytes): {r['peak_bytes_max_rank'] / r['predicted']:.3f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
