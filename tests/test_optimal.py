@@ -201,7 +201,7 @@ def test_more_ranks_suggestion_fits():
 
 def test_evaluating_the_chosen_plan_reproduces_its_prediction():
     from elixir.search.cost_model import evaluate_plan
-    from elixir.search.optimal import Budgets, _Searcher
+    from elixir.search.optimal import Budgets, SearchRequest, _Searcher
     from elixir.search.step_profile import profile_from_module
 
     model = _tiny_gpt()
@@ -211,7 +211,7 @@ def test_evaluating_the_chosen_plan_reproduces_its_prediction():
             r = search_profile(prof, 2, hardware=HW, device_memory=dev, host_memory=1 << 30, overlap=True)
         except DoesNotFitError:
             continue
-        s = _Searcher(prof, 2, HW, Budgets(dev, 1 << 30), "adam", True, POLICY, None)
+        s = _Searcher(SearchRequest(prof, 2, HW, Budgets(dev, 1 << 30), "adam", True, POLICY, None))
         ev = evaluate_plan(prof, r, s.setting)
         assert ev.device_bytes == r.prediction.peak_device_bytes
         assert ev.host_bytes == r.prediction.peak_host_bytes
@@ -223,15 +223,15 @@ def test_every_scored_candidate_reprices_to_its_own_prediction(world):
     # one pricing rule: the plan made of any candidate the search scored, evaluated with
     # evaluate_plan, predicts exactly what the search recorded for it
     from elixir.search.cost_model import evaluate_plan
-    from elixir.search.optimal import Budgets, _Searcher, to_search_result
+    from elixir.search.optimal import Budgets, SearchRequest, _Searcher, to_search_result
     from elixir.search.step_profile import profile_from_module
 
     prof = profile_from_module(_tiny_gpt(), activation_bytes=1 << 18, tokens=32)
     checked = set()
     host = 3 << 19 if world == 1 else 1 << 20  # tight enough for every placement to be scored
     for fused in (False, True):
-        s = _Searcher(prof, world, HW, Budgets(3 << 18, host, 1 << 30), "adam", True, POLICY, None,
-                      grad_dtype="bfloat16" if fused else "float32", fused_step=fused)
+        s = _Searcher(SearchRequest(prof, world, HW, Budgets(3 << 18, host, 1 << 30), "adam", True, POLICY, None,
+                      grad_dtype="bfloat16" if fused else "float32", fused_step=fused))
         try:
             _, results, _ = s.run(prune=False)  # every candidate, none skipped
         except DoesNotFitError:

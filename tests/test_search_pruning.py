@@ -15,6 +15,7 @@ from elixir.search.cost_model import MemoryPolicy, replicate, simulate_layout
 from elixir.search.optimal import (
     Budgets,
     DoesNotFitError,
+    SearchRequest,
     _runner_ups,
     _Searcher,
     _tied_alternative,
@@ -32,7 +33,7 @@ def _both(prof, world, budgets, **kw):
     """(pruned, full) outcomes of one search: the evaluations that decide the report, or None."""
     out = []
     for prune in (True, False):
-        s = _Searcher(prof, world, HW, Budgets(*budgets), "adam", True, POLICY, None, **kw)
+        s = _Searcher(SearchRequest(prof, world, HW, Budgets(*budgets), "adam", True, POLICY, None, **kw))
         try:
             best, results, _ = s.run(prune=prune)
         except DoesNotFitError:
@@ -70,7 +71,7 @@ def test_pruning_skips_pricing_on_a_gpt_and_keeps_the_plan(world):
 @given(prof=layer_stacks(), world=st.sampled_from([2, 4]), dev=st.integers(20_000, 400_000),
        host=st.integers(50_000, 2_000_000), disk=st.sampled_from([0, 1 << 30]))
 def test_step_time_floor_is_below_every_priced_candidate(prof, world, dev, host, disk):
-    s = _Searcher(prof, world, HW, Budgets(dev, host, disk), "adam", True, POLICY, None)
+    s = _Searcher(SearchRequest(prof, world, HW, Budgets(dev, host, disk), "adam", True, POLICY, None))
     try:
         _, results, _ = s.run(prune=False)
     except DoesNotFitError:
@@ -86,7 +87,7 @@ def test_step_time_floor_is_below_every_priced_candidate(prof, world, dev, host,
 
 def test_a_budget_below_the_memory_floor_is_refused_before_pricing():
     prof = profile_from_module(_tiny_gpt(), activation_bytes=64 << 20, tokens=32)
-    s = _Searcher(prof, 2, HW, Budgets(32 << 20, 1 << 30), "adam", True, POLICY, None)
+    s = _Searcher(SearchRequest(prof, 2, HW, Budgets(32 << 20, 1 << 30), "adam", True, POLICY, None))
     assert memory_floor(prof, s.setting)[0] > s.usable[0]
     with pytest.raises(DoesNotFitError, match="activations alone need"):
         s.run()
@@ -106,16 +107,16 @@ def test_fastest_below_finds_the_full_scans_winner_when_it_is_faster(prof, world
     """The report's unconstrained search (``run(fastest_below=...)``: a global bound, layouts
     skipped by their floor at the most blocks) finds the full scan's winner whenever that beats
     the bound, and refuses exactly when nothing does."""
-    free = _Searcher(prof, world, HW, Budgets(1 << 60, 1 << 60, disk), "adam", True, MemoryPolicy(0.0, 0.0, 0.0), None)
+    free = _Searcher(SearchRequest(prof, world, HW, Budgets(1 << 60, 1 << 60, disk), "adam", True, MemoryPolicy(0.0, 0.0, 0.0), None))
     full, _, _ = free.run(prune=False)
     try:
-        budgeted, _, _ = _Searcher(prof, world, HW, Budgets(dev, host, disk), "adam", True, POLICY, None).run()
+        budgeted, _, _ = _Searcher(SearchRequest(prof, world, HW, Budgets(dev, host, disk), "adam", True, POLICY, None)).run()
         bound = budgeted.step_time
     except DoesNotFitError:
         bound = full.step_time * 1.5
     for b in (bound, full.step_time * (1 + 1e-12)):
-        fast = _Searcher(prof, world, HW, Budgets(1 << 60, 1 << 60, disk), "adam", True,
-                         MemoryPolicy(0.0, 0.0, 0.0), None)
+        fast = _Searcher(SearchRequest(prof, world, HW, Budgets(1 << 60, 1 << 60, disk), "adam", True,
+                         MemoryPolicy(0.0, 0.0, 0.0), None))
         got, _, _ = fast.run(fastest_below=b)
         assert got.step_time == full.step_time
     with pytest.raises(DoesNotFitError):

@@ -343,7 +343,7 @@ def test_zero_chunk_pricing_matches_the_ledger_and_the_collectives(dtype_name, l
 def test_search_mixes_kinds_and_prices_given_plans_alike():
     from elixir.hardware.registry import load_profile
     from elixir.search.cost_model import MemoryPolicy, evaluate_plan
-    from elixir.search.optimal import Budgets, DoesNotFitError, _Searcher, search_profile
+    from elixir.search.optimal import Budgets, DoesNotFitError, SearchRequest, _Searcher, search_profile
     from elixir.search.step_profile import profile_step
 
     zc = ZOO["gpt2"]
@@ -359,7 +359,7 @@ def test_search_mixes_kinds_and_prices_given_plans_alike():
             plan = search_profile(prof, 2, hardware=hw, host_memory=budget, device_memory=budget, **fixed)
         except DoesNotFitError:
             break
-        s = _Searcher(prof, 2, hw, Budgets(budget, budget), "adam", False, MemoryPolicy(), None, plan.grad_dtype, plan.fused_step)
+        s = _Searcher(SearchRequest(prof, 2, hw, Budgets(budget, budget), "adam", False, MemoryPolicy(), None, plan.grad_dtype, plan.fused_step))
         ev = evaluate_plan(prof, plan, s.setting)
         # a given plan is priced exactly as the search priced it: time, device and host bytes
         assert ev.step_time == pytest.approx(plan.prediction.step_time_s, rel=1e-9)

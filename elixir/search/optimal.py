@@ -178,35 +178,64 @@ def _layout_cache(profile: StepProfile, world: int) -> dict[tuple[int, bool, int
     return hit[1]
 
 
-class _Searcher:
-    def __init__(self, profile: StepProfile, world: int, hardware: HardwareProfile, budgets: Budgets,
-                 optimizer_type: str, overlap: bool, policy: MemoryPolicy, reduce_dtype: Optional[str],
-                 grad_dtype: str = "float32", fused_step: bool = False, process_bytes: int = 0,
-                 body_sharding: str = "mixed", heap_slack_bytes: int = 0) -> None:
-        key = optimizer_type.lower()
-        if key not in OPTIMIZER_STATE_BYTES:
-            raise ValueError(f"optimizer_type {optimizer_type!r} not known; use one of {sorted(OPTIMIZER_STATE_BYTES)}")
-        if world < 1:
-            raise ValueError(f"group_size must be >= 1, got {world}")
-        self.profile = profile
-        self.world = world
-        self.hw = hardware
-        self.budgets = budgets
-        self.policy = policy
-        self.overlap = overlap
-        self.setting = Setting(
-            layout=MeshLayout.data_parallel(world), elem=_elem(profile.dtype), reduce_elem=_elem(reduce_dtype or profile.dtype),
-            opt_bytes=OPTIMIZER_STATE_BYTES[key], hardware=hardware.per_rank(hardware.ranks_per_node(world)),
-            dtype=profile.dtype, grad_elem=_elem(grad_dtype), fused_step=fused_step, process_bytes=int(process_bytes),
-            heap_slack_bytes=min(int(heap_slack_bytes), int(process_bytes)),
+@dataclass(frozen=True)
+class SearchRequest:
+    """Everything one search is asked, in one object: the step, the ranks, the machine, the
+    budgets (bytes per rank) and the policies. :func:`search_profile` builds it from its keywords;
+    the stages after it (candidates, pricing, the choice, the report) each take it whole."""
+
+    profile: StepProfile
+    world: int
+    hardware: HardwareProfile
+    budgets: Budgets
+    optimizer_type: str = "Adam"
+    overlap: bool = False
+    policy: MemoryPolicy = dataclasses.field(default_factory=MemoryPolicy)
+    reduce_dtype: Optional[str] = None  # dtype name; None: the compute dtype
+    grad_dtype: str = "float32"
+    fused_step: bool = False
+    process_bytes: int = 0
+    body_sharding: str = "mixed"
+    heap_slack_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.optimizer_type.lower() not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(f"optimizer_type {self.optimizer_type!r} not known; use one of {sorted(OPTIMIZER_STATE_BYTES)}")
+        if self.world < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.world}")
+
+    def setting(self) -> Setting:
+        """The cost model's :class:`Setting` for this request."""
+        hw, prof = self.hardware, self.profile
+        return Setting(
+            layout=MeshLayout.data_parallel(self.world), elem=_elem(prof.dtype),
+            reduce_elem=_elem(self.reduce_dtype or prof.dtype), opt_bytes=OPTIMIZER_STATE_BYTES[self.optimizer_type.lower()],
+            hardware=hw.per_rank(hw.ranks_per_node(self.world)), dtype=prof.dtype, grad_elem=_elem(self.grad_dtype),
+            fused_step=self.fused_step, process_bytes=int(self.process_bytes),
+            heap_slack_bytes=min(int(self.heap_slack_bytes), int(self.process_bytes)),
         )
-        self.optimizer_type = optimizer_type
-        self.reduce_dtype = reduce_dtype
-        self.grad_dtype = grad_dtype
-        self.fused_step = fused_step
-        self.body_sharding = body_sharding
-        self.usable = policy.usable(budgets.device, budgets.host, budgets.disk)
-        self._layouts = _layout_cache(profile, world)
+
+
+class _Searcher:
+    """One search over a :class:`SearchRequest`: its candidates, their prices, the choice and the
+    no-fit diagnostics. Siblings (:meth:`sibling`) share the packed layouts."""
+
+    def __init__(self, request: SearchRequest) -> None:
+        self.request = request
+        self.profile = request.profile
+        self.world = request.world
+        self.hw = request.hardware
+        self.budgets = request.budgets
+        self.policy = request.policy
+        self.overlap = request.overlap
+        self.setting = request.setting()
+        self.optimizer_type = request.optimizer_type
+        self.reduce_dtype = request.reduce_dtype
+        self.grad_dtype = request.grad_dtype
+        self.fused_step = request.fused_step
+        self.body_sharding = request.body_sharding
+        self.usable = self.policy.usable(self.budgets.device, self.budgets.host, self.budgets.disk)
+        self._layouts = _layout_cache(self.profile, self.world)
         self.rejected = 0  # candidates the budgets ruled out in the last run
 
     @property
@@ -216,14 +245,10 @@ class _Searcher:
         return (False, True) if self.profile.shared and self.world > 1 else (False,)
 
     def sibling(self, **changes: Any) -> _Searcher:
-        """A searcher with the same model, optimizer, dtypes and hardware, and ``changes`` to the
-        world size, budgets, overlap or policy (the no-fit diagnostics and the report ask them)."""
-        kw = dict(profile=self.profile, world=self.world, hardware=self.hw, budgets=self.budgets,
-                  optimizer_type=self.optimizer_type, overlap=self.overlap, policy=self.policy,
-                  reduce_dtype=self.reduce_dtype, grad_dtype=self.grad_dtype, fused_step=self.fused_step,
-                  process_bytes=self.setting.process_bytes, body_sharding=self.body_sharding,
-                  heap_slack_bytes=self.setting.heap_slack_bytes)
-        return _Searcher(**{**kw, **changes})
+        """A searcher with this request's model, optimizer, dtypes and hardware, and ``changes``
+        (:class:`SearchRequest` fields) to the world size, budgets, overlap or policy (the no-fit
+        diagnostics and the report ask them)."""
+        return _Searcher(dataclasses.replace(self.request, **changes))
 
     def layout(self, c: int, shard_shared: bool = False, zero: int = 0) -> Layout:
         key = (c, shard_shared, zero)
@@ -632,8 +657,8 @@ def search_profile(
                                                  host_memory, disk)
     rd = None if reduce_dtype is None else dtype_name(reduce_dtype)
     g0 = "float32" if grad_dtype is None else dtype_name(grad_dtype)
-    s = _Searcher(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, g0, bool(fused_step), process_bytes,
-                  body_sharding, heap_slack_bytes)
+    s = _Searcher(SearchRequest(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, g0, bool(fused_step),
+                                process_bytes, body_sharding, heap_slack_bytes))
     s, found = _search_leanest(s, grad_dtype, fused_step)
     best = found[0]
     layout = s.layout_of(best)
@@ -969,4 +994,4 @@ def _process_bytes(model: nn.Module, activation_bytes: int = 0) -> int:
     return mine
 
 
-__all__ = ["Budgets", "DoesNotFitError", "optimal_search", "search_profile", "chunk_size_candidates", "zero_candidates"]
+__all__ = ["Budgets", "SearchRequest", "DoesNotFitError", "optimal_search", "search_profile", "chunk_size_candidates", "zero_candidates"]
