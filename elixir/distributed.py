@@ -301,13 +301,48 @@ def _python_free_tls() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def engine_collectives() -> Iterator[None]:
+def engine_collectives(what: str = "a collective of torch's engines") -> Iterator[None]:
     """Around code whose collectives torch's own engines issue (a pipeline schedule's
-    point-to-point sends): they are issued with no Python object in the thread state, and the exit
-    hook that lets gloo threads finish letting go of works is registered (see the module docstring)."""
+    point-to-point sends, DTensor's tensor-parallel collectives): they are issued with no Python
+    object in the thread state, the exit hook that lets gloo threads finish letting go of works is
+    registered (see the module docstring), and a backend failure (:func:`is_backend_failure`: a
+    peer died) is raised as :class:`CollectiveFailed` naming ``what`` ("pipeline send/recv") and
+    where this rank was, as elixir's own collectives do."""
     _register_exit_drain()
-    with _python_free_tls():
-        yield
+    try:
+        with _python_free_tls():
+            yield
+    except CollectiveFailed:
+        raise
+    except RuntimeError as e:
+        if not is_initialized() or not is_backend_failure(e):
+            raise
+        raise _failed(what, e) from e
+
+
+def is_backend_failure(e: BaseException) -> bool:
+    """``e`` came from the communication backend (a lost peer, a timeout), not from the model's
+    own code: torch's ``DistError`` family, or gloo's plain ``RuntimeError`` whose text names gloo."""
+    return isinstance(e, dist.DistError) or "gloo" in str(e).lower()
+
+
+def mesh_backend_options(ndim: int) -> dict:
+    """``init_device_mesh``'s ``backend_override`` giving each of ``ndim`` mesh dimensions' groups
+    the process group's timeout (:func:`pg_timeout_s`): torch creates a mesh's groups with its own
+    default (30 minutes) otherwise, so a rank waiting on a dead peer in a tensor-parallel
+    collective or a pipeline send would not fail within ``ELIXIR_PG_TIMEOUT_S``."""
+    backend = dist.get_backend() if is_initialized() else default_backend()
+    cls = {"gloo": getattr(dist, "ProcessGroupGloo", None), "nccl": getattr(dist, "ProcessGroupNCCL", None)}.get(backend)
+    options = getattr(cls, "_Options", None) or getattr(cls, "Options", None)
+    if options is None:
+        return {}
+    timeout = datetime.timedelta(seconds=_pg_timeout_s if _pg_timeout_s is not None else pg_timeout_s())
+    out = {}
+    for i in range(ndim):
+        opts = options()
+        opts._timeout = timeout
+        out[i] = (backend, opts)
+    return out
 
 
 def python_free_backward() -> None:

@@ -37,7 +37,8 @@ def device_mesh(sizes: dict[str, int]) -> Any:
     if layout.world_size != world:
         raise ValueError(f"{' x '.join(f'{k} {v}' for k, v in sizes.items())} needs {layout.world_size} ranks; this run "
                          f"has {world}")
-    return init_device_mesh(dev.default_device().type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    return init_device_mesh(dev.default_device().type, tuple(sizes.values()), mesh_dim_names=tuple(sizes),
+                            backend_override=edist.mesh_backend_options(len(sizes)))
 
 
 def parameter_names(model: nn.Module) -> dict[int, tuple[str, ...]]:

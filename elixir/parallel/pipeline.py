@@ -62,7 +62,7 @@ def pipeline_mesh(layout: MeshLayout) -> Any:
     if layout.world_size != edist.get_world_size():
         raise ValueError(f"the layout ({layout.phrase()}) does not cover the {edist.get_world_size()} ranks of this run")
     return init_device_mesh(dev.default_device().type, (layout.pp, layout.dp_shard, layout.tp),
-                            mesh_dim_names=("pp", "dp_shard", "tp"))
+                            mesh_dim_names=("pp", "dp_shard", "tp"), backend_override=edist.mesh_backend_options(3))
 
 
 def schedule_class(name: str) -> type:
@@ -83,7 +83,7 @@ class ElixirPipelineStage(PipelineStage):
         em: ElixirModule = self.submod
         if em.pipeline_microbatch is not None:
             em.pipeline_microbatch += 1  # named by errors: "step 3, microbatch 2, forward"
-        return super().forward_maybe_with_nosync(*args, **kwargs)
+        return super().forward_maybe_with_nosync(*args, **kwargs)  # DTensor's failures: ElixirModule names them
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         em: ElixirModule = self.submod
@@ -95,9 +95,15 @@ class ElixirPipelineStage(PipelineStage):
             # before all of its parameters' gradients are in (an unused one waits for backward's end)
             for i in range(len(em.slots)):
                 em.tracker.expect(i)
+            with edist.engine_collectives(_phase(em, "backward")):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with em.no_sync(), edist.engine_collectives(_phase(em, "backward")):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        with em.no_sync():
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+def _phase(em: ElixirModule, phase: str) -> str:
+    """What a failed collective inside a stage's compute was part of (named by CollectiveFailed)."""
+    return f"tensor-parallel {phase}" if em.tensor_parallel is not None else f"pipeline stage {phase}"
 
 
 def _default_plan(stage: nn.Module, layout: MeshLayout) -> Any:
@@ -252,6 +258,7 @@ class ElixirPipeline:
         self._n = n
         self.steps += 1
         self._losses = []
+        edist.set_where(f"step {self.steps}, before microbatch 1")  # a stage's first receive names this step
         for em in self.modules:
             em.iteration = self.steps
             em.pipeline_microbatch = 0
@@ -260,7 +267,7 @@ class ElixirPipeline:
         if self.is_last_stage:
             kwargs["target"] = target.to(self.modules[-1].device)
         try:
-            with edist.engine_collectives():  # torch's p2p sends: see elixir.distributed
+            with edist.engine_collectives("pipeline send/recv"):  # torch's p2p sends: see elixir.distributed
                 self.outputs = sched.step(*args, return_outputs=return_outputs, **kwargs)
         finally:
             for em in self.modules:

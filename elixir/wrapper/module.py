@@ -68,6 +68,12 @@ def _grad_tensors(obj: Any) -> list[torch.Tensor]:
     return [t for t in tensors_in(obj) if t.requires_grad]
 
 
+def _tp_engine(tensor_parallel: Any, phase: str) -> Any:
+    """Around a tensor-parallel module's ``phase``: a DTensor collective failing (a dead peer) raises
+    CollectiveFailed naming it (:func:`elixir.distributed.engine_collectives`)."""
+    return edist.engine_collectives(f"tensor-parallel {phase}") if tensor_parallel is not None else contextlib.nullcontext()
+
+
 def _map_floats(obj: Any, dtype: torch.dtype) -> Any:
     """Cast floating tensors in nested inputs/outputs to ``dtype`` (other values unchanged)."""
     return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
@@ -434,8 +440,8 @@ class ElixirModule(nn.Module):
         if self.dtype != torch.float32:
             args = _map_floats(args, self.dtype)
             kwargs = _map_floats(kwargs, self.dtype)
-        with widened_gemms(self.dtype, self.device) as widened:  # None where torch has a native kernel
-            out = self.module(*args, **kwargs)
+        with widened_gemms(self.dtype, self.device) as widened, _tp_engine(self.tensor_parallel, "forward"):
+            out = self.module(*args, **kwargs)  # widened: None where torch has a native kernel
         self.widened_products = 0 if widened is None else widened.widened
         if torch.is_grad_enabled():
             tensors = _grad_tensors(out)
