@@ -7,9 +7,10 @@ batch: losses within rtol 1e-5; final weights within 2x the error of torch DDP (
 ranks, accumulating the same 4 microbatches under no_sync) in the same run. Each with ZeRO-3
 chunks, ZeRO-1 chunks and host-placed optimizer state; SGD with clipping that clips at every step
 (the norm is global over the pipeline, the tied weight counted once). GPipe and the interleaved
-1F1B (two stages per rank) on GPT-2, and TP2 x PP2, the same. ZeRO-3 chunks reduce once per step
-(one reduce-scatter per chunk, not one per microbatch). fp16: one loss scale over the pipeline
-and an overflow on one stage skipped by every rank.
+1F1B (two stages per rank) on GPT-2; TP2 x PP2 on both models, each chunk variant (with no
+dp axis there, ZeRO-1 chunks have nothing to shard over: they are replicated ones). ZeRO-3
+chunks reduce once per step (one reduce-scatter per chunk, not one per microbatch). fp16: one loss
+scale over the pipeline and an overflow on one stage skipped by every rank.
 """
 
 from __future__ import annotations
@@ -249,8 +250,8 @@ PP2_DP2 = {"pp": 2, "dp_shard": 2}
 @pytest.mark.dist
 def test_pp2_dp2_1f1b_matches_reference_llama_gpt2():
     cases = [(name, PP2_DP2, "1f1b", v) for name in ("llama", "gpt2") for v in ("zero3", "zero1", "host_optim")]
-    cases += [("gpt2", PP2_DP2, "gpipe", "zero3"), ("gpt2", PP2_DP2, "interleaved_1f1b", "zero3"),
-              ("gpt2", {"pp": 2, "tp": 2}, "1f1b", "zero3"), ("llama", {"pp": 2, "tp": 2}, "1f1b", "zero3")]
+    cases += [("gpt2", PP2_DP2, "gpipe", "zero3"), ("gpt2", PP2_DP2, "interleaved_1f1b", "zero3")]
+    cases += [(name, {"pp": 2, "tp": 2}, "1f1b", v) for name in ("gpt2", "llama") for v in ("zero3", "zero1", "host_optim")]
     results = run_distributed(_worker, 4, cases, timeout=500)
     _check(results, cases)
     for r in results:  # fp16: the first step trains (gradients scaled once), the overflow is skipped everywhere
@@ -259,6 +260,10 @@ def test_pp2_dp2_1f1b_matches_reference_llama_gpt2():
         assert fp16["scale"] == results[0]["fp16"]["scale"], fp16  # one scaler state on every stage
     first = results[0][("gpt2", tuple(sorted(PP2_DP2.items())), "interleaved_1f1b", "zero3")]
     assert first["stages"] == [0, 2]  # two stages per rank, looped
-    kinds = results[0][("gpt2", tuple(sorted(PP2_DP2.items())), "1f1b", "zero1")]["kinds"]
-    assert any(k[0] == "zero1" for k in kinds), kinds
-    assert all(k[1] for k in results[0][("llama", tuple(sorted(PP2_DP2.items())), "1f1b", "host_optim")]["kinds"])
+    for layout in (PP2_DP2, {"pp": 2, "tp": 2}):  # the variants ran the chunk kinds they name
+        key = tuple(sorted(layout.items()))
+        for name in ("gpt2", "llama"):
+            kinds = results[0][(name, key, "1f1b", "zero1")]["kinds"]
+            want = "zero1" if layout.get("dp_shard", 1) > 1 else "replicated"  # dp 1: nothing to shard over
+            assert any(k[0] == want for k in kinds), (layout, name, kinds)
+            assert all(k[1] for k in results[0][(name, key, "1f1b", "host_optim")]["kinds"]), (layout, name)
