@@ -322,8 +322,11 @@ class ElixirOptimizer:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``: scaling is automatic (kept for code written for other wrappers)."""
-        loss.backward()
+        """``loss.backward()``: scaling is automatic (kept for code written for other wrappers).
+        Under tensor parallelism a DTensor collective failing (a dead peer) raises CollectiveFailed."""
+        tp = self.module.tensor_parallel is not None
+        with edist.engine_collectives("tensor-parallel backward") if tp else contextlib.nullcontext():
+            loss.backward()
 
     def _pending_factor(self) -> torch.Tensor:
         if self._grad_factor is None:
