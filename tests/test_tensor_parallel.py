@@ -27,6 +27,7 @@ from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
 from elixir.testing.zoo import ZOO
+from tests.mesh_cases import sgd_reference
 
 STEPS = 3
 LR = 0.5
@@ -89,17 +90,7 @@ def _batches(name: str) -> list[dict]:
 
 
 def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _build(name)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for batch in _batches(name):
-        loss = ZOO[name].loss(model, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return sgd_reference(_build(name), _batches(name), ZOO[name].loss, LR, MAX_NORM)
 
 
 def _ddp(name: str, dp_group, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
