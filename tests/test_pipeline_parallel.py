@@ -36,7 +36,7 @@ from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
 from elixir.testing.zoo import ZOO
-from tests.mesh_cases import sgd_reference
+from tests.mesh_cases import ddp_reference, sgd_reference
 
 STEPS = 3
 LR = 0.5
@@ -99,24 +99,7 @@ def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _ddp(name: str, dp_group, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
-    """torch DDP over the dp ranks, accumulating the pipeline's microbatches (no_sync but the last)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = DistributedDataParallel(_build(name), process_group=dp_group)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for batch in _batches(name):
-        mine = shard_batch(batch, dp_rank, dp)
-        for k in range(MICRO):
-            mb = shard_batch(mine, k, MICRO)
-            if k < MICRO - 1:
-                with model.no_sync():
-                    (ZOO[name].loss(model, mb) / MICRO).backward()
-            else:
-                (ZOO[name].loss(model, mb) / MICRO).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    return ddp_reference(_build(name), _batches(name), ZOO[name].loss, LR, MAX_NORM, dp_group, dp_rank, dp, micro=MICRO)
 
 
 def _plan_fn(variant: str):

@@ -27,7 +27,7 @@ from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
 from elixir.testing.zoo import ZOO
-from tests.mesh_cases import sgd_reference
+from tests.mesh_cases import ddp_reference, sgd_reference
 
 STEPS = 3
 LR = 0.5
@@ -94,16 +94,7 @@ def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _ddp(name: str, dp_group, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = DistributedDataParallel(_build(name), process_group=dp_group)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for batch in _batches(name):
-        ZOO[name].loss(model, shard_batch(batch, dp_rank, dp)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    return ddp_reference(_build(name), _batches(name), ZOO[name].loss, LR, MAX_NORM, dp_group, dp_rank, dp)
 
 
 def _plan(model: nn.Module, layout: MeshLayout, variant: str):
