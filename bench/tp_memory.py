@@ -39,14 +39,6 @@ SIZES = {"tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
          "default": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, vocab_size=8192)}
 
 
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -122,14 +114,14 @@ def worker(system: str, size: str, steps: int, batch: int, seq: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     gc.collect()
     dev.trim_host_memory()
-    base = _rss()
+    base = dev.rss_bytes()
     if system == "elixir_mesh_plan":
         model, opt = _elixir_predicted(_model(size), mesh, batch, seq)
     else:
         model, opt = (_elixir if system == "elixir" else _fsdp)(_model(size), mesh)
     gc.collect()
     dev.trim_host_memory()
-    built = _rss() - base
+    built = dev.rss_bytes() - base
     _reset_peak()
     dp_rank = mesh.get_local_rank("dp_shard")
     g = torch.Generator().manual_seed(1 + dp_rank)  # each dp rank its own batch; tp ranks the same
