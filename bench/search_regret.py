@@ -4,6 +4,8 @@ For each workload (a GPT-2 shape, a batch x sequence, a per-rank budget) the sea
 step and picks a plan; this bench then builds the strongest alternatives the search passed over
 and times every plan that fits the budget, each in fresh ranks, several repeats:
 
+- ``runner-up-N``: the next plans of the search's own ranking, best first, one per distinct plan
+  (another chunk size, block count or placement; replicated plans differ in chunk size only);
 - ``zero3``: the search with every body chunk sharded (``body_sharding="sharded"``);
 - ``zero12``: the search with every body chunk ZeRO-1/2 (``body_sharding="zero"``);
 - ``min-waste``: ``minimum_waste_search`` with prefetch (the untuned default);
@@ -145,6 +147,8 @@ def candidate_plans(w: Workload, world: int, hw) -> dict[str, Any]:
     chosen = search_profile(profile, world, **kw)
     plans: dict[str, Any] = {"search": chosen}
     search_s = time.perf_counter() - t0
+    for i, alt in enumerate(runner_up_plans(profile, world, hw, _budgets(w, world)), 1):
+        plans[f"runner-up-{i}"] = alt
     for name, sharding in (("zero3", "sharded"), ("zero12", "zero")):
         try:
             plans[name] = search_profile(profile, world, body_sharding=sharding, **kw)
@@ -160,10 +164,39 @@ def candidate_plans(w: Workload, world: int, hw) -> dict[str, Any]:
         alt = _one_tier(chosen, up)
         if alt is not None:
             plans[name] = alt
-    for name, p in list(plans.items()):  # an alternative the search's plan already is: not timed twice
-        if name != "search" and not isinstance(p, str) and _same_plan(p, chosen):
-            plans[name] = "same as the search's plan"
+    timed: list[tuple[str, Any]] = []
+    for name, p in list(plans.items()):  # a plan already listed under another name: not timed twice
+        if isinstance(p, str):
+            continue
+        twin = next((n for n, q in timed if _same_plan(p, q)), None)
+        if twin is not None:
+            plans[name] = "same as the search's plan" if twin == "search" else f"same as {twin}"
+        else:
+            timed.append((name, p))
     return {"plans": plans, "profile": profile, "search_s": search_s}
+
+
+def runner_up_plans(profile, world: int, hw, budgets: dict, k: int = 4) -> list:
+    """The search's own runner-ups as plans: the best it priced at each other chunk size (and way of
+    chunking tied parameters), best first, from the same configuration the search settled on.
+    Reaches into the search's stages (a bench may; users read ``plan.info["runner_ups"]``)."""
+    from elixir.search import optimal as search
+
+    hw_, _, _, b = search._resolve_hardware(world, hw, None, None, budgets["device_memory"], None, budgets["disk"])
+    s = search._Searcher(search.SearchRequest(profile, world, hw_, b, overlap=True))
+    s, found = search._search_leanest(s, None, None)
+    out, seen = [], set()
+    for e in found[1]:  # best first; one per distinct plan (replicated plans differ in chunk size only)
+        replicated = all(p.replicated for p in e.placements)
+        key = ("replicated",) if replicated else (search._summary(e), e.chunk_size, e.shard_shared, e.blocks)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(search.to_search_result(profile, world, e, s.layout_of(e), {}, grad_dtype=s.grad_dtype,
+                                           fused_step=s.fused_step))
+        if len(out) == k + 1:
+            break
+    return out[1:]
 
 
 def _same_plan(a, b) -> bool:

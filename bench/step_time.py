@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -191,7 +192,28 @@ def line_key(system: str, world: int, model: str) -> str:
     return f"{system}:{world}" + ("" if model == "small" else f"@{model}")
 
 
+def split_tree(line: str) -> tuple[str, str]:
+    """``system:world[@model][#tree]`` -> (the line without its tree, the tree's name or "")."""
+    line, _, tree = line.partition("#")
+    return line, tree
+
+
+def tree_worker(trees: dict[str, str], tree: str, cfg: dict) -> tuple[str, dict, dict]:
+    """The worker script, config and environment of a line run from another checkout (``--tree``):
+    that tree's own ``bench/step_time.py`` and ``elixir``, given only the config fields its
+    ``BenchConfig`` declares (a newer field it lacks keeps its default meaning there)."""
+    if tree not in trees:
+        raise SystemExit(f"line names tree {tree!r}, but no --tree {tree}=PATH was given")
+    root = os.path.abspath(trees[tree])
+    script = os.path.join(root, "bench", "step_time.py")
+    with open(script) as f:
+        src = f.read()
+    known = {k: v for k, v in cfg.items() if re.search(rf"^    {k}: ", src, re.M)}
+    return script, known, {"PYTHONPATH": root}
+
+
 def parse_line(line: str) -> tuple[str, int, str]:
+    line, _ = split_tree(line)
     head, _, model = line.partition("@")
     system, _, world_s = head.partition(":")
     if system not in SYSTEMS:
@@ -569,14 +591,18 @@ def claims_budget(system: str) -> bool:
 
 
 def run_line(line: str, base: BenchConfig, layers: Optional[int], timeout: float, profile_dir: Optional[str],
-             rss_cap: Optional[int] = None) -> LineResult:
+             rss_cap: Optional[int] = None, trees: Optional[dict[str, str]] = None) -> LineResult:
     """Run one line in fresh processes. With ``rss_cap`` (bytes), the line is killed as soon as
-    any of its processes (a rank) holds more, and fails saying so."""
+    any of its processes (a rank) holds more, and fails saying so. A line ending ``#tree`` runs
+    from the checkout ``trees[tree]`` (see :func:`tree_worker`)."""
     system, world, model = parse_line(line)
     cfg = base.for_model(model, layers)
+    script, config, tree_env = os.path.abspath(__file__), asdict(cfg), {}
+    if split_tree(line)[1]:
+        script, config, tree_env = tree_worker(trees or {}, split_tree(line)[1], config)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        args = [os.path.abspath(__file__), "--worker", system, "--out", out, "--config", json.dumps(asdict(cfg))]
+        args = [script, "--worker", system, "--out", out, "--config", json.dumps(config)]
         if profile_dir:
             args += ["--profile", os.path.join(profile_dir, f"{system}-w{world}-{model}.txt")]
         if world > 1:
@@ -584,7 +610,7 @@ def run_line(line: str, base: BenchConfig, layers: Optional[int], timeout: float
         else:
             cmd = [sys.executable, *args]
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
-                   TRANSFORMERS_VERBOSITY="error", DS_BUILD_OPS="0")
+                   TRANSFORMERS_VERBOSITY="error", DS_BUILD_OPS="0", **tree_env)
         # to files, not pipes: a chatty line fills a pipe nobody reads while it is watched
         with open(os.path.join(tmp, "out"), "w") as fo, open(os.path.join(tmp, "err"), "w") as fe:
             p = subprocess.Popen(cmd, env=env, stdout=fo, stderr=fe, text=True, start_new_session=True)
@@ -615,7 +641,9 @@ def run_line(line: str, base: BenchConfig, layers: Optional[int], timeout: float
 
 def ratios(results: dict[str, LineResult]) -> list[dict]:
     rows = []
-    for num, den, t_target, m_target in RATIOS:
+    # each line run from another tree against the same line from this one: this code over the other's
+    trees = [(line_key(r.system.partition("#")[0], r.world, r.model), key) for key, r in results.items() if "#" in r.system]
+    for num, den, t_target, m_target in (*RATIOS, *((new, old, None, None) for new, old in trees)):
         if num in results and den in results:
             a, b = results[num], results[den]
             pa, pb = a.extra.get("predicted_step_s"), b.extra.get("predicted_step_s")
@@ -750,6 +778,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "autocast reduces fp32 gradients either way (default: float32, FSDP2's usual setting)")
     p.add_argument("--no-rss-cap", action="store_true",
                    help="do not kill the lines that claim the tight budget when a rank's RSS passes it")
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                   help="another checkout (with its native extension built) whose lines end #NAME, e.g. "
+                        "--tree old=/tmp/old --systems elixir-optimal:2#old elixir-optimal:2: old and new code "
+                        "in one invocation")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -762,8 +794,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = BenchConfig(steps=args.steps, warmup=args.warmup, budget=gib(args.budget), tight_budget=gib(args.tight_budget),
                       tight_fraction=args.tight_fraction, attn=args.attn, line_budget=args.line_budget, seq=args.seq, batch=args.batch,
                       bf16_reduce=args.bf16_reduce)
+    trees = dict(t.split("=", 1) for t in args.tree)
     for line in args.systems:
         parse_line(line)  # refuse a bad line before running anything
+        if split_tree(line)[1]:
+            tree_worker(trees, split_tree(line)[1], {})
     if args.profile_dir:
         os.makedirs(args.profile_dir, exist_ok=True)
     t0 = time.perf_counter()
@@ -779,13 +814,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         if cap:
             print(f"  RSS cap {cap / GiB:.2f} GiB per rank (the tight budget)", file=sys.stderr, flush=True)
         try:
-            r = run_line(line, cfg, args.layers, args.timeout, args.profile_dir, rss_cap=cap)
+            r = run_line(line, cfg, args.layers, args.timeout, args.profile_dir, rss_cap=cap, trees=trees)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # one broken line must not lose the others
             msg = str(e)
             head = msg.splitlines()[0] if msg else ""
             failed[line] = head + "\n" + msg[-2000:]
             print(f"  {line} FAILED: {head}\n{msg[-1500:]}", file=sys.stderr, flush=True)
             continue
+        if split_tree(line)[1]:
+            r.system += "#" + split_tree(line)[1]
         results[r.key] = r
         print(f"  {line}: {r.step_s:.3f} s/step, peak RSS {max(r.peak_rss) / GiB:.2f} GiB", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t0

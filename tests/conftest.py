@@ -23,6 +23,12 @@ torch.set_num_threads(1)
 
 SPAWNING_MARKERS = ("dist", "slow", "cuda")
 
+# The suite must not depend on the machine it runs on: a local measured profile
+# (~/.cache/elixir/hardware.json, which `elixir hwprofile` writes) would change the default plans
+# every test sees. Point the default at a file that does not exist, as on a fresh clone (a test that
+# wants one sets ELIXIR_HARDWARE itself; set it before running pytest to test against a profile).
+os.environ.setdefault("ELIXIR_HARDWARE", os.path.join(os.path.dirname(__file__), ".no-local-hardware-profile.json"))
+
 # Ranks started by run_distributed fork from one server that has already imported what nearly every
 # rank imports (1.5 s for torch, 1 s more for elixir, 3.5 s more for transformers' models, per rank
 # and per launch, on this 2-core box), instead of each importing it afresh: about 70 launches in the
