@@ -315,6 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--hardware", default=None, help="hardware profile (default: the search's own rule)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks inherit it: no config chatter per launch
     from elixir.hardware import choose_default_profile, load_profile
 
     hw = load_profile(a.hardware) if a.hardware else choose_default_profile()[0]
