@@ -69,7 +69,7 @@ def render(profile, console=None) -> None:
         t.add_row("per-op overhead", f"{profile.op_overhead_s * 1e6:.2f} us", src.get("op_overhead_s", ""))
     if profile.first_touch_bytes_per_s:
         t.add_row("first touch of fresh memory", gbs(profile.first_touch_bytes_per_s), src.get("first_touch_bytes_per_s", ""))
-    default = "the default, measured with bench/memory_breakdown.py (see HardwareProfile)"
+    default = "the default, measured on the CPU box (see HardwareProfile)"
     t.add_row("step: untracked / first-step growth",
               f"{profile.step_untracked_bytes / MiB:.0f} MiB / {profile.step_growth_bytes / MiB:.0f} MiB",
               src.get("step_untracked_bytes", default))

@@ -174,7 +174,11 @@ class HardwareProfile:
             parameter gradient at the peak of backward); 96 MiB leaves room.
         step_growth_bytes: what the process grows by on its first training step (kernels and
             thread pools loaded on first use): 20-25 MiB measured on the CPU box with the same
-            bench; the default (32 MiB) holds that with room.
+            bench; the default (32 MiB) holds that with room. (Measured on the calibration's
+            reference model, the growth beyond every accounted byte was 15.4-15.6 MiB over the
+            first fp32 step of a fresh process, and 68-70 MiB summed over the first steps of its
+            three runs: the larger sizes add workspaces that scale with the model, which is
+            :attr:`step_untracked_bytes`'s, so neither is this figure and hwprofile keeps it.)
         heap_slack_per_activation_byte: where activations live in host RAM (a CPU device), the
             resident growth of a step over malloc's in-use peak, per traced activation byte:
             glibc's heap keeps a step's freed temporaries resident between the saved activations

@@ -414,7 +414,7 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
     compute = _measure_compute(o, d, src, say)
     disk = _measure_disk_fields(o, src, say)
     for f in STEP_MEMORY_FIELDS:  # a training run's figures, not one resource's: the measured defaults
-        src[f] = "not measured by hwprofile: the default, measured with bench/memory_breakdown.py (see HardwareProfile)"
+        src[f] = "not measured by hwprofile: the default, measured on the CPU box (see HardwareProfile)"
     return HardwareProfile(
         name=name or ("cpu-" + host if cpu_only else host),
         device_type=d.type,
