@@ -116,8 +116,8 @@ def tightest_budget(model, inp: dict, step_fn, dtype, disk: int, keep_shards: bo
     compute shard stays resident (the optimizer state goes to disk first: ``DK``/``HK``), else the
     least at all (the least-used shards go to disk too: ``KK``)."""
     from elixir import device as dev
+    from elixir.hardware import choose_default_profile
     from elixir.search import DoesNotFitError
-    from elixir.search.cost_model import step_untracked_bytes
     from elixir.search.optimal import search_profile
     from elixir.search.step_profile import profile_step
 
@@ -125,7 +125,8 @@ def tightest_budget(model, inp: dict, step_fn, dtype, disk: int, keep_shards: bo
     own = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
               if t.device.type == "cpu")
     on_host = not dev.is_accelerator(dev.default_device())  # as optimal_search measures it
-    process = max(0, rss_bytes() - own) + step_untracked_bytes(prof.activation_bytes, on_host)
+    hw, _ = choose_default_profile()  # as optimal_search prices the step's growth by default
+    process = max(0, rss_bytes() - own) + hw.step_extra_bytes(prof.activation_bytes, on_host)
 
     def fits(budget: int) -> bool:
         try:

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from elixir import profiling
 from elixir.distributed import init_distributed
-from elixir.hardware import GiB, load_profile, local_profile_path
+from elixir.hardware import GiB, MiB, load_profile, local_profile_path
 from elixir.profiling.calibrate import calibrate_profile
 
 
@@ -69,6 +69,13 @@ def render(profile, console=None) -> None:
         t.add_row("per-op overhead", f"{profile.op_overhead_s * 1e6:.2f} us", src.get("op_overhead_s", ""))
     if profile.first_touch_bytes_per_s:
         t.add_row("first touch of fresh memory", gbs(profile.first_touch_bytes_per_s), src.get("first_touch_bytes_per_s", ""))
+    default = "the default, measured on the CPU box (see HardwareProfile)"
+    t.add_row("step: untracked / first-step growth",
+              f"{profile.step_untracked_bytes / MiB:.0f} MiB / {profile.step_growth_bytes / MiB:.0f} MiB",
+              src.get("step_untracked_bytes", default))
+    t.add_row("step: heap slack per activation byte (disk plans)",
+              f"{profile.heap_slack_per_activation_byte:.2f} ({profile.disk_plan_heap_slack_per_activation_byte:.2f})",
+              src.get("heap_slack_per_activation_byte", default))
     for k, f in sorted(profile.calibration.items()):
         t.add_row(f"calibration, {k} rank(s)/node",
                   " ".join(f"{n} {v * 1e6:.1f} us" if n.endswith("_s") else f"{n} x{v:.2f}" for n, v in f.items()),

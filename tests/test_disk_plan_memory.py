@@ -155,20 +155,19 @@ def test_all_disk_plan_prediction_is_what_is_live_at_once_not_every_term_at_its_
 def test_disk_plan_counts_its_own_heap_slack_not_keep_host_memorys():
     """A plan with disk chunks runs under device.return_host_memory (blocks of 1 MiB and more
     mapped on their own), so its process term holds the smaller heap slack of
-    disk_plan_step_untracked_bytes; a plan without keeps keep_host_memory's (issue 19)."""
-    from elixir.search import cost_model
-
+    HardwareProfile.step_extra_bytes(streams_from_disk=True); a plan without keeps keep_host_memory's (issue 19)."""
+    hw = load_profile("cpu-box")
     act = 1 << 30
-    keep, disk = cost_model.step_untracked_bytes(act, True), cost_model.disk_plan_step_untracked_bytes(act, True)
-    assert cost_model.STEP_UNTRACKED_BYTES <= disk < keep
-    assert cost_model.disk_plan_step_untracked_bytes(act, False) == cost_model.step_untracked_bytes(act, False)
+    keep, disk = hw.step_extra_bytes(act, True), hw.step_extra_bytes(act, True, streams_from_disk=True)
+    assert hw.step_untracked_bytes <= disk < keep
+    assert hw.step_extra_bytes(act, False, streams_from_disk=True) == hw.step_extra_bytes(act, False)
     with torch.device("meta"):
         model = build_model(MODEL)
     on_disk = _plan(model, Placement.DEVICE)
     resident = dataclasses.replace(on_disk, chunks=tuple(dataclasses.replace(c, optim_placement=Placement.DEVICE)
                                                          for c in on_disk.chunks))
-    st = Setting(layout=MeshLayout.data_parallel(1), elem=2, reduce_elem=2, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="bfloat16",
-                 process_bytes=1 << 30, heap_slack_bytes=keep - cost_model.STEP_UNTRACKED_BYTES)
+    st = Setting(layout=MeshLayout.data_parallel(1), elem=2, reduce_elem=2, opt_bytes=8, hardware=hw, dtype="bfloat16",
+                 process_bytes=1 << 30, heap_slack_bytes=keep - hw.step_untracked_bytes)
     prof = profile_from_module(model, activation_bytes=act)
     assert evaluate_plan(prof, on_disk, st).memory["process"] == (1 << 30) - (keep - disk)
     assert evaluate_plan(prof, resident, st).memory["process"] == 1 << 30

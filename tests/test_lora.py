@@ -542,15 +542,17 @@ def test_search_counts_heap_slack_in_proportion_to_host_activations(monkeypatch)
     # resident between the saved tensors, in proportion to the activations (0.57x at LoRA hidden
     # 1536, 12 layers; 0.62x at 2048, 16). A fixed 128 MiB for everything a step adds let a LoRA
     # plan predicted at 1.17 GiB peak at 1.41 GiB and be killed by its cap.
-    from elixir.search import cost_model, optimal
+    from elixir.hardware import load_profile
+    from elixir.search import optimal
 
     monkeypatch.setattr(optimal.dev, "rss_bytes", lambda: 1 << 30)
     model = nn.Linear(8, 8)
-    small, large = (optimal._process_bytes(model, act) for act in (0, 4 << 30))
+    hw = load_profile("cpu-box")
+    small, large = (optimal._process_bytes(model, hw, act) for act in (0, 4 << 30))
     if optimal.dev.is_accelerator(optimal.dev.default_device()):
         assert large == small
     else:
-        assert large - small >= cost_model.HEAP_SLACK_PER_ACTIVATION_BYTE * (4 << 30) - (128 << 20)
+        assert large - small >= hw.heap_slack_per_activation_byte * (4 << 30) - (128 << 20)
         assert large - small >= 0.6 * (4 << 30)
 
 

@@ -357,8 +357,8 @@ def test_gathers_pay_their_payloads_first_touch_on_a_cpu_box():
     )
     lay = pack(profile, 8192, 2)
     assert lay.n_sharded > 0
-    plain = Setting(layout=MeshLayout.data_parallel(2), elem=4, reduce_elem=4, opt_bytes=8, hardware=HW, dtype="float32")
-    assert HW.first_touch_bytes_per_s == 0  # the shipped reference profile has none
+    unmeasured = dataclasses.replace(HW, first_touch_bytes_per_s=0.0)  # as an accelerator's profile
+    plain = Setting(layout=MeshLayout.data_parallel(2), elem=4, reduce_elem=4, opt_bytes=8, hardware=unmeasured, dtype="float32")
     touched = dataclasses.replace(plain, hardware=dataclasses.replace(HW, first_touch_bytes_per_s=1e9))
     a = comm_times(profile, lay, plain, gathers=10)["all_gather"]
     b = comm_times(profile, lay, touched, gathers=10)["all_gather"]

@@ -322,7 +322,7 @@ def test_zero_chunk_pricing_matches_the_ledger_and_the_collectives(dtype_name, l
     got = result(launched[2], f"priced-{dtype_name}")[0]
     plan = SearchResult.from_json(got["plan"])
     e = 4 if dtype_name == "fp32" else 2
-    st = Setting(layout=MeshLayout.data_parallel(2), elem=e, reduce_elem=e, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="float32", grad_elem=4)
+    st = Setting(layout=MeshLayout.data_parallel(2), elem=e, reduce_elem=e, opt_bytes=8, hardware=load_profile("cpu-box"), dtype="float32" if e == 4 else "bfloat16", grad_elem=4)
     priced = sum(zero_chunk_bytes(st, c.chunk_size, Placement.DEVICE)[0] for c in plan.chunks)
     rep = got["report"]  # after backward: shard gradients held; optimizer state from step 1
     ledger = rep["shard_bytes"] + rep["master_bytes"] + rep["shard_grad_bytes"] + rep["optimizer_state_bytes"]

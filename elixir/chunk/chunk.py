@@ -266,7 +266,7 @@ class Chunk:
             # the gather's input must not alias its output (gloo): a copy, from the recycled buffers
             mine = self.buffers.take(self.shard.numel(), self.shard.dtype, self.shard.device)
             mine.copy_(self.shard)
-            work = self.comm.all_gather(self.payload, mine, async_op=async_op)
+            work = self.comm.publish(self.payload, mine, async_op=async_op)
         if async_op:
             self._publishing = (work, mine)
             return

@@ -16,6 +16,7 @@ method here, not a branch in the chunk.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Optional
 
 import torch
@@ -31,6 +32,9 @@ class ChunkComm:
         self.group = group
         self.world = world
         self.device = torch.device(device)
+        # collectives issued, by kind ("all_gather" for use, "publish", "reduce_scatter",
+        # "all_reduce"): what the cost model's footprint.collectives counts (tests compare them)
+        self.issued: Counter[str] = Counter()
 
     @property
     def defers_reductions(self) -> bool:
@@ -40,14 +44,23 @@ class ChunkComm:
 
     def all_gather(self, payload: torch.Tensor, mine: torch.Tensor, async_op: bool = False) -> Any:
         """Every rank's ``mine`` into ``payload``, in rank order; a work handle with ``async_op``."""
+        self.issued["all_gather"] += 1
+        return edist.all_gather_into(payload, mine, self.group, async_op=async_op)
+
+    def publish(self, payload: torch.Tensor, mine: torch.Tensor, async_op: bool = False) -> Any:
+        """A ZeRO-1/2 chunk's updated slice ``mine`` from every rank into its whole ``payload``
+        (an all-gather after the optimizer step)."""
+        self.issued["publish"] += 1
         return edist.all_gather_into(payload, mine, self.group, async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, buf: torch.Tensor, async_op: bool = False) -> Any:
         """The sum over ranks of ``buf``'s ``world`` equal parts, this rank's part into ``out``."""
+        self.issued["reduce_scatter"] += 1
         return edist.reduce_scatter_into(out, buf, self.group, async_op=async_op)
 
     def all_reduce(self, buf: torch.Tensor, async_op: bool = False) -> Any:
         """The sum over ranks of ``buf``, in place."""
+        self.issued["all_reduce"] += 1
         return edist.all_reduce(buf, self.group, async_op=async_op)
 
     def agree_on_disk_fault(self, error: Optional[OSError], during: str, then: str) -> None:

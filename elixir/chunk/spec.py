@@ -8,6 +8,7 @@ import torch
 
 from elixir.chunk.state import ChunkKind
 from elixir.plan import MeshLayout, Placement, ShardedBy, Sharding, placement_problem
+from elixir.plan.footprint import collectives
 
 
 @dataclass(frozen=True)
@@ -115,5 +116,6 @@ class ChunkSpec(ShardedBy):
     @property
     def publishes(self) -> bool:
         """Whole parameters but a split master (ZeRO-1/2): after a step every rank's updated slice
-        is all-gathered into every payload (:meth:`Chunk.publish`)."""
-        return self.state_sharded and not self.sharded and self.shard_world > 1
+        is all-gathered into every payload (:meth:`Chunk.publish`; the footprint rule's
+        :func:`~elixir.plan.footprint.collectives`, which the cost model prices)."""
+        return collectives(self.sharding, self.shard_world, self.shard_placement, self.frozen).publishes

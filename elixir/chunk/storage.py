@@ -26,6 +26,7 @@ from elixir import device as dev
 from elixir.chunk.accounting import MemoryLedger
 from elixir.chunk.spec import ChunkSpec
 from elixir.plan import Placement
+from elixir.plan.footprint import element_bytes, master_shares_shard
 
 
 def location(placement: Placement) -> str:
@@ -34,13 +35,15 @@ def location(placement: Placement) -> str:
 
 
 def nbytes(numel: int, dtype: torch.dtype) -> int:
-    return numel * torch.empty((), dtype=dtype).element_size()
+    """Bytes of ``numel`` elements of ``dtype`` (the footprint rule's element sizes)."""
+    return numel * element_bytes(dtype)
 
 
 def master_is_shard(spec: ChunkSpec) -> bool:
-    """The master is the shard tensor itself: the compute dtype is the master's (fp32, or bf16 with
-    a bf16 master), both in the same place, and not on disk."""
-    return spec.dtype == spec.master_dtype and spec.shard_placement == spec.optim_placement and not spec.master_on_disk
+    """The master is the shard tensor itself (:func:`elixir.plan.footprint.master_shares_shard`,
+    the rule the cost model prices by): the compute dtype is the master's (fp32, or bf16 with a
+    bf16 master), both in the same place, and not on disk."""
+    return master_shares_shard(spec.dtype, spec.master_dtype, spec.shard_placement, spec.optim_placement)
 
 
 def _copy_of(src: torch.Tensor, dtype: torch.dtype, placement: Placement, spec: ChunkSpec) -> torch.Tensor:

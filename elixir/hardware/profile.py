@@ -114,6 +114,11 @@ class BandwidthCurve:
         return cls(tuple(int(x) for x in d["sizes"]), tuple(float(x) for x in d["bytes_per_s"]))
 
 
+STEP_MEMORY_FIELDS = ("step_untracked_bytes", "step_growth_bytes", "heap_slack_per_activation_byte",
+                      "disk_plan_heap_slack_per_activation_byte")
+"""The profile's figures for what a training step holds beyond every counted term (see
+:class:`HardwareProfile`): defaults measured on the CPU box, not by ``elixir hwprofile``."""
+
 _CURVES = ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable", "device_copy", "all_gather", "reduce_scatter",
            "elementwise", "all_reduce")
 
@@ -159,6 +164,38 @@ class HardwareProfile:
             each gathered payload costs beyond its all-gather, since it is allocated for the
             gather and freed after use. 0: not measured, or an accelerator (whose caching
             allocator hands blocks back without faults).
+        step_untracked_bytes: host bytes a training process holds at the peak of a step beyond
+            the process as measured before it trains, the runtime's booked tensors, the optimizer
+            state and the traced activations (kernels and thread pools loaded on first use,
+            allocator slack, temporaries the tracer does not see). Measured with
+            ``bench/memory_breakdown.py`` at each training peak on the 24 GB CPU box (world 1, bf16,
+            disk plans at 0.12-0.44B): at most 50 MiB in all (24-26 MiB of growth between the
+            search and the first step, up to 25 MiB over the traced activation peak and autograd's
+            parameter gradient at the peak of backward); 96 MiB leaves room.
+        step_growth_bytes: what the process grows by on its first training step (kernels and
+            thread pools loaded on first use): 20-25 MiB measured on the CPU box with the same
+            bench; the default (32 MiB) holds that with room. (Measured on the calibration's
+            reference model, the growth beyond every accounted byte was 15.4-15.6 MiB over the
+            first fp32 step of a fresh process, and 68-70 MiB summed over the first steps of its
+            three runs: the larger sizes add workspaces that scale with the model, which is
+            :attr:`step_untracked_bytes`'s, so neither is this figure and hwprofile keeps it.)
+        heap_slack_per_activation_byte: where activations live in host RAM (a CPU device), the
+            resident growth of a step over malloc's in-use peak, per traced activation byte:
+            glibc's heap keeps a step's freed temporaries resident between the saved activations
+            (elixir stops trimming within a step). Measured with ``bench/memory_breakdown.py``
+            after a warm-up step and a trim (bf16 LLaMA, seq 256): 0.32x the activations fully
+            trainable (hidden 1024, 8 layers), 0.34x / 0.57x / 0.62x with PEFT LoRA r=8 at hidden
+            1024 / 1536 / 2048 (LoRA's transient full-width adapter outputs interleave with the
+            saved tensors; issue 19); 0.85 covers the largest with room. Unused on an accelerator.
+        disk_plan_heap_slack_per_activation_byte: the same slack for a plan that streams from disk,
+            which runs under :func:`elixir.device.return_host_memory` (blocks of 1 MiB and more
+            mapped on their own): only activations under 1 MiB churn through the heap. Measured:
+            the 6.29B capacity plan (7 HK + 25 KK, 1.6 GiB of activations) peaked 0.64 GiB under
+            every other term, and PEFT LoRA at hidden 6144 with frozen shards on disk kept
+            0.003-0.004 GiB in the heap over 0.15-0.30 GiB of activations (0.02x); 0.1 has room.
+            These four figures describe the runtime's host allocator on a machine, not one
+            resource: ``elixir hwprofile`` does not measure them (each needs a training run at a
+            known peak) and writes the defaults above, measured as said, naming them in ``source``.
         calibration: per number of ranks per node (a string key), measured / predicted time of the
             step components ``compute``, ``collectives`` and ``optimizer`` when elixir's runtime
             trains a reference model on this machine (:mod:`elixir.calibrate`), and the measured
@@ -206,6 +243,10 @@ class HardwareProfile:
     elementwise: Optional[BandwidthCurve] = None
     op_overhead_s: float = 0.0
     first_touch_bytes_per_s: float = 0.0
+    step_untracked_bytes: int = 96 * MiB
+    step_growth_bytes: int = 32 * MiB
+    heap_slack_per_activation_byte: float = 0.85
+    disk_plan_heap_slack_per_activation_byte: float = 0.1
     all_reduce: Optional[BandwidthCurve] = None
     calibration: dict[str, dict[str, float]] = field(default_factory=dict)
     overlap_fraction: float = 0.0
@@ -315,6 +356,21 @@ class HardwareProfile:
         """Seconds to fault in ``nbytes`` of freshly allocated memory on its first write (0 where
         not measured)."""
         return nbytes / self.first_touch_bytes_per_s if self.first_touch_bytes_per_s > 0 and nbytes > 0 else 0.0
+
+    def step_extra_bytes(self, activation_bytes: int, activations_on_host: bool, streams_from_disk: bool = False) -> int:
+        """Host bytes a training step adds to the measured process beyond every counted term: the
+        fixed :attr:`step_untracked_bytes`, or, where the activations are in host RAM and their
+        heap slack is larger, :attr:`step_growth_bytes` plus the slack per activation byte
+        (:attr:`disk_plan_heap_slack_per_activation_byte` for a plan that ``streams_from_disk``,
+        never more than the other)."""
+        if not activations_on_host:
+            return self.step_untracked_bytes
+        act = int(activation_bytes)
+        keep = max(self.step_untracked_bytes, self.step_growth_bytes + int(self.heap_slack_per_activation_byte * act))
+        if not streams_from_disk:
+            return keep
+        disk = max(self.step_untracked_bytes, self.step_growth_bytes + int(self.disk_plan_heap_slack_per_activation_byte * act))
+        return min(disk, keep)
 
     def h2d_time(self, nbytes: float, pinned: bool = True) -> float:
         return (self.h2d_pinned if pinned else self.h2d_pageable).time(nbytes)

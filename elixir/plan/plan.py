@@ -49,24 +49,6 @@ class Placement(str, enum.Enum):
     DISK = "disk"
 
 
-MASTER_BYTES = 4  # the fp32 master copy of one element
-"""Bytes of the fp32 master copy of one element."""
-ADAM_STATE_BYTES = 8  # Adam's two fp32 moments per element
-"""Bytes of Adam's two fp32 moments for one element."""
-# A trainable chunk with shard and state on disk (KK) stores no shard: each read derives it from the
-# fp32 master, streamed through two read buffers of this many elements (elixir/offload/derived.py;
-# the cost model counts their bytes in the disk staging)
-DERIVED_SHARD_PIECE_ELEMENTS = 2 << 20
-"""Elements per read buffer when a disk-resident shard is derived from its fp32 master."""
-
-
-def disk_bytes_per_element(optimizer_state_bytes: int = ADAM_STATE_BYTES) -> int:
-    """Bytes per shard element that a chunk whose optimizer placement is :attr:`Placement.DISK`
-    keeps on disk: its fp32 master and the optimizer's elementwise state (Adam's by default).
-    The one rule for the cost model's disk bytes and staging, and the offload file's reservation."""
-    return MASTER_BYTES + optimizer_state_bytes
-
-
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,

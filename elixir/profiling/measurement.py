@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from elixir import device as dev
 from elixir import distributed as edist
-from elixir.hardware.profile import BandwidthCurve, HardwareProfile, MiB
+from elixir.hardware.profile import STEP_MEMORY_FIELDS, BandwidthCurve, HardwareProfile, MiB
 from elixir.launch import run_distributed
 from elixir.lowp_gemm import widened_gemms
 from elixir.optim import CPUAdam
@@ -413,6 +413,8 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
     optimizer = _measure_optimizers(o, d, src, say)
     compute = _measure_compute(o, d, src, say)
     disk = _measure_disk_fields(o, src, say)
+    for f in STEP_MEMORY_FIELDS:  # a training run's figures, not one resource's: the measured defaults
+        src[f] = "not measured by hwprofile: the default, measured on the CPU box (see HardwareProfile)"
     return HardwareProfile(
         name=name or ("cpu-" + host if cpu_only else host),
         device_type=d.type,

@@ -19,7 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from elixir.plan import MASTER_BYTES, Placement
+from elixir.plan import Placement
+from elixir.plan.footprint import held_bytes
 from elixir.plan.placement import SHARDED_PLACEMENTS
 from elixir.search.cost_model import (
     Layout,
@@ -140,7 +141,7 @@ def memory_floor(profile: StepProfile, st: Setting, disk: int = 0) -> tuple[int,
     checked against it in :func:`fits_floor`)."""
     dev = int(profile.activation_bytes) + int(profile.buffer_bytes)
     w = st.world
-    full = st.elem + (0 if st.elem == 4 else MASTER_BYTES) + st.kept_grad + st.opt_bytes
+    full = sum(held_bytes(1, 1, st.dtype, Placement.DEVICE, Placement.DEVICE, st.kept_grad, st.opt_bytes))
     ctx = _context(profile)  # the parameters the search packs into chunks
     numel = sum(ctx.sh_numel) + sum(k for _, k in ctx.shared)
     frozen = sum(k for _, k in ctx.frozen)

@@ -48,8 +48,8 @@ steps (construction; each forward step with its activations and a ``KK`` gather'
 backward step with its activations, the gradient buffers then open and, from the first disk
 chunk whose gradient is final on, the fused step's disk staging; after backward) and
 ``memory["not_at_once"]`` (a host term, <= 0) is the difference. A plan with trainable disk
-chunks counts the activations' heap slack of :func:`disk_plan_step_untracked_bytes` instead of
-:func:`step_untracked_bytes` (``Setting.heap_slack_bytes``), one whose only disk bytes are
+chunks counts the activations' heap slack of :meth:`HardwareProfile.step_extra_bytes` with
+``streams_from_disk`` instead of without (``Setting.heap_slack_bytes``), one whose only disk bytes are
 frozen shards none: both run under :func:`elixir.device.return_host_memory`.
 
 **Time, per step** (seconds): compute (``flops`` over the profile's measured training
@@ -61,7 +61,8 @@ read and write of master and state; a ``KK`` chunk's fp32 master is also read at
 gathers, before the gather and not overlapped, to derive its shard). With ``overlap`` hardware and a prefetch depth >= 1,
 communication during forward/backward hides under compute: ``max(compute, comm) + one gather``.
 With the fused backward-and-step the disk transfers run on the I/O threads while backward
-computes (two thirds of the compute: backward costs twice the forward's FLOPs), so up to that much
+computes (:meth:`~elixir.search.step_profile.StepProfile.backward_share` of the compute: two
+thirds, as backward costs twice the forward's FLOPs; three quarters with recompute), so up to that much
 of the disk time hides, less one chunk's read that nothing precedes; the optimizer arithmetic
 itself runs on the same cores as backward and hides nothing on a CPU box.
 """
@@ -76,88 +77,26 @@ from typing import Optional, Sequence
 import numpy as np
 
 from elixir.hardware.profile import HardwareProfile
-from elixir.plan import (
+from elixir.plan import MeshLayout, Placement, Sharding
+from elixir.plan.footprint import (  # the one footprint rule, shared with the runtime
+    CONSTRUCTION_STAGING,
     DERIVED_SHARD_PIECE_ELEMENTS,
+    DISK_SHARD_STAGING,
+    DISK_STAGING,
     MASTER_BYTES,
-    MeshLayout,
-    Placement,
-    Sharding,
+    collectives,
     disk_bytes_per_element,
+    element_bytes,
+    held_bytes,
+    resident_sharding,
 )
 from elixir.plan.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 
 ALIGN = 16  # elements per rank a shard is aligned to (as minimum_waste_search)
-DISK_STAGING = 2  # disk chunks whose master + state are in host memory at once (offload/pipeline.py)
-# Disk shards in host memory at once: one. A gather reads its shard and drops it before it
-# returns, even when prefetching (Chunk.gather finishes a disk shard's gather at once; priced as
-# not hidden in `price`), and a step stages one shard at a time; both run on the training thread,
-# never at once. Two were counted (a prefetched chunk's shard used to stay staged until the chunk
-# was used, beside the one a step staged), one shard above what a KK plan ever held without
-# prefetching (bench/memory_breakdown.py, tests/test_disk_plan_memory.py).
-DISK_SHARD_STAGING = 1
-CONSTRUCTION_STAGING = 2  # fp32 chunks staged while building or loading (wrapper/materialize.py, checkpoint/pretrained.py)
-# What a training process holds at the peak of a step beyond the process as measured before it
-# trains, the ledger's tensors, the optimizer's state and the traced activations, so that no other
-# term counts it: the process grows by 24-26 MiB between the search and the first step (kernels
-# and thread pools loaded on first use), and up to 25 MiB more than the traced activation peak and
-# autograd's parameter gradient are resident at the peak of backward (allocator slack, temporaries
-# the tracer does not see). Measured with bench/memory_breakdown.py at each training peak (ledger,
-# optimizer state and disk staging taken at the moment of the peak) on the 24 GB CPU box, world 1,
-# bf16, disk plans at 0.12-0.44B: 50 MiB in all at most, counted with room to spare. (Before disk
-# plans mapped their larger blocks on their own, device.return_host_memory, malloc's heap slack
-# added 55-85 MiB more; the construction staging, counted on top of the disk staging until then,
-# hid both.) Counted in the measured ``process_bytes`` (optimal_search), so a plan for another
-# machine (``process_bytes=0``) carries none of this machine's figures.
-STEP_UNTRACKED_BYTES = 96 << 20
-# Where activations live in host RAM (a CPU device), glibc's heap keeps a step's freed temporaries
-# resident between the saved activations (elixir stops malloc trimming within a step and trims once
-# per optimizer step), so the resident peak of a step outgrows the bytes in use in proportion to
-# the activations, not by a fixed amount. The tracer's activation peak equals malloc's in-use peak
-# exactly (mallinfo2, bf16 LLaMA with PEFT LoRA r=8 on every projection, seq 256); the resident
-# growth over it, after a warm-up step and a trim, measured 0.32x the activations for a fully
-# trainable LLaMA (hidden 1024, 8 layers) and 0.34x / 0.57x / 0.62x with LoRA at hidden 1024 / 1536
-# / 2048 (8 / 12 / 16 layers; 0.058 / 0.155 / 0.257 GiB over 0.17 / 0.27 / 0.42 GiB): LoRA's
-# transient full-width adapter outputs interleave with the saved tensors. A fixed amount
-# covered this at small activations and fell behind as they grew (issue 19: a LoRA plan whose
-# step peaked 0.1-0.3 GiB above its prediction).
-HEAP_SLACK_PER_ACTIVATION_BYTE = 0.85
-STEP_GROWTH_BYTES = 32 << 20  # kernels and thread pools loaded on the first step (20-25 MiB measured)
-# The same heap slack in a plan with disk chunks, which runs under device.return_host_memory
-# (blocks of 1 MiB and more mapped on their own and given back when freed, and the heap trimmed
-# after backward), so only activations under 1 MiB churn through the heap. Measured on that
-# runtime: the 6.29B capacity plan (7 HK + 25 KK, 1.6 GiB of activations, 14 GiB cap) peaked 0.64
-# GiB *under* what every other term predicts (10.05 GiB against 10.69), and PEFT LoRA at hidden
-# 6144 with frozen shards on disk kept 0.003-0.004 GiB free in the heap at its peak over 0.15-0.30
-# GiB of activations (0.02x). 0.1x is that, with room. (Fitted on the earlier 4 MiB runtime it
-# was 0.35x: the same 6.29B plan then peaked 0.18 GiB above the other terms, 0.11x its activations.)
-DISK_PLAN_HEAP_SLACK_PER_ACTIVATION_BYTE = 0.1
-
-
-def disk_plan_step_untracked_bytes(activation_bytes: int, activations_on_host: bool) -> int:
-    """:func:`step_untracked_bytes` for a plan with disk chunks (see
-    :data:`DISK_PLAN_HEAP_SLACK_PER_ACTIVATION_BYTE`); never more than it."""
-    if not activations_on_host:
-        return STEP_UNTRACKED_BYTES
-    slack = max(STEP_UNTRACKED_BYTES, STEP_GROWTH_BYTES + int(DISK_PLAN_HEAP_SLACK_PER_ACTIVATION_BYTE * activation_bytes))
-    return min(slack, step_untracked_bytes(activation_bytes, activations_on_host))
-
-
-def step_untracked_bytes(activation_bytes: int, activations_on_host: bool) -> int:
-    """What a training step adds to the measured process beyond every counted term: the fixed
-    :data:`STEP_UNTRACKED_BYTES`, or, where the activations are in host RAM and their heap slack is
-    larger, :data:`STEP_GROWTH_BYTES` plus :data:`HEAP_SLACK_PER_ACTIVATION_BYTE` of the traced
-    activation peak."""
-    if not activations_on_host:
-        return STEP_UNTRACKED_BYTES
-    return max(STEP_UNTRACKED_BYTES, STEP_GROWTH_BYTES + int(HEAP_SLACK_PER_ACTIVATION_BYTE * activation_bytes))
-
-
 # the host terms of Evaluation.memory (the rest are device terms)
 HOST_TERMS = ("process", "placed_host", "staging", "not_at_once")
-
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "cpuadam": 8, "sgd": 4, "none": 0}
 
 
 @dataclass(frozen=True)
@@ -523,11 +462,16 @@ class Setting:
     grad_elem: int = 4  # shard-gradient element size (grad_dtype)
     process_bytes: int = 0  # host bytes the process holds outside elixir (interpreter, libraries)
     # the part of process_bytes that is the activations' heap slack under keep_host_memory
-    # (step_untracked_bytes beyond STEP_UNTRACKED_BYTES): a plan that streams from disk gives
-    # freed blocks back at once instead (device.return_host_memory), so it holds only what
-    # disk_plan_step_untracked_bytes says for trainable disk chunks, none for frozen ones
+    # (HardwareProfile.step_extra_bytes beyond its step_untracked_bytes): a plan that streams from
+    # disk gives freed blocks back at once instead (device.return_host_memory), so it holds only
+    # what step_extra_bytes(streams_from_disk=True) says for trainable disk chunks, none for frozen ones
     heap_slack_bytes: int = 0
     fused_step: bool = False  # the fused backward-and-step (no persistent shard gradients)
+
+    def __post_init__(self) -> None:
+        if element_bytes(self.dtype) != self.elem:
+            raise ValueError(f"Setting: elem={self.elem} is not the element size of dtype {self.dtype!r} "
+                             f"({element_bytes(self.dtype)}); pass the compute dtype's")
 
     @property
     def world(self) -> int:
@@ -571,17 +515,10 @@ def per_chunk_bytes(st: Setting, shard: int) -> dict[ChunkPlacement, tuple[int, 
 
 
 def _per_chunk_bytes(st: Setting, shard: int) -> dict[ChunkPlacement, tuple[int, int, int]]:
-    e, k, g = st.elem, st.opt_bytes, st.kept_grad
-    m_same = 0 if e == 4 else 4  # fp32 master shares the shard tensor when they live together
-    return {
-        DD: (shard * (e + m_same + g + k), 0, 0),
-        DH: (shard * e, shard * (4 + g + k), 0),
-        HH: (0, shard * (e + m_same + g + k), 0),
-        DK: (shard * e, shard * g, shard * st.disk_elem),
-        HK: (0, shard * (e + g), shard * st.disk_elem),
-        KK: (0, shard * g, shard * st.disk_elem),  # the shard is the master cast down: not stored
-        HD: (shard * (4 + g + k), shard * e, 0),  # only priced for given plans
-    }
+    # DD, DH, HH, DK, HK, KK (whose shard is the master cast down: not stored), and HD (only
+    # priced for given plans): elixir.plan.footprint.held_bytes, the runtime's own rule
+    return {k: held_bytes(shard, shard, st.dtype, k.shard, k.optim, st.kept_grad, st.opt_bytes)
+            for k in SHARDED_PLACEMENTS + (HD,)}
 
 
 def construction_staging_bytes(layout: Layout) -> int:
@@ -865,12 +802,10 @@ def _largest_shard(layout: Layout, world: int) -> int:
 
 def replicated_optimizer_bytes(layout: Layout, st: Setting, where: Placement) -> tuple[int, int]:
     """(device, host) bytes of the replicated chunks' master, gradient and optimizer state, kept
-    ``where`` (the device or the host)."""
-    repl = sum(layout.replicated_capacities)
-    g = st.kept_grad
-    if where is Placement.DEVICE:
-        return repl * ((0 if st.elem == 4 else 4) + g + st.opt_bytes), 0
-    return 0, repl * (4 + g + st.opt_bytes)
+    ``where`` (the device or the host); their payload is the ``replicated`` term."""
+    d, h, _ = held_bytes(0, sum(layout.replicated_capacities), st.dtype, Placement.DEVICE, where, st.kept_grad,
+                         st.opt_bytes)
+    return d, h
 
 
 _COMPUTE: dict[tuple[int, int, str], tuple[StepProfile, HardwareProfile, float]] = {}
@@ -925,13 +860,7 @@ def zero_chunk_bytes(st: Setting, capacity: int, where: Placement) -> tuple[int,
     compute-dtype parameters on the device, and this rank's ``capacity / world`` elements of
     master (none in fp32 on the device: the master is the rank's slice of the parameters), kept
     gradient and optimizer state."""
-    s, e, k, g = capacity // st.world, st.elem, st.opt_bytes, st.kept_grad
-    params = capacity * e
-    if where is Placement.DEVICE:
-        return params + s * ((0 if e == 4 else 4) + g + k), 0, 0
-    if where is Placement.HOST:
-        return params, s * (4 + g + k), 0
-    return params, s * g, s * st.disk_elem
+    return held_bytes(capacity, capacity // st.world, st.dtype, Placement.DEVICE, where, st.kept_grad, st.opt_bytes)
 
 
 def zero_chunk_optimizer_time(st: Setting, capacity: int, where: Placement) -> float:
@@ -1009,19 +938,29 @@ def _layout_collectives(layout: Layout, st: Setting, zero: tuple[ChunkPlacement,
     def gather(nbytes: float) -> float:
         return hw.all_gather_time(nbytes, w) + hw.first_touch_time(nbytes)
 
+    # each chunk's reduction and publish, by the runtime's rule (footprint.collectives); at world
+    # size 1 resident chunks reduce nothing, and price counts the off-device shards' copies
+    def reduction(sharding: Sharding, c: int, kind: str) -> float:
+        if collectives(sharding, w).reduction != kind:
+            return 0.0
+        t = hw.reduce_scatter_time if kind == "reduce_scatter" else hw.all_reduce_time
+        return t(c * st.reduce_elem, w)
+
     own = layout.own_capacities
     zc = list(zip(layout.zero_capacities, zero))
-    ar = sum(hw.all_reduce_time(c * st.reduce_elem, w) for c in layout.replicated_capacities) if w > 1 else 0.0
     n = layout.n_sharded - layout.own
+    rs = "reduce_scatter"
     per = _LayoutCollectives(
         gather_full=gather(layout.chunk_size * st.elem),
         gather_own=tuple(gather(c * st.elem) for c in own),
         gather_frozen=gather(layout.frozen_chunk_size * st.elem),
-        reduce_scatter=n * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, w)
-        + sum(hw.reduce_scatter_time(c * st.reduce_elem, w) for c in own)
-        + sum(hw.reduce_scatter_time(c * st.reduce_elem, w) for c, k in zc if k.zero == 2),
-        all_reduce=ar + sum(hw.all_reduce_time(c * st.reduce_elem, w) for c, k in zc if k.zero == 1),
-        publish=sum(hw.all_gather_time(c * st.elem, w) for c, _ in zc) if zc else None,
+        reduce_scatter=(n * reduction(Sharding.SHARDED, layout.chunk_size, rs) if n else 0.0)
+        + sum(reduction(Sharding.SHARDED, c, rs) for c in own)
+        + sum(reduction(k.sharding, c, rs) for c, k in zc),
+        all_reduce=sum(reduction(Sharding.REPLICATED, c, "all_reduce") for c in layout.replicated_capacities)
+        + sum(reduction(k.sharding, c, "all_reduce") for c, k in zc),
+        publish=sum(hw.all_gather_time(c * st.elem, w) for c, k in zc if collectives(k.sharding, w).publishes)
+        if zc else None,
     )
     memo[key] = (layout, per)
     return per
@@ -1302,13 +1241,14 @@ def price(
     dev_var, host, disk, transient = _placed_bytes(p)
     n_gathers = int(p.g.sum() + p.g_own.sum() + p.g_frozen.sum())
     comm = comm_times(profile, layout, st, n_gathers, p.g_own, int(p.g_frozen.sum()), p.zero)
-    if p.solo and p.n:
-        comm["reduce_scatter"] = int(p.host_shard.sum()) * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1)
+    if p.solo and p.n:  # only the chunks the rCache holds are reduced (a copy out of the block)
+        rs = sum(collectives(Sharding.SHARDED, 1, k.shard).reduction == "reduce_scatter" for k in p.kinds)
+        comm["reduce_scatter"] = rs * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1)
     fb, hidden = _step_seconds(p, comm, t_h2d, t_shard_reads, depth, n_gathers)
     breakdown = dict(comm, h2d_gather=t_h2d, optimizer=t_opt, overlap_hidden=-hidden)
     if t_shard_reads:
         breakdown["disk_shard_reads"] = t_shard_reads
-    fused_hidden = _fused_step_hidden(p, comm["compute"])
+    fused_hidden = _fused_step_hidden(p, comm["compute"], profile.backward_share())
     if fused_hidden is not None:
         breakdown["fused_step_hidden"] = -fused_hidden
         t_opt -= fused_hidden
@@ -1373,11 +1313,13 @@ def _priced(layout: Layout, st: Setting, placements: Sequence[ChunkPlacement], g
     solo = st.world == 1
     g = np.asarray(gathers, dtype=np.int64)
     g_own, g_frozen, g = g[n:n_sh], g[n_sh:], g[:n]
-    if solo and frozen_where is Placement.DEVICE:
-        g_frozen = np.zeros_like(g_frozen)  # resident whole at world size 1, like device trainable chunks
+    # the runtime's rule (footprint.resident_sharding): at world size 1 a device shard is kept
+    # whole and resident, never gathered; an off-device one still goes through the rCache
+    if not collectives(Sharding.SHARDED, st.world, frozen_where, frozen=True).gathers_per_use:
+        g_frozen = np.zeros_like(g_frozen)
     host_shard = np.asarray([k.shard is not Placement.DEVICE for k in kinds], dtype=bool)
-    if solo and n:  # device shards stay whole and resident at world size 1
-        g = np.where(host_shard, g, 0)
+    if solo and n:
+        g = np.where([collectives(Sharding.SHARDED, 1, k.shard).gathers_per_use for k in kinds], g, 0)
     shard = layout.chunk_size // st.world if n else 0
     return _Priced(
         layout=layout, st=st, kinds=kinds, kind_counts=tuple(Counter(kinds).items()), zero=zero, rwhere=rwhere,
@@ -1474,18 +1416,19 @@ def _step_seconds(p: _Priced, comm: dict[str, float], t_h2d: float, t_shard_read
     return fb, hidden
 
 
-def _fused_step_hidden(p: _Priced, compute: float) -> Optional[float]:
-    """Seconds of the disk chunks' step that the fused step hides under backward, or None when
-    the plan has no fused step over disk chunks."""
+def _fused_step_hidden(p: _Priced, compute: float, backward_share: float) -> Optional[float]:
+    """Seconds of the disk chunks' step that the fused step hides under backward
+    (``backward_share`` of ``compute``: :meth:`StepProfile.backward_share`), or None when the
+    plan has no fused step over disk chunks."""
     st, layout = p.st, p.layout
     n_disk = sum(k.on_disk for k in p.kinds)
     if not (st.fused_step and n_disk and layout.n_sharded):
         return None
-    # the backward stager reads and writes disk chunks while backward computes (2/3 of the
-    # compute); the first chunk's read has nothing before it to hide under
+    # the backward stager reads and writes disk chunks while backward computes; the first
+    # chunk's read has nothing before it to hide under
     nbytes = layout.chunk_size // st.world * st.disk_elem
     t_disk = n_disk * st.hardware.disk_time(nbytes, nbytes)  # a KK chunk's step moves no shard either
-    return min(t_disk - st.hardware.disk_time(nbytes, 0), 2.0 / 3.0 * compute)
+    return min(t_disk - st.hardware.disk_time(nbytes, 0), backward_share * compute)
 
 
 def _memory_terms(profile: StepProfile, p: _Priced, fixed: dict, dev_var: int, host: int,
@@ -1500,8 +1443,10 @@ def _memory_terms(profile: StepProfile, p: _Priced, fixed: dict, dev_var: int, h
     streams = any(k.on_disk for k in p.kinds + p.zero) or (p.frozen_where is Placement.DISK and layout.n_frozen > 0)
     process = st.process_bytes - (st.heap_slack_bytes if streams else 0)
     if streams and st.heap_slack_bytes and any(k.on_disk for k in p.kinds + p.zero):
-        # trainable disk chunks: what their step leaves in the heap even so (see the constant)
-        kept = disk_plan_step_untracked_bytes(int(profile.activation_bytes), True) - STEP_UNTRACKED_BYTES
+        # trainable disk chunks: what their step leaves in the heap even so
+        # (HardwareProfile.disk_plan_heap_slack_per_activation_byte)
+        hw = st.hardware
+        kept = hw.step_extra_bytes(int(profile.activation_bytes), True, streams_from_disk=True) - hw.step_untracked_bytes
         process += min(st.heap_slack_bytes, kept)
     memory = dict(fixed, placed_device=dev_var, process=process, placed_host=host - transient, staging=transient)
     if layout.n_frozen:  # included in placed_device, or in the host (or disk) bytes
@@ -1529,6 +1474,20 @@ def simulate_layout(layout: Layout, blocks: int) -> np.ndarray:
     if layout.n_sharded + layout.n_frozen == 0:
         return np.zeros(0, dtype=np.int64)
     return simulate(layout.trace, max(blocks, layout.min_blocks), "belady").per_chunk
+
+
+def collective_counts(ev: Evaluation, world: int) -> dict[str, int]:
+    """The collectives a priced plan issues per training step, by the kinds
+    :class:`~elixir.chunk.ChunkComm` counts (``issued``): ``all_gather`` the simulated gathers
+    for use (``ev.gathers``), and per chunk of ``ev.placements`` its reduction and its
+    ``publish``, by the footprint rule (:func:`~elixir.plan.footprint.collectives`)."""
+    out = {"all_gather": int(ev.gathers), "publish": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for k in ev.placements:
+        c = collectives(k.sharding, world, k.shard)
+        if c.reduction is not None:
+            out[c.reduction] += 1
+        out["publish"] += int(c.publishes)
+    return out
 
 
 def layout_from_plan(profile: StepProfile, plan) -> Layout:
@@ -1561,8 +1520,9 @@ def layout_from_plan(profile: StepProfile, plan) -> Layout:
 
 
 def _is_zero(plan, chunk) -> bool:
-    """A ZeRO-1/2 chunk, as the runtime runs it (at world size 1 it is replicated)."""
-    return chunk.sharding in (Sharding.ZERO1, Sharding.ZERO2) and plan.world_size > 1
+    """A ZeRO-1/2 chunk, as the runtime runs it (at world size 1 it is replicated:
+    :func:`~elixir.plan.footprint.resident_sharding`)."""
+    return resident_sharding(chunk.sharding, chunk.shard_placement, plan.world_size) in (Sharding.ZERO1, Sharding.ZERO2)
 
 
 def _plan_order(plan, shared: set) -> list:

@@ -28,6 +28,7 @@ from rich.table import Table
 from torch.distributed.tensor import DTensor
 
 from elixir.plan import CHUNKABLE_DTYPES, ChunkPlan, MeshLayout, Placement, SearchResult, dtype_name
+from elixir.plan.footprint import element_bytes
 from elixir.tables import number_column
 from elixir.tracer import generate_tf_order
 
@@ -436,7 +437,7 @@ def _frozen_chunks(named: list, shapes: dict, align: int, dt: str, place: Placem
 def print_plan(result: SearchResult, dtype: torch.dtype = torch.float, console: Optional[Console] = None) -> None:
     """Rich table, one figure a row (so it reads at 80 columns): chunk size, chunk count, waste,
     rCache blocks, per-rank bytes, search time."""
-    el = torch.empty((), dtype=dtype).element_size()
+    el = element_bytes(dtype)
     sharded = [c for c in result.chunks if c.sharded]
     table = Table(title=f"elixir plan ({result.search}, world size {result.world_size})")
     table.add_column("")

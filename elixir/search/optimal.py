@@ -31,13 +31,12 @@ from elixir import distributed as edist
 from elixir.hardware.profile import HardwareProfile
 from elixir.hardware.registry import choose_default_profile, load_profile
 from elixir.plan import ChunkPlan, MeshLayout, Placement, Prediction, SearchResult, dtype_name
+from elixir.plan.footprint import element_bytes, optimizer_state_bytes
 from elixir.plan.placement import DD, RD
 from elixir.search.bounds import SLACK, StepFloor, fits_floor, layout_fits_floor
 from elixir.search.cost_model import (
     ALIGN,
     HOST_TERMS,
-    OPTIMIZER_STATE_BYTES,
-    STEP_UNTRACKED_BYTES,
     Evaluation,
     Layout,
     MemoryPolicy,
@@ -47,7 +46,6 @@ from elixir.search.cost_model import (
     replicate,
     round_up,
     simulate_layout,
-    step_untracked_bytes,
     unified_memory,
 )
 from elixir.search.minimum_waste import best_chunk_size
@@ -78,10 +76,6 @@ class Budgets:
     device: int
     host: int
     disk: int = 0
-
-
-def _elem(dtype: str) -> int:
-    return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[dtype]
 
 
 _CHUNK_SIZES: dict[tuple[int, int, int], tuple[StepProfile, list[int]]] = {}
@@ -199,8 +193,7 @@ class SearchRequest:
     heap_slack_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.optimizer_type.lower() not in OPTIMIZER_STATE_BYTES:
-            raise ValueError(f"optimizer_type {self.optimizer_type!r} not known; use one of {sorted(OPTIMIZER_STATE_BYTES)}")
+        optimizer_state_bytes(self.optimizer_type)  # raises naming the known optimizers
         if self.world < 1:
             raise ValueError(f"group_size must be >= 1, got {self.world}")
 
@@ -208,9 +201,9 @@ class SearchRequest:
         """The cost model's :class:`Setting` for this request."""
         hw, prof = self.hardware, self.profile
         return Setting(
-            layout=MeshLayout.data_parallel(self.world), elem=_elem(prof.dtype),
-            reduce_elem=_elem(self.reduce_dtype or prof.dtype), opt_bytes=OPTIMIZER_STATE_BYTES[self.optimizer_type.lower()],
-            hardware=hw.per_rank(hw.ranks_per_node(self.world)), dtype=prof.dtype, grad_elem=_elem(self.grad_dtype),
+            layout=MeshLayout.data_parallel(self.world), elem=element_bytes(prof.dtype),
+            reduce_elem=element_bytes(self.reduce_dtype or prof.dtype), opt_bytes=optimizer_state_bytes(self.optimizer_type),
+            hardware=hw.per_rank(hw.ranks_per_node(self.world)), dtype=prof.dtype, grad_elem=element_bytes(self.grad_dtype),
             fused_step=self.fused_step, process_bytes=int(self.process_bytes),
             heap_slack_bytes=min(int(self.heap_slack_bytes), int(self.process_bytes)),
         )
@@ -676,16 +669,23 @@ def _resolve_hardware(world: int, hardware: Union[HardwareProfile, str, os.PathL
                       host_memory: Optional[int], disk: Optional[int]) -> tuple[HardwareProfile, str, int, Budgets]:
     """:func:`search_profile`'s hardware profile, why it is the one, the ranks per node and the
     budgets, its defaults filled in."""
-    if isinstance(hardware, (str, os.PathLike)):  # a JSON path or a shipped profile's name
-        hardware_choice = hardware_choice or f"hardware={os.fspath(hardware)!r}"
-        hardware = load_profile(hardware)
-    hw, hw_why = (hardware, hardware_choice or "given") if hardware is not None else choose_default_profile()
+    hw, hw_why = _chosen_profile(hardware, hardware_choice)
     rpn = ranks_per_node or hw.ranks_per_node(world)
     if host_memory is None:
         host_memory = hw.host_memory_bytes // rpn
     if device_memory is None:
         device_memory = min(hw.device_memory_bytes, host_memory) if unified_memory(hw) else hw.device_memory_bytes
     return hw, hw_why, rpn, Budgets(int(device_memory), int(host_memory), int(disk or 0))
+
+
+def _chosen_profile(hardware: Union[HardwareProfile, str, os.PathLike, None],
+                    hardware_choice: Optional[str]) -> tuple[HardwareProfile, str]:
+    """The hardware profile ``hardware`` names (a profile, a JSON path or a shipped profile's
+    name; None: the default rule) and why it is the one."""
+    if isinstance(hardware, (str, os.PathLike)):  # a JSON path or a shipped profile's name
+        hardware_choice = hardware_choice or f"hardware={os.fspath(hardware)!r}"
+        hardware = load_profile(hardware)
+    return (hardware, hardware_choice or "given") if hardware is not None else choose_default_profile()
 
 
 def _search_leanest(s: _Searcher, grad_dtype: Optional[torch.dtype],
@@ -954,30 +954,31 @@ def optimal_search(
         profile = profile_step(model, inp, step_fn, unified_dtype)
     else:
         profile = profile_from_module(model, dtype=unified_dtype)
+    hw, why = _chosen_profile(hardware, None)  # its step figures price this process's growth
     return search_profile(
-        profile, group_size, hardware=hardware, device_memory=device_memory, host_memory=host_memory, disk=disk,
-        optimizer_type=optimizer_type, overlap=overlap, policy=policy, reduce_dtype=reduce_dtype, verbose=verbose,
-        grad_dtype=grad_dtype, fused_step=fused_step,
-        process_bytes=_process_bytes(model, profile.activation_bytes) if process_bytes is None else int(process_bytes),
+        profile, group_size, hardware=hw, hardware_choice=why, device_memory=device_memory, host_memory=host_memory,
+        disk=disk, optimizer_type=optimizer_type, overlap=overlap, policy=policy, reduce_dtype=reduce_dtype,
+        verbose=verbose, grad_dtype=grad_dtype, fused_step=fused_step,
+        process_bytes=_process_bytes(model, hw, profile.activation_bytes) if process_bytes is None else int(process_bytes),
         body_sharding=body_sharding,
-        heap_slack_bytes=activation_heap_slack(profile.activation_bytes) if process_bytes is None else 0,
+        heap_slack_bytes=activation_heap_slack(hw, profile.activation_bytes) if process_bytes is None else 0,
     )
 
 
-def activation_heap_slack(activation_bytes: int) -> int:
+def activation_heap_slack(hw: HardwareProfile, activation_bytes: int) -> int:
     """The part of :func:`_process_bytes`'s step term that is the activations' heap slack under
-    :func:`elixir.device.keep_host_memory` (where activations are in host RAM), beyond
-    :data:`~elixir.search.cost_model.STEP_UNTRACKED_BYTES`: a plan that streams from disk runs
-    under :func:`elixir.device.return_host_memory` instead and the cost model counts its own
-    (:func:`~elixir.search.cost_model.disk_plan_step_untracked_bytes`)."""
+    :func:`elixir.device.keep_host_memory` (where activations are in host RAM), beyond ``hw``'s
+    :attr:`~elixir.hardware.HardwareProfile.step_untracked_bytes`: a plan that streams from disk
+    runs under :func:`elixir.device.return_host_memory` instead and the cost model counts its own
+    (:meth:`~elixir.hardware.HardwareProfile.step_extra_bytes` with ``streams_from_disk``)."""
     on_host = not dev.is_accelerator(dev.default_device())
-    return step_untracked_bytes(activation_bytes, on_host) - STEP_UNTRACKED_BYTES
+    return hw.step_extra_bytes(activation_bytes, on_host) - hw.step_untracked_bytes
 
 
-def _process_bytes(model: nn.Module, activation_bytes: int = 0) -> int:
+def _process_bytes(model: nn.Module, hw: HardwareProfile, activation_bytes: int = 0) -> int:
     """This process's RSS less the bytes of ``model``'s materialised tensors (see optimal_search),
-    plus :func:`~elixir.search.cost_model.step_untracked_bytes` (what the process adds once it
-    trains, which no other term sees: on a machine without an accelerator it grows with the
+    plus ``hw``'s :meth:`~elixir.hardware.HardwareProfile.step_extra_bytes` (what the process adds
+    once it trains, which no other term sees: on a machine without an accelerator it grows with the
     traced ``activation_bytes``, whose heap slack is host RAM), the most over the ranks when a process group is
     initialised: each rank measures its own RSS, which differs by tens of MiB, and ranks that
     searched on different figures could pick different plans (and then hang in each other's
@@ -988,7 +989,7 @@ def _process_bytes(model: nn.Module, activation_bytes: int = 0) -> int:
             seen.add(t.untyped_storage().data_ptr())
             own += t.untyped_storage().nbytes()
     on_host = not dev.is_accelerator(dev.default_device())
-    mine = max(0, dev.rss_bytes() - own) + step_untracked_bytes(activation_bytes, on_host)
+    mine = max(0, dev.rss_bytes() - own) + hw.step_extra_bytes(activation_bytes, on_host)
     if edist.is_initialized() and edist.get_world_size() > 1:
         return max(int(b) for b in edist.all_gather_object(mine))
     return mine

@@ -99,6 +99,14 @@ class StepProfile:
         passes = 3.0 + (1.0 if RECOMPUTE in self.step_kinds else 0.0)
         return 2.0 * passes * self.matmul_param_numel * self.tokens
 
+    def backward_share(self) -> float:
+        """The part of the step's compute that runs in backward, by the pass counts of
+        :meth:`flops` (not fitted): backward costs two forward passes (input and weight
+        gradients), so 2/3 of the compute; with gradient checkpointing the recompute pass runs
+        inside backward too, 3/4."""
+        recompute = 1.0 if RECOMPUTE in self.step_kinds else 0.0
+        return (2.0 + recompute) / (3.0 + recompute)
+
     def frozen_use_order(self) -> list[tuple[str, int]]:
         """Chunkable frozen parameters by first use in the traced steps (unused ones after, in
         definition order), with their element counts."""

@@ -21,7 +21,8 @@ from elixir.chunk import Chunk, ChunkKind, ChunkSpec, GradBufferPool, MemoryLedg
 from elixir.offload.derived import DerivedShards
 from elixir.offload.for_plan import StoreSite, shard_store_for_plan, store_for_plan
 from elixir.offload.store import DiskStore
-from elixir.plan import Placement, Sharding
+from elixir.plan import Placement
+from elixir.plan.footprint import element_bytes, resident_sharding
 from elixir.plan.state_format import disk_state_bytes, master_torch_dtype
 from elixir.wrapper.materialize import Materializer, assign
 from elixir.wrapper.mesh import RunMesh
@@ -154,17 +155,15 @@ class ChunkBuilder:
         m = rt.mesh
         site = StoreSite(rt.ledger, m.shard_rank, m.shard_world, m.shard_group, self.offload.offload_dir, self.offload.direct)
         out.disk_store = store_for_plan(plan, site, disk_state_bytes(*rt.state_formats))
-        out.shard_store = shard_store_for_plan(plan, site, torch.empty((), dtype=rt.dtype).element_size())
+        out.shard_store = shard_store_for_plan(plan, site, element_bytes(rt.dtype))
         if out.disk_store is not None and any(cp.sharded and cp.shard_placement is Placement.DISK for cp in plan.chunks):
             out.derived_shards = DerivedShards(out.disk_store, rt.ledger)
 
     def _spec(self, ci: int, cp: Any, kind: ChunkKind) -> ChunkSpec:
         rt = self.rt
-        # At world size 1 a device shard is the whole chunk: keep it resident (gathering would
-        # only copy it), exactly like a replicated chunk; so is a ZeRO-1/2 chunk's state.
-        sharding = cp.sharding
-        if rt.mesh.shard_world == 1 and not (sharding is Sharding.SHARDED and cp.shard_placement is not Placement.DEVICE):
-            sharding = Sharding.REPLICATED
+        # At world size 1 a device shard is the whole chunk: kept resident like a replicated chunk
+        # (the footprint rule, which the cost model prices by)
+        sharding = resident_sharding(cp.sharding, cp.shard_placement, rt.mesh.shard_world)
         return ChunkSpec(
             kind=kind,
             index=ci,

@@ -1,0 +1,176 @@
+"""The footprint rule: what one chunk holds on one rank, where, and which collectives it issues.
+
+The runtime and the cost model both ask this module, so that the bytes the search prices are the
+bytes the runtime books (a rule written twice drifts: issue 30):
+
+- the runtime's chunks book their tensors in the ledger by it (``chunk/storage.py``: whether the
+  master is the shard tensor itself, :func:`master_shares_shard`; the bytes of an element,
+  :func:`element_bytes`), and build each chunk's spec by it (``wrapper/chunk_builder.py``: which
+  chunks stay whole at world size 1, :func:`resident_sharding`);
+- the cost model prices every placement of a chunk by :func:`held_bytes` (sharded, ZeRO-1/2 and
+  replicated chunks alike), counts its collectives by :func:`collectives`, and reads the dtype and
+  optimizer-state byte tables here.
+
+"A disk shard needs its optimizer state on disk too" is :func:`~elixir.plan.plan.placement_problem`
+(the plan, the runtime's spec and the search's placements all check it); the byte counts here
+assume a placement it accepts.
+
+Bytes held **between uses** (resident all step), per rank, for a chunk of ``params`` compute-dtype
+elements of parameters on this rank (a shard of a sharded chunk, the whole chunk of a ZeRO-1/2 one)
+and ``state`` elements of fp32 master, kept gradient and optimizer state (this rank's part):
+
+========= ============================================ ================================
+what      where                                        bytes
+========= ============================================ ================================
+params    the shard placement (none on disk: derived)  ``params * e``
+master    the optimizer placement                      ``state * 4``, 0 when it is the
+                                                       shard itself
+gradient  the optimizer placement (host for disk)      ``state * g``
+state     the optimizer placement                      ``state * k``
+disk      master and state, when placed on disk        ``state * (4 + k)``
+========= ============================================ ================================
+
+Transient bytes (a gathered payload, gradient buffers, disk staging) are counted where they
+happen: :data:`DISK_STAGING`, :data:`DISK_SHARD_STAGING` and :data:`CONSTRUCTION_STAGING` say how
+many chunks' worth the runtime stages at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from elixir.plan.plan import Placement, Sharding, dtype_name
+
+MASTER_BYTES = 4
+"""Bytes of the fp32 master copy of one element."""
+ADAM_STATE_BYTES = 8
+"""Bytes of Adam's two fp32 moments for one element."""
+# A trainable chunk with shard and state on disk (KK) stores no shard: each read derives it from the
+# fp32 master, streamed through two read buffers of this many elements (elixir/offload/derived.py;
+# the cost model counts their bytes in the disk staging)
+DERIVED_SHARD_PIECE_ELEMENTS = 2 << 20
+"""Elements per read buffer when a disk-resident shard is derived from its fp32 master."""
+
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+"""Bytes of one element of each dtype a chunk, its master or its gradient may hold (by the name
+plans use)."""
+
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "cpuadam": 8, "sgd": 4, "none": 0}
+"""Elementwise fp32 optimizer state per element, by optimizer name (lower case): Adam's two
+moments, SGD's momentum."""
+
+DISK_STAGING = 2
+"""Disk chunks whose master and optimizer state are in host memory at once: the one a step works
+on and the one read ahead (``elixir/offload/pipeline.py``)."""
+# One disk shard in host memory at once: a gather reads its shard and drops it before it returns,
+# even when prefetching (Chunk.gather finishes a disk shard's gather at once), and a step stages one
+# shard at a time; both run on the training thread, never at once. Two were counted (a prefetched
+# chunk's shard used to stay staged until the chunk was used, beside the one a step staged), one
+# shard above what a KK plan ever held without prefetching (bench/memory_breakdown.py,
+# tests/test_disk_plan_memory.py).
+DISK_SHARD_STAGING = 1
+"""Disk-resident compute shards staged in host memory at once (see the comment above)."""
+CONSTRUCTION_STAGING = 2
+"""fp32 chunks staged while the model is built or loaded (``wrapper/materialize.py``,
+``checkpoint/pretrained.py``): the flat a chunk is assembled in, and one initialisation unit."""
+
+
+def element_bytes(dtype: Union[torch.dtype, str]) -> int:
+    """Bytes of one element of ``dtype`` (a torch dtype or a plan's dtype name)."""
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    try:
+        return ELEMENT_BYTES[name]
+    except KeyError:
+        raise ValueError(f"no element size for dtype {name!r}; chunks hold one of {sorted(ELEMENT_BYTES)}") from None
+
+
+def optimizer_state_bytes(optimizer: str) -> int:
+    """Optimizer-state bytes per element of the optimizer named ``optimizer`` (any case)."""
+    try:
+        return OPTIMIZER_STATE_BYTES[optimizer.lower()]
+    except KeyError:
+        raise ValueError(f"optimizer_type {optimizer!r} not known; use one of {sorted(OPTIMIZER_STATE_BYTES)}") from None
+
+
+def disk_bytes_per_element(optimizer_state_bytes: int = ADAM_STATE_BYTES) -> int:
+    """Bytes per shard element that a chunk whose optimizer placement is :attr:`Placement.DISK`
+    keeps on disk: its fp32 master and the optimizer's elementwise state (Adam's by default).
+    The one rule for the cost model's disk bytes and staging, and the offload file's reservation."""
+    return MASTER_BYTES + optimizer_state_bytes
+
+
+def _same_dtype(a: Union[torch.dtype, str], b: Union[torch.dtype, str]) -> bool:
+    return (a if isinstance(a, str) else dtype_name(a)) == (b if isinstance(b, str) else dtype_name(b))
+
+
+def master_shares_shard(dtype: Union[torch.dtype, str], master_dtype: Union[torch.dtype, str],
+                        shard: Placement, optim: Placement) -> bool:
+    """Whether the master is the compute shard's tensor itself (no bytes of its own): the compute
+    dtype is the master's (fp32, or bf16 with a bf16 master) and both live in the same place, not
+    on disk (a disk master is staged in a tensor of its own)."""
+    return shard is optim and optim is not Placement.DISK and _same_dtype(dtype, master_dtype)
+
+
+def resident_sharding(sharding: Sharding, shard: Placement, world: int) -> Sharding:
+    """The sharding a chunk runs with on ``world`` ranks: at world size 1 a device shard is the
+    whole chunk, kept resident like a replicated chunk (gathering would only copy it), and so is
+    a ZeRO-1/2 chunk's state; a sharded chunk whose shard lives off the device still goes through
+    the rCache (a copy into a block to gather, a copy out to reduce)."""
+    if world == 1 and not (sharding is Sharding.SHARDED and shard is not Placement.DEVICE):
+        return Sharding.REPLICATED
+    return sharding
+
+
+def held_bytes(params: int, state: int, dtype: Union[torch.dtype, str], shard: Placement, optim: Placement,
+               grad_bytes: int, opt_bytes: int, master_dtype: Union[torch.dtype, str] = "float32") -> tuple[int, int, int]:
+    """(device, host, disk) bytes one chunk holds between uses on one rank (see the module doc's
+    table): ``params`` compute-dtype elements of parameters kept ``shard`` (0 for a replicated
+    chunk's payload when counted apart), ``state`` elements of master, kept gradient
+    (``grad_bytes`` each, 0 with the fused step) and optimizer state (``opt_bytes`` each) kept
+    ``optim``. A shard on disk holds nothing here: it is derived from the disk master at each read."""
+    where = {Placement.DEVICE: 0, Placement.HOST: 1, Placement.DISK: 2}
+    out = [0, 0, 0]
+    if shard is not Placement.DISK:
+        out[where[shard]] += params * element_bytes(dtype)
+    if optim is Placement.DISK:
+        out[1] += state * grad_bytes  # the gradient waits in host memory for the streamed step
+        out[2] += state * disk_bytes_per_element(opt_bytes)
+    else:
+        master = 0 if master_shares_shard(dtype, master_dtype, shard, optim) else element_bytes(master_dtype)
+        out[where[optim]] += state * (master + grad_bytes + opt_bytes)
+    return out[0], out[1], out[2]
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """The collectives one chunk issues on one rank in a training step.
+
+    Attributes:
+        gathers_per_use: its parameters are all-gathered into an rCache block for each use the
+            cache does not hold (how many: the simulator's count for the plan's cache).
+        reduction: ``"reduce_scatter"``, ``"all_reduce"`` or None: its gradient's one reduction
+            per step (None at world size 1 for a resident chunk: nothing to reduce across).
+        publishes: its updated parameters are all-gathered after each optimizer step (ZeRO-1/2).
+    """
+
+    gathers_per_use: bool
+    reduction: Optional[str]
+    publishes: bool
+
+
+@functools.cache  # a handful of distinct arguments, asked per priced candidate
+def collectives(sharding: Sharding, world: int, shard: Placement = Placement.DEVICE, frozen: bool = False) -> Collectives:
+    """The collectives of a chunk of ``sharding`` on ``world`` ranks with its shard kept ``shard``
+    (a frozen chunk is gathered like any sharded chunk and never reduced). At world size 1 a
+    sharded chunk with an off-device shard still gathers (a copy into a block) and, trainable,
+    reduces (a copy out) through the same calls."""
+    sharding = resident_sharding(sharding, shard, world)
+    if sharding.params_sharded:
+        return Collectives(True, None if frozen else "reduce_scatter", False)
+    if world == 1 or frozen:
+        return Collectives(False, None, False)
+    return Collectives(False, "reduce_scatter" if sharding.reduce_scatters else "all_reduce", sharding.state_sharded)
