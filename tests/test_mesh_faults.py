@@ -199,8 +199,8 @@ def test_every_survivor_names_the_failure_when_a_mesh_rank_is_killed(killed, cas
     for k, v in want.items():
         torch.testing.assert_close(loaded[k], v, rtol=1e-5, atol=1e-6, msg=k)
     # ... and every stage's optimizer checkpoint (one per stage and tp rank) verifies
-    subs = sorted(os.listdir(tmp_path / "ck_opt"))
+    subs = sorted(d for d in os.listdir(tmp_path / "ck_opt") if os.path.isdir(tmp_path / "ck_opt" / d))
     stages = 1 if case == "tensor-parallel backward" else 2
     assert subs == [f"stage{s:02d}-tp{t:02d}" for s in range(stages) for t in range(2)], subs
-    for sub in subs:
-        checkpoint.verify(str(tmp_path / "ck_opt" / sub))
+    verified = checkpoint.verify(str(tmp_path / "ck_opt"))  # a mesh checkpoint: every part checked
+    assert verified.kind == "mesh" and {f.split("/")[0] for f in verified.files} == set(subs), verified
