@@ -8,17 +8,20 @@ each run continues with the uninterrupted run's last 2 losses (rtol 1e-5), and t
 checkpoints hold the same values bit for bit (``consolidate``: masters, ``exp_avg``,
 ``exp_avg_sq``, ``step``), torch AdamW's state after that step. In the test process
 (world size 1, Done when 2), ``elixir.checkpoint.load`` reads the TP2 x PP2 checkpoint into a plain
-ElixirModule that continues with the same losses. Refusals: a checkpoint with a part missing, and
+ElixirModule that continues with the same losses. The model saved at TP2 x PP2 (``save_model``:
+each stage its own files, ``save_pretrained_mesh``) holds the same masters. Refusals: a checkpoint with a part missing, and
 an optimizer with other param groups, raise on every rank, and every rank carries on.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from elixir import distributed as edist
 from elixir.testing.zoo import ZOO
@@ -138,6 +141,14 @@ def test_optimizer_state_crosses_layouts_and_resumes(launched):
             assert set(other["optimizer"]["state"][p]) == set(st), (name, p)
             for k, v in st.items():
                 assert torch.equal(torch.as_tensor(other["optimizer"]["state"][p][k]), torch.as_tensor(v)), (name, p, k)
+    # save_model at TP2 x PP2 (each stage its own files, no rank gathering the model): the same masters
+    with open(os.path.join(root, "model", "model.safetensors.index.json")) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    assert len(files) >= 2, files  # one file per stage at least
+    hf = {k: v for name in files for k, v in load_file(os.path.join(root, "model", name)).items()}
+    assert set(hf) == set(a["model"]), set(hf) ^ set(a["model"])
+    for k, v in a["model"].items():
+        assert torch.equal(hf[k], v), k
     # ... and the state is torch's own AdamW's, in the full logical shapes. (Not the masters, element
     # by element: AdamW's normalised step turns fp32 rounding in a near-zero gradient into a step of
     # up to lr, so they differ from torch's in a few elements, and so do the next step's gradients:

@@ -13,7 +13,7 @@ Every survivor (three per case) must exit non-zero within 60 s of the kill, with
 CollectiveFailed naming step 2 (the peer that waited on the dead rank names the phase: "pipeline
 send/recv", "tensor-parallel forward" or "tensor-parallel backward"), and the checkpoint saved after step 1 with the plugin's
 ``save_model`` / ``save_optimizer`` is whole: the model loads at world 1 with the values of a
-one-process run of step 1, and each stage's optimizer checkpoint verifies.
+one-process run of step 1, and the optimizer's mesh checkpoint (a part per stage and tp rank) verifies.
 
 The process groups' timeout is short (``ELIXIR_PG_TIMEOUT_S``), and the mesh's groups get it too
 (torch would give them its 30-minute default); gloo usually fails sooner, when the dead peer's
