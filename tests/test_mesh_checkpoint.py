@@ -9,8 +9,10 @@ checkpoints hold the same values bit for bit (``consolidate``: masters, ``exp_av
 ``exp_avg_sq``, ``step``), torch AdamW's state after that step. In the test process
 (world size 1, Done when 2), ``elixir.checkpoint.load`` reads the TP2 x PP2 checkpoint into a plain
 ElixirModule that continues with the same losses. The model saved at TP2 x PP2 (``save_model``:
-each stage its own files, ``save_pretrained_mesh``) holds the same masters. Refusals: a checkpoint with a part missing, and
-an optimizer with other param groups, raise on every rank, and every rank carries on.
+each stage its own files, ``save_pretrained_mesh``) holds the same masters. A tiny GPT-2 (fused
+``c_attn``, ``wte`` tied to ``lm_head`` across stages) goes from TP2 x PP2 to DP4 the same way.
+Refusals: a checkpoint with a part missing, and an optimizer with other param groups, raise on
+every rank, and every rank carries on.
 """
 
 from __future__ import annotations
@@ -32,41 +34,52 @@ STEPS, SAVE_AT, LR, BATCH = 3, 1, 1e-2, 8  # the state compared with torch's is 
 LOSS = ZOO["llama"].loss
 # (name, (tp, pp, zero_stage), loads the optimizer checkpoint of)
 CHAIN = [("b", (1, 2, 3), "a"), ("c", (2, 1, 2), "b"), ("d", (1, 1, 3), "c")]
+# GPT-2: its fused c_attn (reordered by tp rank) and the wte / lm_head tie (one parameter on each of
+# two stages at pp 2, one at pp 1), from TP2 x PP2 straight to DP4
+GPT2_CHAIN = [("gpt2_b", (1, 1, 3), "gpt2_a")]
+
+
+def _build(family: str):
+    if family == "llama":
+        return tiny_llama()
+    torch.manual_seed(0)
+    return ZOO["gpt2"].build()
 
 
 def _batches() -> list[dict]:
-    return [ZOO["llama"].make_batch(BATCH, step) for step in range(STEPS)]
+    return [ZOO["llama"].make_batch(BATCH, step) for step in range(STEPS)]  # tokens of the zoo's vocabulary
 
 
 def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
 
 
-def _boost(tp: int, pp: int, zero: int, groups: int = 1):
+def _boost(tp: int, pp: int, zero: int, groups: int = 1, family: str = "llama"):
     from elixir.booster import Booster, HybridParallelPlugin
 
     plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, zero_stage=zero, precision="fp32",
                                   microbatch_size=2 if pp > 1 else None)
     booster = Booster(plugin=plugin)
-    model = tiny_llama()
+    model = _build(family)
     params = list(model.parameters())
     opt = _adamw(params if groups == 1 else [{"params": params[:1]}, {"params": params[1:]}])
     model, opt, *_ = booster.boost(model, opt)
     return booster, plugin, model, opt
 
 
-def _chain(root: str) -> dict:
+def _chain(root: str, family: str = "llama", chain: tuple = tuple(CHAIN)) -> dict:
     """The uninterrupted run and the chain of layouts (module docstring); every run's losses."""
     batches = _batches()
-    booster, plugin, model, opt = _boost(2, 2, 1)
+    pre = "" if family == "llama" else f"{family}_"
+    booster, plugin, model, opt = _boost(2, 2, 1, family=family)
     out = {"uninterrupted": plugin_steps(booster, plugin, model, opt, batches[:SAVE_AT], LOSS)}
-    booster.save_model(model, os.path.join(root, "model"))
-    booster.save_optimizer(opt, os.path.join(root, "a"))
+    booster.save_model(model, os.path.join(root, pre + "model"))
+    booster.save_optimizer(opt, os.path.join(root, pre + "a"))
     out["uninterrupted"] += plugin_steps(booster, plugin, model, opt, batches[SAVE_AT:], LOSS)
-    for name, (tp, pp, zero), source in CHAIN:
-        booster, plugin, model, opt = _boost(tp, pp, zero)
-        if name == "b":  # the others take their weights from the optimizer checkpoint's masters alone
-            booster.load_model(model, os.path.join(root, "model"))
+    for name, (tp, pp, zero), source in chain:
+        booster, plugin, model, opt = _boost(tp, pp, zero, family=family)
+        if name == chain[0][0]:  # the others take their weights from the optimizer checkpoint's masters alone
+            booster.load_model(model, os.path.join(root, pre + "model"))
         booster.load_optimizer(opt, os.path.join(root, source))
         booster.save_optimizer(opt, os.path.join(root, name))  # before any step: the values it loaded
         out[name] = plugin_steps(booster, plugin, model, opt, batches[SAVE_AT:], LOSS)
@@ -97,7 +110,8 @@ def _refusals(root: str) -> dict:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> tuple[str, dict]:
     root = str(tmp_path_factory.mktemp("mesh_ckpt"))
-    jobs = {"chain": Job(_chain, (root,)), "refusals": Job(_refusals, (root,))}
+    jobs = {"chain": Job(_chain, (root,)), "gpt2": Job(_chain, (root, "gpt2", tuple(GPT2_CHAIN))),
+            "refusals": Job(_refusals, (root,))}
     return root, run_jobs(4, jobs, timeout=400)
 
 
@@ -159,6 +173,14 @@ def test_optimizer_state_crosses_layouts_and_resumes(launched):
             got = torch.as_tensor(a["optimizer"]["state"][p][k])
             assert got.shape == st[k].shape, (p, k)
             torch.testing.assert_close(got.float(), st[k].float(), rtol=1e-4, atol=1e-4 * st[k].float().abs().max().item())
+
+
+@pytest.mark.dist
+def test_gpt2_fused_qkv_and_tied_weights_cross_layouts(launched):
+    _, results = launched
+    for r in result(results, "gpt2"):
+        for name, layout, _ in GPT2_CHAIN:
+            assert r[name] == pytest.approx(r["uninterrupted"][SAVE_AT:], rel=1e-5), (name, layout, r)
 
 
 @pytest.mark.dist

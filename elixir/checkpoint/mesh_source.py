@@ -5,9 +5,9 @@ A part is an elixir sharded checkpoint of one stage module (:mod:`elixir.checkpo
 entries name parameters by their Hugging Face names and give ``[start, end)`` ranges in the
 flattened *local* tensor, which for a tensor-parallel parameter is that tp rank's shard.
 ``mesh.json`` says how each such parameter was sharded (full shape, ``Shard`` dimension, GPT-2's
-fused ``c_attn`` reordered by tp rank). A value the reader needs in the layout it was saved at
-(same tp split, or no tp on either side) is read as the sharded loader reads it: only the
-ranges asked for. Otherwise the parameter (or one state tensor of it) is put together whole from
+fused ``c_attn`` reordered by tp rank). A value the reader needs cut as it was saved (the same tp
+split, or no tp on either side) is read as the sharded loader reads it: only the ranges asked
+for, from the saved shard of the reader's own tp rank. Otherwise the parameter (or one state tensor of it) is put together whole from
 the saved tp shards, one tensor at a time, and this rank's shard is cut from it.
 
 A plain elixir sharded checkpoint (``index.json`` and no ``mesh.json``) reads as a mesh
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch.distributed.tensor import Shard
@@ -35,8 +36,28 @@ MESH = "mesh.json"
 MESH_FORMAT = "elixir-mesh-checkpoint"
 MESH_VERSION = 1
 
-Cut = Callable[[torch.Tensor], torch.Tensor]
-"""The reading rank's local shard of a whole tensor."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How the reading rank cuts its shard of parameter ``name`` from the whole tensor: piece
+    ``rank`` of ``parts`` along ``dim`` (as DTensor's ``Shard`` cuts: ``torch.chunk``), GPT-2's
+    fused ``c_attn`` first put in tp order."""
+
+    name: str
+    parts: int
+    rank: int
+    dim: int
+
+    def __call__(self, full: torch.Tensor) -> torch.Tensor:
+        if self.parts > 1 and is_fused_qkv(self.name):
+            full = qkv_into_tp_order(full, self.parts)
+        pieces = torch.chunk(full, self.parts, self.dim)
+        return pieces[self.rank] if self.rank < len(pieces) else full.narrow(self.dim, 0, 0)
+
+    def as_saved(self, info: Optional[dict], saved_tp: int) -> bool:
+        """The checkpoint cut this parameter the same way (so this rank's shard is one saved part)."""
+        return info is not None and saved_tp == self.parts and int(info["dim"]) == self.dim
 
 
 def read_meta(root: str) -> dict:
@@ -65,16 +86,7 @@ def target_cut(em: ElixirModule, name: str) -> Optional[Cut]:
     t = tpp.by_name.get(name) if tpp is not None else None
     if t is None or not t.sharded:
         return None
-    n, r = t.mesh.size(), t.mesh.get_local_rank()
-    dim = next(p.dim for p in t.placements if isinstance(p, Shard))
-
-    def cut(full: torch.Tensor) -> torch.Tensor:
-        if n > 1 and is_fused_qkv(name):
-            full = qkv_into_tp_order(full, n)
-        pieces = torch.chunk(full, n, dim)  # DTensor's Shard cuts as torch.chunk does
-        return pieces[r] if r < len(pieces) else full.narrow(dim, 0, 0)
-
-    return cut
+    return Cut(name, t.mesh.size(), t.mesh.get_local_rank(), next(p.dim for p in t.placements if isinstance(p, Shard)))
 
 
 def full_shape(em: ElixirModule, name: str, local: list[int]) -> list[int]:
@@ -169,9 +181,13 @@ class MeshSource:
         what = f"{'parameter' if key == 'param' else key} of {name}"
         if not src:
             raise CheckpointError(f"{what} is missing from the checkpoint")
-        part, entries = src[min(src)]
+        info = self.tp_info.get(name)
+        mine = cut.rank if cut is not None and cut.as_saved(info, self.saved_tp) else None
+        if mine is not None and mine not in src:
+            raise CheckpointError(f"{what}: the shard of tp rank {mine} is missing from the checkpoint (an incomplete copy?)")
+        part, entries = src[mine if mine is not None else min(src)]
         dtype = dtype or dtype_of(entries[0].dtype)
-        if cut is None and name not in self.tp_info:  # as saved: only the ranges asked for
+        if mine is not None or (cut is None and info is None):  # cut as saved: only the ranges asked for
             return self.readers[part].assemble(entries, start, end, dtype, what)
         whole = self._whole(key, kind, name, dtype, what)
         local = cut(whole) if cut is not None else whole
