@@ -66,7 +66,10 @@ def read_meta(root: str) -> dict:
     mpath = os.path.join(root, MESH)
     if not os.path.isfile(mpath):
         if not os.path.isfile(os.path.join(root, INDEX)):
-            raise CheckpointError(f"{root} has neither {MESH} nor {INDEX}: not an elixir checkpoint, or an incomplete one")
+            raise CheckpointError(
+                f"{root} has neither {MESH} nor {INDEX}: not an elixir checkpoint, or an incomplete one (a directory of "
+                "stageNN-tpNN folders without mesh.json was written by an older save_optimizer: load each folder with "
+                "elixir.checkpoint.load at the layout it was saved at)")
         return {"layout": {"pp": 1, "dp_shard": 1, "tp": 1}, "parts": {".": {"stage": 0, "tp": 0}},
                 "tensor_parallel": {}, "ties": []}
     try:
