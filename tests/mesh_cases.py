@@ -1,5 +1,5 @@
-"""Shared by the mesh tests (tensor and pipeline parallel): the one-process full-batch reference and
-the torch DDP run beside it."""
+"""Shared by the mesh tests (tensor and pipeline parallel): the one-process full-batch reference,
+the torch DDP run beside it, the tiny LLaMA they train and the plugin's training loop."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from elixir import distributed as edist
 from elixir.testing.reference import shard_batch
 
 
@@ -45,3 +46,49 @@ def ddp_reference(model: nn.Module, batches: list[dict], loss: Callable[[nn.Modu
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+
+
+def tiny_llama(layers: int = 2, tie: bool = False) -> nn.Module:
+    """A LLaMA-style decoder small enough for 4 CPU ranks: 2 heads and 2 key/value heads (tp 2
+    divides both), vocabulary 128 (the zoo's batches), seeded."""
+    # optional dependency: transformers (the hf extra)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=tie))
+
+
+class Rows(torch.utils.data.Dataset):
+    """One batch's rows as a dataset of ``{"input_ids", "labels"}`` (what a plugin's dataloader reads)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def plugin_steps(booster, plugin, model, opt, batches: list[dict],
+                 loss: Callable[[nn.Module, dict], torch.Tensor]) -> list[float]:
+    """Train a HybridParallelPlugin-boosted model one step per batch (``execute_pipeline`` when
+    pipelined, ``model(...)`` / ``booster.backward`` otherwise, each dp rank on its rows); the
+    whole batch's mean loss of each step, the same on every rank."""
+    out = []
+    for batch in batches:
+        if plugin.pp_size > 1:
+            loader = plugin.prepare_dataloader(Rows(batch["input_ids"]), batch_size=len(batch["input_ids"]) // plugin.dp_size)
+            value = booster.execute_pipeline(iter(loader), model, lambda outputs, inputs: outputs.loss, opt)["loss"]
+        else:
+            value = loss(model, shard_batch(batch, plugin.mesh.get_local_rank("dp_shard"), plugin.dp_size))
+            booster.backward(value, opt)
+        opt.step()
+        opt.zero_grad()
+        held = torch.tensor([0.0 if value is None else value.item(), float(value is not None)], dtype=torch.float64)
+        edist.all_reduce(held)
+        out.append(held[0].item() / held[1].item())
+    return out

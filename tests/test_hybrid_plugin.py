@@ -19,6 +19,7 @@ from elixir import distributed as edist
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
 from elixir.testing.zoo import ZOO
+from tests.mesh_cases import Rows, plugin_steps
 
 STEPS = 3
 LR = 0.5
@@ -51,17 +52,6 @@ def _reference(trained: bool = False):
     return model if trained else losses
 
 
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self, step: int) -> None:
-        self.ids = _batches()[step]["input_ids"]
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _run(plugin, save: str = "") -> list[float]:
     from elixir.booster import Booster
 
@@ -75,7 +65,7 @@ def _run(plugin, save: str = "") -> list[float]:
     losses = []
     for step in range(STEPS):
         if pipelined:
-            loader = plugin.prepare_dataloader(_Rows(step), batch_size=BATCH // dp)
+            loader = plugin.prepare_dataloader(Rows(_batches()[step]["input_ids"]), batch_size=BATCH // dp)
             out = booster.execute_pipeline(iter(loader), model, lambda outputs, inputs: outputs.loss, opt)
             loss = out["loss"]
         else:
@@ -97,16 +87,7 @@ def _run(plugin, save: str = "") -> list[float]:
 
 
 def _pipeline_steps(booster, plugin, model, opt, steps) -> list[float]:
-    out = []
-    for step in steps:
-        loader = plugin.prepare_dataloader(_Rows(step), batch_size=BATCH // plugin.dp_size)
-        loss = booster.execute_pipeline(iter(loader), model, lambda outputs, inputs: outputs.loss, opt)["loss"]
-        opt.step()
-        opt.zero_grad()
-        t = torch.zeros(()) if loss is None else loss.detach().clone()
-        edist.all_reduce(t)
-        out.append(t.item())
-    return out
+    return plugin_steps(booster, plugin, model, opt, [_batches()[s] for s in steps], ZOO["gpt2"].loss)
 
 
 def _checkpoints(path: str) -> dict:
@@ -119,26 +100,24 @@ def _checkpoints(path: str) -> dict:
         booster = Booster(plugin=plugin)
         model = _build()
         model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum))
-        holders = torch.tensor([float(plugin.stage_manager.is_last_stage())])
-        edist.all_reduce(holders)
-        return booster, plugin, model, opt, holders.item()
+        return booster, plugin, model, opt
 
-    booster, plugin, model, opt, n = boosted(tp_size=2, zero_stage=1)
-    first = [x / n for x in _pipeline_steps(booster, plugin, model, opt, range(2))]
+    booster, plugin, model, opt = boosted(tp_size=2, zero_stage=1)
+    first = _pipeline_steps(booster, plugin, model, opt, range(2))
     booster.save_model(model, path)
-    after = [x / n for x in _pipeline_steps(booster, plugin, model, opt, range(2))]
-    booster, plugin, model, opt, n = boosted(tp_size=1, zero_stage=3)
+    after = _pipeline_steps(booster, plugin, model, opt, range(2))
+    booster, plugin, model, opt = boosted(tp_size=1, zero_stage=3)
     booster.load_model(model, path)
-    reloaded = [x / n for x in _pipeline_steps(booster, plugin, model, opt, range(2))]
+    reloaded = _pipeline_steps(booster, plugin, model, opt, range(2))
     # optimizer state (SGD momentum) saved and loaded at the same layout
-    booster, plugin, model, opt, n = boosted(tp_size=2, zero_stage=1, momentum=0.9)
+    booster, plugin, model, opt = boosted(tp_size=2, zero_stage=1, momentum=0.9)
     _pipeline_steps(booster, plugin, model, opt, range(1))
     booster.save_model(model, path + "_m")
     booster.save_optimizer(opt, path + "_opt")
     kept = _pipeline_steps(booster, plugin, model, opt, range(1, 3))
     resumed = {}
     for load_state in (True, False):
-        booster, plugin, model, opt, n = boosted(tp_size=2, zero_stage=1, momentum=0.9)
+        booster, plugin, model, opt = boosted(tp_size=2, zero_stage=1, momentum=0.9)
         booster.load_model(model, path + "_m")
         if load_state:
             booster.load_optimizer(opt, path + "_opt")

@@ -36,7 +36,7 @@ from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
 from elixir.testing.zoo import ZOO
-from tests.mesh_cases import ddp_reference, sgd_reference
+from tests.mesh_cases import ddp_reference, sgd_reference, tiny_llama
 
 STEPS = 3
 LR = 0.5
@@ -46,12 +46,9 @@ MICRO = 4
 
 
 def _build(name: str, layers: int = 4) -> nn.Module:
-    torch.manual_seed(0)
     if name == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+        return tiny_llama(layers)
+    torch.manual_seed(0)
     return ZOO["gpt2"].build(n_layer=layers)
 
 

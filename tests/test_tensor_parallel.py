@@ -27,7 +27,7 @@ from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
 from elixir.testing.zoo import ZOO
-from tests.mesh_cases import ddp_reference, sgd_reference
+from tests.mesh_cases import ddp_reference, sgd_reference, tiny_llama
 
 STEPS = 3
 LR = 0.5
@@ -35,17 +35,9 @@ MAX_NORM = 0.3  # below the tiny models' gradient norms: clipping acts at every 
 BATCH = 4
 
 
-def _llama(tie: bool = False) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie)
-    return LlamaForCausalLM(cfg)
-
-
 def _build(name: str) -> nn.Module:
     torch.manual_seed(0)
-    return _llama() if name == "llama" else ZOO[name].build()
+    return tiny_llama() if name == "llama" else ZOO[name].build()
 
 
 def test_hf_plan_is_translated_to_torch_styles():
@@ -55,7 +47,7 @@ def test_hf_plan_is_translated_to_torch_styles():
     assert isinstance(plan["model.layers.*.self_attn.q_proj"], ColwiseParallel)
     assert isinstance(plan["model.layers.*.mlp.down_proj"], RowwiseParallel)
     assert isinstance(plan["lm_head"], ColwiseParallel) and isinstance(plan["model.embed_tokens"], RowwiseParallel)
-    tied = plan_for(_llama(tie=True))  # tied: both sharded over the vocabulary, Shard(0)
+    tied = plan_for(tiny_llama(tie=True))  # tied: both sharded over the vocabulary, Shard(0)
     assert isinstance(tied["lm_head"], ColwiseParallel) and isinstance(tied["model.embed_tokens"], RowwiseParallel)
     for name in ("gpt2", "opt", "bert"):
         assert plan_for(_build(name)), name

@@ -137,7 +137,9 @@ class Booster:
         safetensors layout (``model.safetensors``, or shards of at most ``size_per_shard`` MiB
         with an index), written by :func:`elixir.checkpoint.save_pretrained`: for a model on
         elixir's runtime one gathered chunk at a time, files spread over the ranks (no rank holds
-        the whole model); for DDP and FSDP2 from the full state dict on rank 0. ``shard=False``
+        the whole model); on a tensor/pipeline mesh by :func:`elixir.checkpoint.save_pretrained_mesh`
+        (each stage its own files, chunks gathered over dp and tensors over tp one at a time); for
+        DDP and FSDP2 from the full state dict on rank 0. ``shard=False``
         (ColossalAI's default): the single file ``checkpoint``, safetensors or (``use_safetensors=False``)
         ``torch.save``, written by rank 0 from the gathered state dict. ColossalAI's
         ``gather_dtensor``, ``prefix`` and ``use_async`` are noted and ignored. Collective: every
@@ -153,6 +155,10 @@ class Booster:
         limit = max(1, int(size_per_shard * 2**20))  # bytes
         if isinstance(model, ElixirModule) and model.tensor_parallel is None:
             ckpt.save_pretrained(checkpoint, model, max_shard_size=limit)
+            return
+        if isinstance(model, (ElixirModule, PipelineModel)):  # on a mesh: each stage writes its own files
+            inner = model.pipeline if isinstance(model, PipelineModel) else model
+            ckpt.save_pretrained_mesh(checkpoint, inner, _unwrap(model), max_shard_size=limit)
             return
         state = self._plugin().full_state_dict(model)
         error = None

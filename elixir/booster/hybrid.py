@@ -14,7 +14,6 @@ it trains with ``booster.execute_pipeline``.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -288,21 +287,15 @@ class HybridParallelPlugin(Plugin):
             em.load_state_dict({k: local_slice(em, k, state[k], self.tp_size) for k in keys if k in state}, strict=strict)
 
     def save_optimizer(self, optimizer, path) -> None:
-        """elixir's sharded checkpoint of every stage module (fp32 master shards and optimizer
-        state), one directory per stage and tp rank (``stage00-tp00``), each rank its own shard;
-        loads back at the same layout. Collective."""
-        os.makedirs(path, exist_ok=True)
-        for sub, em, opt in self._optimizer_dirs(optimizer, path):
-            checkpoint.save(sub, em, opt)
+        """A mesh checkpoint (:func:`elixir.checkpoint.save_mesh`): every stage module's fp32
+        master shards and optimizer state, one part per stage and tp rank (``stage00-tp00``),
+        each rank writing its own shard, in one atomic directory. It loads at any other layout
+        (tp, pp, dp, world size 1 with :func:`elixir.checkpoint.load`). Collective."""
+        checkpoint.save_mesh(path, _owner(optimizer), optimizer)
 
     def load_optimizer(self, optimizer, path) -> None:
-        for sub, em, opt in self._optimizer_dirs(optimizer, path):
-            checkpoint.load(sub, em, opt)
-
-    def _optimizer_dirs(self, optimizer, path: str) -> list[tuple[str, ElixirModule, ElixirOptimizer]]:
-        opts = optimizer.optimizers if isinstance(optimizer, PipelineOptimizer) else [optimizer]
-        tp = self.mesh.get_local_rank("tp")
-        return [(os.path.join(path, f"stage{getattr(o.module.module, 'index', 0):02d}-tp{tp:02d}"), o.module, o) for o in opts]
+        """Read a checkpoint :meth:`save_optimizer` wrote at any layout into this one. Collective."""
+        checkpoint.load_mesh(path, _owner(optimizer), optimizer)
 
     # ---- data -----------------------------------------------------------------------------------
 
@@ -313,6 +306,11 @@ class HybridParallelPlugin(Plugin):
         sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.mesh.get_local_rank("dp_shard"),
                                      shuffle=shuffle, seed=seed, drop_last=drop_last)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
+
+
+def _owner(optimizer: Any) -> Any:
+    """The pipeline or module a boosted optimizer steps."""
+    return optimizer.pipe if isinstance(optimizer, PipelineOptimizer) else optimizer.module
 
 
 def _modules(model: nn.Module) -> list[ElixirModule]:

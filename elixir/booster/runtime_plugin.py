@@ -155,7 +155,10 @@ class ElixirRuntimePlugin(Plugin):
 
     def save_optimizer(self, optimizer, path) -> None:
         # elixir's sharded checkpoint: each rank writes its own fp32 master shards and optimizer state
-        checkpoint.save(path, optimizer.module, optimizer)
+        if optimizer.module.tensor_parallel is not None:  # one part per tp rank, loadable at another tp
+            checkpoint.save_mesh(path, optimizer.module, optimizer)
+        else:
+            checkpoint.save(path, optimizer.module, optimizer)
 
     def load_optimizer(self, optimizer, path) -> None:
         checkpoint.load(path, optimizer.module, optimizer)

@@ -36,7 +36,9 @@ anything in the model or optimizer is modified.
 ``index.py`` (``index.json``, typed), ``atomic.py`` (the whole-directory commit), ``layout.py``
 (what of the model and optimizer a checkpoint holds), ``save.py``, ``load.py``, ``consolidate.py``,
 ``checksum.py``, ``verify.py``, ``errors.py`` (:class:`CheckpointError` and the one rule for raising it on every rank),
-``pretrained.py`` (Hugging Face directories: :func:`load_pretrained` reads only each rank's rows,
+``mesh.py`` / ``mesh_source.py`` (checkpoints of tensor- and pipeline-parallel models that load
+at another mesh layout: :func:`save_mesh`, :func:`load_mesh`; ``mesh_pretrained.py``: their
+Hugging Face files, no rank gathering the whole model: :func:`save_pretrained_mesh`), ``pretrained.py`` (Hugging Face directories: :func:`load_pretrained` reads only each rank's rows,
 :func:`save_pretrained` writes the sharded HF layout one gathered chunk at a time).
 """
 
@@ -45,6 +47,8 @@ from elixir.checkpoint.errors import CheckpointError
 from elixir.checkpoint.index import FORMAT, VERSION, Entry, Index
 from elixir.checkpoint.latest import latest, step_path
 from elixir.checkpoint.load import load
+from elixir.checkpoint.mesh import load_mesh, save_mesh
+from elixir.checkpoint.mesh_pretrained import save_pretrained_mesh
 from elixir.checkpoint.pretrained import (
            LoadReport,
            load_pretrained,
@@ -55,5 +59,5 @@ from elixir.checkpoint.pretrained import (
 from elixir.checkpoint.save import save
 from elixir.checkpoint.verify import Verified, verify
 
-__all__ = ["CheckpointError", "save", "load", "consolidate", "verify", "Verified", "latest", "step_path", "load_pretrained", "save_pretrained", "read_pretrained",
+__all__ = ["CheckpointError", "save", "load", "save_mesh", "load_mesh", "save_pretrained_mesh", "consolidate", "verify", "Verified", "latest", "step_path", "load_pretrained", "save_pretrained", "read_pretrained",
            "save_state_dict_pretrained", "LoadReport", "FORMAT", "VERSION", "Index", "Entry"]

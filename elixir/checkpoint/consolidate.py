@@ -11,6 +11,7 @@ from elixir.checkpoint import atomic
 from elixir.checkpoint.format import Reader, dtype_of
 from elixir.checkpoint.index import Index, decode
 from elixir.checkpoint.load import load_extra, scalar_state
+from elixir.checkpoint.mesh_source import MESH, consolidate_mesh
 
 
 def consolidate(path: str) -> dict[str, Any]:
@@ -19,8 +20,11 @@ def consolidate(path: str) -> dict[str, Any]:
     in their saved dtype),
     "optimizer": torch-format state dict or None, "loss_scaler": ..., "extra": ...}``. The
     optimizer dict is indexed like the optimizer that was saved, so it loads into a plain torch
-    optimizer built the same way on the unwrapped model."""
+    optimizer built the same way on the unwrapped model. A mesh checkpoint
+    (:func:`~elixir.checkpoint.save_mesh`) comes back by name instead (:func:`~elixir.checkpoint.mesh_source.consolidate_mesh`)."""
     root = atomic.resolve(path)
+    if os.path.isfile(os.path.join(root, MESH)):  # saved on a mesh: whole tensors by Hugging Face name
+        return consolidate_mesh(root)
     index = Index.read(root)
     reader = Reader(root, lambda fname: index.check(root, fname))
     if index.kind == "full":

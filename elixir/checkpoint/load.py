@@ -14,6 +14,9 @@ from elixir.checkpoint import atomic, layout
 from elixir.checkpoint.errors import CheckpointError, agree
 from elixir.checkpoint.format import Reader, dtype_of
 from elixir.checkpoint.index import Index, decode
+from elixir.checkpoint.install import commit_load
+from elixir.checkpoint.mesh import load_mesh
+from elixir.checkpoint.mesh_source import MESH
 from elixir.offload.pipeline import disk_mapped
 from elixir.wrapper import lowbit_state, optim_state
 from elixir.wrapper.module import ElixirModule
@@ -23,15 +26,27 @@ from elixir.wrapper.optimizer import ElixirOptimizer
 def load(path: str, model: ElixirModule, optimizer: Optional[ElixirOptimizer] = None, strict: bool = True) -> Any:
     """Load a checkpoint written by :func:`~elixir.checkpoint.save` (at any world size, with any
     plan) into ``model`` and ``optimizer``; return the saved ``extra`` (None if none). Collective:
-    call on every rank. Nothing is modified unless every rank validated and read everything it needs."""
+    call on every rank. Nothing is modified unless every rank validated and read everything it needs.
+    A mesh checkpoint (:func:`~elixir.checkpoint.save_mesh`, any tensor/pipeline layout) is read
+    at this module's layout (:func:`~elixir.checkpoint.load_mesh`)."""
     if not isinstance(model, ElixirModule):
         raise TypeError("checkpoint.load needs the ElixirModule")
+    if _is_mesh(path):  # saved on a device mesh (save_mesh): read at this module's layout
+        load_mesh(path, model, optimizer, strict)
+        return None
     em = model
     states = optimizer.fragment_states if optimizer is not None else None
     with edist.where(f"step {em.iteration}, checkpoint load"), \
             disk_mapped(em.disk_store, states, writable=True) as mapped:  # disk-placed masters: mapped, written in place
         plan = _load_staged(path, em, optimizer, strict, mapped)
     return plan["extra"]
+
+
+def _is_mesh(path: str) -> bool:
+    try:
+        return os.path.isfile(os.path.join(atomic.resolve(path), MESH))
+    except CheckpointError:  # no checkpoint there: the sharded path says so
+        return False
 
 
 def _load_staged(path: str, em: ElixirModule, optimizer: Optional[ElixirOptimizer], strict: bool,
@@ -51,7 +66,7 @@ def _load_staged(path: str, em: ElixirModule, optimizer: Optional[ElixirOptimize
     except Exception as e:
         error = f"reading the checkpoint failed: {type(e).__name__}: {e}"
     agree(em.group, em.world_size, error)
-    _commit_load(em, optimizer, plan, mapped)
+    commit_load(em, optimizer, plan, mapped)
     return plan
 
 
@@ -202,46 +217,3 @@ def _prepare_full(root: str, index: Index, em: ElixirModule, eo: Optional[Elixir
         opt = {"full": osd}
     return {"values": values, "frozen": frozen, "module": module_vals, "opt": opt, "scaler": index.loss_scaler,
             "extra": load_extra(root, index)}
-
-
-def _commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, mapped: dict[int, torch.Tensor]) -> None:
-    """Install what every rank read; ``mapped``: the masters of disk chunks, mapped from the offload file."""
-    with torch.no_grad():
-        em.cache.release_all()
-        em.streams.synchronize()  # no side-stream copy still reads what the host overwrites
-        by_chunk: dict[int, list] = {}
-        for f, v in plan["values"]:
-            by_chunk.setdefault(f.chunk, []).append((f, v))
-        for index, values in sorted(by_chunk.items()):
-            c = em.chunks[index]
-            master = mapped.get(c.index, c.master)
-            with c.shard_access(write=True):  # a disk shard: one chunk's staged at a time
-                for f, v in values:
-                    master[f.lo : f.hi].copy_(v)
-                    if c.shard is not master:
-                        c.shard[f.lo : f.hi].copy_(v)
-        by_chunk: dict[int, list] = {}
-        for fp, v in plan["frozen"]:
-            by_chunk.setdefault(fp.chunk, []).append((fp, v))
-        for ci, items in by_chunk.items():
-            with em.all_chunks[ci].shard_access(write=True) as shard:  # a disk shard: staged, written back
-                for fp, v in items:
-                    shard[fp.lo : fp.hi].copy_(v)  # converts (a bf16 save into an fp32 chunk and back)
-        tensors = layout.module_tensors(em)
-        for k, v in plan["module"].items():
-            tensors[k].data.copy_(v)
-        em.publish_updates()  # ZeRO-1/2 chunks: every rank wrote its slice of the payload
-    if eo is not None and plan["opt"] is not None:
-        if "full" in plan["opt"]:
-            optim_state.scatter_full_state(eo, plan["opt"]["full"])
-        else:
-            new_state = {}
-            for f, st in plan["opt"]["state"]:
-                new_state[f.tensor] = {
-                    k: (v.to(f.tensor.device) if isinstance(v, torch.Tensor) and v.dim() >= 1 else v) for k, v in st.items()
-                }
-            optim_state.install_state(eo, new_state, plan["opt"]["groups"])
-        if eo.scaler is not None and plan["scaler"] is not None:
-            eo.scaler.load_state_dict(plan["scaler"])
-        eo.forget_torn_step()  # a step a disk fault left partly applied is behind us
-        eo.zero_grad()

@@ -56,14 +56,21 @@ def save(
     with edist.where(f"step {em.iteration}, checkpoint save"), \
             atomic.collective_save(path, em.group, em.world_size, em.rank) as stage:
         if shard:
-            states = optimizer.fragment_states if optimizer is not None else None
-            # disk-placed masters and state: mapped from the file; moments the inner optimizer
-            # keeps on its own disk (nvme_offload_fraction): read back for the save
-            nvme = materialized(optimizer.optim) if optimizer is not None else contextlib.nullcontext()
-            with disk_mapped(em.disk_store, states) as mapped, nvme:
-                stage.error = _save_sharded(stage.tmp, em, optimizer, extra, mapped, frozen)
+            stage.error = write_sharded(stage.tmp, em, optimizer, extra, frozen)
         else:
             stage.error = _save_full(stage.tmp, em, optimizer, extra, frozen)
+
+
+def write_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any = None,
+                  frozen: bool = True) -> Optional[str]:
+    """Write ``em``'s sharded checkpoint into the directory ``tmp`` (each rank its file, rank 0 of
+    ``em.group`` the index); returns rank 0's error, if any. Collective over ``em.group``."""
+    states = eo.fragment_states if eo is not None else None
+    # disk-placed masters and state: mapped from the file; moments the inner optimizer keeps on
+    # its own disk (nvme_offload_fraction): read back for the save
+    nvme = materialized(eo.optim) if eo is not None else contextlib.nullcontext()
+    with disk_mapped(em.disk_store, states) as mapped, nvme:
+        return _save_sharded(tmp, em, eo, extra, mapped, frozen)
 
 
 def _check_extra(obj: Any, where: str = "extra") -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 from elixir.checkpoint import atomic
 from elixir.checkpoint.index import Index
+from elixir.checkpoint.mesh_source import MESH, read_meta
 
 
 @dataclass(frozen=True)
@@ -15,9 +17,11 @@ class Verified:
 
     Attributes:
         path: the checkpoint directory read (the renamed-aside copy if a save was interrupted).
-        kind: ``"sharded"`` or ``"full"``.
+        kind: ``"sharded"``, ``"full"`` or ``"mesh"`` (:func:`~elixir.checkpoint.save_mesh`: every
+            part checked).
         world_size: the world size it was saved at.
-        files: every file the index lists, by name, with its size in bytes.
+        files: every file the index lists, by name (a mesh checkpoint's under their part's
+            directory, ``stage00-tp00/...``), with its size in bytes.
         checked: whether the checksums were checked; False for a checkpoint written before elixir
             stored checksums (only presence and sizes could be checked).
         seconds: time spent.
@@ -43,8 +47,26 @@ def verify(path: str) -> Verified:
     return what was checked otherwise."""
     t0 = time.perf_counter()
     root = atomic.resolve(path)
+    if os.path.isfile(os.path.join(root, MESH)):
+        return _verify_mesh(root, t0)
     index = Index.read(root)  # index format, every file present with its recorded size
     for fname in index.files:
         index.check(root, fname)
     return Verified(root, index.kind, index.world_size, dict(index.files), bool(index.checksums),
                     time.perf_counter() - t0)
+
+
+def _verify_mesh(root: str, t0: float) -> Verified:
+    meta = read_meta(root)
+    files: dict[str, int] = {}
+    checked = True
+    for part in meta["parts"]:
+        pdir = os.path.join(root, part)
+        index = Index.read(pdir)
+        for fname in index.files:
+            index.check(pdir, fname)
+            files[f"{part}/{fname}"] = index.files[fname]
+        checked = checked and bool(index.checksums)
+    lay = meta["layout"]
+    world = int(lay.get("pp", 1)) * int(lay.get("dp_shard", 1)) * int(lay.get("tp", 1))
+    return Verified(root, "mesh", world, files, checked, time.perf_counter() - t0)
