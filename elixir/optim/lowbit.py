@@ -20,7 +20,9 @@ The formats (:mod:`elixir.plan.state_format`):
 Random bits come from a counter-based hash of (seed, stream, step, element index)
 (:func:`stream_key`, :func:`random_bits`): a stream is a chunk (or, for a plain CPUAdam, a
 parameter), the index is the element's place in it, so runs are reproducible and independent of
-threads, SIMD level and how the work is split.
+threads, SIMD level and how the work is split. The master's rounding and the moments' draw from two
+streams of one key (the moments' key is :func:`_moment_key` of it): one hash per element when only
+the moments round (the common fp32-master case).
 
 :func:`adam_step_lowbit_torch` is the same arithmetic in torch, operation by operation (fmas in
 float64, correctly rounded square roots), so it matches the native kernel bit for bit; it runs
@@ -93,6 +95,11 @@ def _mix32_t(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _moment_key(key: int) -> int:
+    """The key of the moments' random stream, from the master's (``moment_key`` in the kernel)."""
+    return _mix32((key & _M32) ^ _SALT)
+
+
 def random_bits(key: int, offset: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """32 random bits (int64 tensor) for elements ``offset .. offset + n`` of stream ``key``."""
     idx = (torch.arange(n, dtype=torch.int64, device=device) + offset) & _M32
@@ -156,11 +163,13 @@ def decode_moments(st: dict, moments: str) -> tuple[torch.Tensor, torch.Tensor]:
     return m32, q * q
 
 
-def _store_moments(m: torch.Tensor, v: torch.Tensor, sq: Optional[torch.Tensor], moments: str, h: torch.Tensor) -> dict:
-    """The state entries holding fp32 ``m``, ``v`` (``sq``: sqrt(v) when computed) in ``moments``."""
+def _store_moments(m: torch.Tensor, v: torch.Tensor, sq: Optional[torch.Tensor], moments: str, key: int,
+                   offset: int) -> dict:
+    """The state entries holding fp32 ``m``, ``v`` (``sq``: sqrt(v) when computed) in ``moments``,
+    rounded with the moments' stream of ``key`` from element ``offset``."""
     if moments == "fp32":
         return {"exp_avg": m, "exp_avg_sq": v}
-    h2 = _mix32_t(h ^ _SALT)
+    h2 = random_bits(_moment_key(key), offset, m.numel(), m.device)
     hm, hv = h2 & 0xFFFF, h2 >> 16
     if moments == "bf16":
         return {"exp_avg": _sr_bf16(m, hm), "exp_avg_sq": _sr_bf16(v, hv)}
@@ -180,8 +189,7 @@ def _store_moments(m: torch.Tensor, v: torch.Tensor, sq: Optional[torch.Tensor],
 
 def encode_moments(m: torch.Tensor, v: torch.Tensor, moments: str, key: int = 0) -> dict:
     """The state entries of fp32 moments ``m``, ``v`` (1-D) converted to format ``moments``."""
-    h = random_bits(key, 0, m.numel(), m.device)
-    return _store_moments(m.reshape(-1).float(), v.reshape(-1).float(), None, moments, h)
+    return _store_moments(m.reshape(-1).float(), v.reshape(-1).float(), None, moments, key, 0)
 
 
 def new_state(numel: int, master: str, moments: str, device: torch.device | str = "cpu") -> dict:
@@ -278,7 +286,6 @@ def adam_step_lowbit_torch(p: torch.Tensor, g: torch.Tensor, st: dict, out: Opti
     if master == "bf16-kahan":
         pf = pf + st["master_comp"].reshape(-1).float()
     m0, v0 = decode_moments(st, moments)
-    h = random_bits(key, offset, n, p.device)
     if c["wd_mode"] == 1:
         gf = _fma(pf, c["wd"], gf)
     if c["wd_mode"] == 2:
@@ -291,7 +298,7 @@ def adam_step_lowbit_torch(p: torch.Tensor, g: torch.Tensor, st: dict, out: Opti
     if master == "fp32":
         p.copy_(pf.view(p.shape))
     elif master == "bf16-sr":
-        q = _sr_bf16(pf, h)
+        q = _sr_bf16(pf, random_bits(key, offset, n, p.device))
         p.copy_(q.view(p.shape))
         pf = q.float()
     else:
@@ -299,7 +306,7 @@ def adam_step_lowbit_torch(p: torch.Tensor, g: torch.Tensor, st: dict, out: Opti
         st["master_comp"].copy_((pf - q.float()).to(torch.bfloat16).view(st["master_comp"].shape))
         p.copy_(q.view(p.shape))
         pf = q.float()
-    for k, t in _store_moments(mn, vn, sq, moments, h).items():
+    for k, t in _store_moments(mn, vn, sq, moments, key, offset).items():
         st[k].copy_(t.view(st[k].shape))
     if out is not None:
         out.copy_(pf.view(out.shape))
