@@ -110,7 +110,10 @@ def _budgets(w: Workload, world: int) -> dict:
     if w.budget_gib is None:
         box = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return {"device_memory": box // world, "disk": int(w.disk_gib * GiB)}
-    return {"device_memory": int(w.budget_gib * GiB), "disk": int(w.disk_gib * GiB)}
+    b = {"device_memory": int(w.budget_gib * GiB), "disk": int(w.disk_gib * GiB)}
+    if w.disk_gib:  # a disk workload: the host binds too (on a CPU box device and host are one pool)
+        b["host_memory"] = b["device_memory"]
+    return b
 
 
 def _one_tier(plan, up: bool):
@@ -182,7 +185,8 @@ def runner_up_plans(profile, world: int, hw, budgets: dict, k: int = 4) -> list:
     Reaches into the search's stages (a bench may; users read ``plan.info["runner_ups"]``)."""
     from elixir.search import optimal as search
 
-    hw_, _, _, b = search._resolve_hardware(world, hw, None, None, budgets["device_memory"], None, budgets["disk"])
+    hw_, _, _, b = search._resolve_hardware(world, hw, None, None, budgets["device_memory"], budgets.get("host_memory"),
+                                            budgets["disk"])
     s = search._Searcher(search.SearchRequest(profile, world, hw_, b, overlap=True))
     s, found = search._search_leanest(s, None, None)
     out, seen = [], set()
@@ -253,7 +257,14 @@ def time_plan(w: Workload, plan, world: int, steps: int, warmup: int, repeats: i
 
 
 def run_workload(w: Workload, world: int, hw, steps: int, warmup: int, repeats: int, say) -> dict:
-    found = candidate_plans(w, world, hw)
+    from elixir.search import DoesNotFitError
+
+    try:
+        found = candidate_plans(w, world, hw)
+    except DoesNotFitError as e:  # reported, and the grid goes on
+        say(f"  {w.name}: the search refused: {str(e).splitlines()[0]}")
+        return {"name": w.name, "workload": dataclasses.asdict(w), "search_s": 0.0, "plans": [],
+                "status": f"refused: {str(e).splitlines()[0]}", "regret": None, "best_plan": None, "prediction_error": None}
     plans, profile = found["plans"], found["profile"]
     budget = _budgets(w, world)["device_memory"]
     rows = []
