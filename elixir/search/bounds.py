@@ -29,6 +29,7 @@ from elixir.search.cost_model import (
     _memo,
     comm_times,
     per_chunk_fixed_time,
+    per_hardware,
     replicated_optimizer_time,
     unified_memory,
     zero_chunk_optimizer_time,
@@ -64,14 +65,11 @@ class StepFloor:
         hw = st.hardware
         n_sh = layout.n_sharded
         n = n_sh - layout.own
-        g = np.asarray(gathers, dtype=np.int64)
-        comm = comm_times(profile, layout, st, int(g.sum()), g[n:n_sh], int(g[n_sh:].sum()), zero_placements(st, layout))
-        self.compute = comm["compute"]
-        self.comm = comm["all_gather"] + comm["reduce_scatter"] + comm["all_reduce"]
-        self.all_gather = comm["all_gather"]
-        self.publish = comm.get("publish", 0.0)
+        # the same for every configuration on this machine: remembered on the layout per gathers
+        (self.compute, self.comm, self.all_gather, self.publish,
+         self.first_gather) = per_hardware(st, layout, "floor", lambda: _comm_floor(profile, layout, st, gathers),
+                                           gathers, profile)
         self.gathered = bool(n_sh or layout.n_frozen)
-        self.first_gather = hw.all_gather_time(layout.chunk_size * st.elem, st.world)
         self.overlap, self.fraction = hw.overlap, hw.overlap_fraction
         self.optimizer = _layout_optimizer_floor(st, layout, n)
 
@@ -91,6 +89,17 @@ class StepFloor:
         return fb + self.publish + self.optimizer
 
 
+def _comm_floor(profile: StepProfile, layout: Layout, st: Setting,
+                gathers: np.ndarray) -> tuple[float, float, float, float, float]:
+    """:class:`StepFloor`'s compute, collectives, all-gathers, publish and first gather."""
+    n_sh = layout.n_sharded
+    n = n_sh - layout.own
+    g = np.asarray(gathers, dtype=np.int64)
+    comm = comm_times(profile, layout, st, int(g.sum()), g[n:n_sh], int(g[n_sh:].sum()), zero_placements(st, layout))
+    return (comm["compute"], comm["all_gather"] + comm["reduce_scatter"] + comm["all_reduce"], comm["all_gather"],
+            comm.get("publish", 0.0), st.hardware.all_gather_time(layout.chunk_size * st.elem, st.world))
+
+
 def step_time_floor(profile: StepProfile, layout: Layout, st: Setting, depth: int, gathers: np.ndarray) -> float:
     """:class:`StepFloor` of ``layout`` with ``gathers`` at prefetch ``depth``."""
     return StepFloor(profile, layout, st, gathers).at(depth)
@@ -104,7 +113,9 @@ def optimizer_floor(st: Setting, layout: Layout, n: int) -> float:
     repl = sum(layout.replicated_capacities)
     t = min(replicated_optimizer_time(st, repl, w) for w in (Placement.DEVICE, Placement.HOST)) if repl else 0.0
     t += sum(st.hardware.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
-    t += sum(zero_chunk_optimizer_time(st, c, Placement.DEVICE) for c in layout.zero_capacities)
+    zt: dict[int, float] = {}  # by capacity: the ZeRO chunks of a layout share one
+    t += sum(zt[c] if c in zt else zt.setdefault(c, zero_chunk_optimizer_time(st, c, Placement.DEVICE))
+             for c in layout.zero_capacities)
     if n:
         ct = per_chunk_fixed_time(st, shard)
         nbytes = shard * st.disk_elem

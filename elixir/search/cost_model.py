@@ -72,7 +72,8 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from functools import cached_property
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -160,22 +161,32 @@ class Layout:
     def n_frozen(self) -> int:
         return len(self.frozen)
 
-    @property
+    @cached_property
     def zero_capacities(self) -> tuple[int, ...]:
         """Capacities of the ZeRO-1/2 chunks (the ``zero`` chunks right after the sharded ones)."""
         n = self.n_sharded
         return tuple(self.capacities[n : n + self.zero])
 
-    @property
+    @cached_property
     def replicated_capacities(self) -> tuple[int, ...]:
         """Capacities of the replicated chunks (every chunk neither sharded nor ZeRO-1/2)."""
         return tuple(self.capacities[self.n_sharded + self.zero :])
 
-    @property
+    @cached_property
     def own_capacities(self) -> tuple[int, ...]:
         """Capacities of the sharded tied chunks (the last ``own`` sharded chunks)."""
         n = self.n_sharded
         return tuple(self.capacities[n - self.own : n]) if self.own else ()
+
+    @cached_property
+    def gathers_by_blocks(self) -> dict[int, np.ndarray]:
+        """:func:`simulate_layout`'s answers for this layout, by block count (filled by it)."""
+        return {}
+
+    @cached_property
+    def figures(self) -> dict[tuple, tuple]:
+        """Figures of this layout on one hardware (:func:`per_hardware`, which fills it)."""
+        return {}
 
 
 def round_up(x: int, m: int) -> int:
@@ -269,11 +280,11 @@ def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool =
         n_sh = n_body - zero + own
         order = [i for i in range(n_body) if i not in chosen] + list(range(n_body, n_body + own)) + sorted(chosen)
         order += list(range(n_body + own, len(chunks)))
-        new_id = {old: new for new, old in enumerate(order)}
         chunks = [chunks[i] for i in order]
         caps = [caps[i] for i in order]
         sharded = [i < n_sh for i in range(len(order))]
-        param_chunk = np.asarray([new_id[c] if c >= 0 else -1 for c in param_chunk.tolist()], dtype=np.int64)
+        new_id = np.asarray(order, dtype=np.int64).argsort()  # old chunk id -> new
+        param_chunk = np.where(param_chunk >= 0, new_id[np.maximum(param_chunk, 0)], -1)
         # their gradient buffers live like a sharded chunk's; they are never gathered (not in the trace)
         zero_buffers = _grad_buffer_peak(ctx, param_chunk, n_sh + zero)
         zero_used = _numel_where(ctx, param_chunk >= n_sh)
@@ -403,16 +414,9 @@ def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharde
         if bw.any() and not ctx.backward.all():
             # The runtime keeps the chunks of the last backward step pinned until the next backward
             # step; recomputation (checkpointing) in between needs them resident too.
-            extra, last_bw = [], -1
-            for t in range(n_steps):
-                lo, hi = offsets[t], offsets[t + 1]
-                if ctx.backward[t]:
-                    if hi > lo:
-                        last_bw = t
-                elif last_bw >= 0 and hi > lo:
-                    extra.append(t * n_sh + keys[offsets[last_bw]:offsets[last_bw + 1]] % n_sh)
-            if extra:
-                keys = np.unique(np.concatenate([keys, *extra]))
+            extra = _pinned_backward_keys(ctx.backward, keys, offsets, n_sh)
+            if extra.size:
+                keys = np.unique(np.concatenate([keys, extra]))
                 offsets = np.searchsorted(keys // n_sh, np.arange(n_steps + 1)).astype(np.int64)
         trace = AccessTrace(offsets, (keys % n_sh).astype(np.int32), n_sh)
         min_blocks = int(np.diff(offsets).max()) if n_steps else 0
@@ -420,12 +424,31 @@ def _layout(ctx: _PackContext, chunk_size: int, chunks: list, caps: list, sharde
         trace = AccessTrace(np.zeros(n_steps + 1, dtype=np.int64), np.zeros(0, dtype=np.int32), n_sh)
         min_blocks = 0
     return Layout(
-        chunk_size=chunk_size, chunks=tuple(tuple(c) for c in chunks), capacities=tuple(caps),
+        chunk_size=chunk_size, chunks=tuple(map(tuple, chunks)), capacities=tuple(caps),
         sharded=tuple(sharded), trace=trace, sharded_ids=tuple(range(n_tr)), min_blocks=min_blocks,
         grad_buffers=max(grad_buffers, zero_buffers),
         used=_numel_where(ctx, param_chunk >= 0) + zero_used, own=own,
-        frozen=tuple(tuple(c) for c in frozen), frozen_chunk_size=frozen_size, zero=zero,
+        frozen=tuple(map(tuple, frozen)), frozen_chunk_size=frozen_size, zero=zero,
     )
+
+
+def _pinned_backward_keys(backward: np.ndarray, keys: np.ndarray, offsets: np.ndarray, n_sh: int) -> np.ndarray:
+    """The trace keys (``step * n_sh + chunk``) the pinning adds: to every non-empty step that is
+    not backward, the chunks of the last non-empty backward step before it (none before the
+    first). Vectorised: the search packs about a thousand layouts, each over every traced step."""
+    n_steps = len(offsets) - 1
+    counts = np.diff(offsets)
+    steps = np.arange(n_steps)
+    last_bw = np.maximum.accumulate(np.where(backward & (counts > 0), steps, -1))
+    targets = steps[~backward & (counts > 0) & (last_bw >= 0)]
+    if not targets.size:
+        return np.zeros(0, dtype=keys.dtype)
+    src = last_bw[targets]
+    lengths = counts[src]
+    # the positions in ``keys`` of each source step's accesses, one target after another
+    ends = np.cumsum(lengths)
+    pos = np.arange(int(ends[-1])) + np.repeat(offsets[src] - (ends - lengths), lengths)
+    return np.repeat(targets, lengths) * n_sh + keys[pos] % n_sh
 
 
 def replicate(profile: StepProfile, layout: Layout) -> Layout:
@@ -502,6 +525,33 @@ def _memo(st: Setting) -> dict:
             _PER_SETTING.clear()
         hit = _PER_SETTING[id(st)] = (st, {})
     return hit[1]
+
+
+def _per_layout(st: Setting, name: str, layout: Layout, make: Callable[[], Any], zero: Optional[tuple] = None) -> Any:
+    """``make()``, remembered per Setting for ``layout`` (by identity, the layout kept alive with
+    it) and the ZeRO chunks' placements ``zero`` (by identity, else equality): the search prices
+    each layout at many block counts and depths, and hashing its per-chunk tuples for a key cost
+    more than the figures (issue 35)."""
+    memo = _memo(st)
+    key = (name, id(layout))
+    hit = memo.get(key)
+    if hit is None or hit[0] is not layout or not (hit[1] is zero or hit[1] == zero):
+        hit = memo[key] = (layout, zero, make())
+    return hit[2]
+
+
+def per_hardware(st: Setting, layout: Layout, name: str, make: Callable[[], Any], *inputs: Any) -> Any:
+    """``make()``, remembered on ``layout`` for what of ``st`` its collectives depend on (the
+    hardware, the compute and reduction element sizes, the ranks, the dtype) and ``inputs`` (by
+    identity; tuples also by equality): the same for every configuration the search prices on one machine
+    (fp32 gradients, the lean one, the report's unconstrained one), which differ in what they
+    keep, not in what they move."""
+    key = (name, id(st.hardware), st.elem, st.reduce_elem, st.world, st.dtype)
+    hit = layout.figures.get(key)
+    if (hit is None or hit[0] is not st.hardware
+            or not all(a is b or (isinstance(a, tuple) and a == b) for a, b in zip(hit[1], inputs))):
+        hit = layout.figures[key] = (st.hardware, inputs, make())
+    return hit[2]
 
 
 def per_chunk_bytes(st: Setting, shard: int) -> dict[ChunkPlacement, tuple[int, int, int]]:
@@ -876,13 +926,11 @@ def zero_chunk_optimizer_time(st: Setting, capacity: int, where: Placement) -> f
 
 def zero_placements(st: Setting, layout: Layout, where: Placement = Placement.DEVICE) -> tuple[ChunkPlacement, ...]:
     """The search's placements of ``layout``'s ZeRO chunks: the faster stage, state ``where``."""
-    memo = _memo(st)
-    key = ("zero_kinds", layout.zero_capacities, where)
-    hit = memo.get(key)
-    if hit is None:
-        hit = memo[key] = tuple(ChunkPlacement(Placement.DEVICE, where, zero=zero_stage(st, c))
-                                for c in layout.zero_capacities)
-    return hit
+    def make() -> tuple[ChunkPlacement, ...]:
+        kinds: dict[int, ChunkPlacement] = {}  # by capacity: one placement object per stage
+        return tuple(kinds[c] if c in kinds else kinds.setdefault(
+            c, ChunkPlacement(Placement.DEVICE, where, zero=zero_stage(st, c))) for c in layout.zero_capacities)
+    return per_hardware(st, layout, f"zero_kinds {where.value}", make)
 
 
 def comm_times(profile: StepProfile, layout: Layout, st: Setting, gathers: int,
@@ -923,15 +971,14 @@ class _LayoutCollectives:
 
 
 def _layout_collectives(layout: Layout, st: Setting, zero: tuple[ChunkPlacement, ...]) -> _LayoutCollectives:
-    """:class:`_LayoutCollectives` of ``layout`` with ``zero``, remembered per Setting (the
-    search prices each layout at many block counts and depths). Keyed by identity, the layout
-    kept alive with it."""
-    memo = _memo(st)
-    key = ("collectives", id(layout), zero)
-    hit = memo.get(key)
-    if hit is not None and hit[0] is layout:
-        return hit[1]
+    """:class:`_LayoutCollectives` of ``layout`` with ``zero``, remembered (:func:`per_hardware`:
+    the search prices each layout at many block counts and depths, in up to three configurations)."""
+    return per_hardware(st, layout, "collectives", lambda: _collectives(layout, st, zero), zero)
+
+
+def _collectives(layout: Layout, st: Setting, zero: tuple[ChunkPlacement, ...]) -> _LayoutCollectives:
     hw, w = st.hardware, st.world
+    seen: dict[tuple, float] = {}  # the ZeRO chunks of a layout share one capacity: each figure once
 
     # a gathered payload is allocated for its gather: on a CPU box its pages are faulted in again
     # each time (hw.first_touch_time; 0 on an accelerator, whose caching allocator reuses blocks)
@@ -941,10 +988,17 @@ def _layout_collectives(layout: Layout, st: Setting, zero: tuple[ChunkPlacement,
     # each chunk's reduction and publish, by the runtime's rule (footprint.collectives); at world
     # size 1 resident chunks reduce nothing, and price counts the off-device shards' copies
     def reduction(sharding: Sharding, c: int, kind: str) -> float:
-        if collectives(sharding, w).reduction != kind:
-            return 0.0
-        t = hw.reduce_scatter_time if kind == "reduce_scatter" else hw.all_reduce_time
-        return t(c * st.reduce_elem, w)
+        key = (sharding, c, kind)
+        if key not in seen:
+            t = hw.reduce_scatter_time if kind == "reduce_scatter" else hw.all_reduce_time
+            seen[key] = t(c * st.reduce_elem, w) if collectives(sharding, w).reduction == kind else 0.0
+        return seen[key]
+
+    def publish(sharding: Sharding, c: int) -> float:
+        key = (sharding, c, "publish")
+        if key not in seen:
+            seen[key] = hw.all_gather_time(c * st.elem, w) if collectives(sharding, w).publishes else 0.0
+        return seen[key]
 
     own = layout.own_capacities
     zc = list(zip(layout.zero_capacities, zero))
@@ -959,10 +1013,8 @@ def _layout_collectives(layout: Layout, st: Setting, zero: tuple[ChunkPlacement,
         + sum(reduction(k.sharding, c, rs) for c, k in zc),
         all_reduce=sum(reduction(Sharding.REPLICATED, c, "all_reduce") for c in layout.replicated_capacities)
         + sum(reduction(k.sharding, c, "all_reduce") for c, k in zc),
-        publish=sum(hw.all_gather_time(c * st.elem, w) for c, k in zc if collectives(k.sharding, w).publishes)
-        if zc else None,
+        publish=sum(publish(k.sharding, c) for c, k in zc) if zc else None,
     )
-    memo[key] = (layout, per)
     return per
 
 
@@ -1031,6 +1083,8 @@ class _PlaceScan:
     ct: dict
     h2d_gather: float  # the host-to-device copy of one host shard, per gather
     suffix: np.ndarray  # suffix[x]: gathers of all but the x most gathered chunks
+    order: np.ndarray  # the body chunks, most gathered first (ties: plan order)
+    zero: tuple[ChunkPlacement, ...]  # the ZeRO chunks' placements (zero_placements)
     solo: bool  # world size 1: device-placed chunks whole and resident
     t_gather: float
     t_rs: float
@@ -1043,10 +1097,11 @@ def _place_scan(profile: StepProfile, layout: Layout, st: Setting, blocks: int, 
     hw = st.hardware
     n = layout.n_sharded - layout.own
     body_gathers = per_chunk_gathers[:n]
-    own_kinds = (DD,) * layout.own + zero_placements(st, layout)  # the search keeps ZeRO state on the device
+    zero = zero_placements(st, layout)  # the search keeps ZeRO state on the device
+    own_kinds = (DD,) * layout.own + zero
     shard = layout.chunk_size // st.world if n else 0
     base_dev = sum(fixed_device_bytes(profile, layout, st, blocks).values())
-    base_dev += sum(zero_chunk_bytes(st, c, Placement.DEVICE)[0] for c in layout.zero_capacities)
+    base_dev += _zero_bytes(st, layout, zero)[0]
     cb = per_chunk_bytes(st, shard)
     ct = per_chunk_fixed_time(st, shard)
     g_sorted = np.sort(body_gathers)[::-1]  # most gathered first
@@ -1062,6 +1117,7 @@ def _place_scan(profile: StepProfile, layout: Layout, st: Setting, blocks: int, 
         profile=profile, layout=layout, st=st, blocks=blocks, depth=depth, budgets=budgets, allow_disk=allow_disk,
         gathers=per_chunk_gathers, unified=unified_memory(hw), n=n, body_gathers=body_gathers, own_kinds=own_kinds,
         shard=shard, base_dev=base_dev, cb=cb, ct=ct, h2d_gather=h2d_gather, suffix=suffix, solo=solo,
+        order=np.argsort(-body_gathers, kind="stable"), zero=zero,
         t_gather=t_gather, t_rs=t_rs, fbytes=frozen_shard_bytes(layout, st),
     )
 
@@ -1114,8 +1170,9 @@ def _place_with(sc: _PlaceScan, rwhere: Placement, fwhere: Placement) -> Optiona
         if kk is None:
             return None
         return price(sc.profile, layout, st, kk + sc.own_kinds + repl_kinds, sc.blocks, sc.depth, sc.gathers)
-    kinds = _cheapest_kinds(sc, y, x, z, ok)
-    return price(sc.profile, layout, st, kinds + sc.own_kinds + repl_kinds, sc.blocks, sc.depth, sc.gathers, fwhere)
+    codes = _cheapest_codes(sc, y, x, z, ok)
+    p = _priced_codes(layout, st, codes, sc.zero, repl_kinds, sc.gathers, fwhere)
+    return _price(sc.profile, layout, st, p, sc.blocks, sc.depth)
 
 
 def _scan_counts(sc: _PlaceScan, fwhere: Placement, dev_free: int,
@@ -1156,10 +1213,19 @@ def _scan_counts(sc: _PlaceScan, fwhere: Placement, dev_free: int,
     return y, x, z, ok
 
 
-def _cheapest_kinds(sc: _PlaceScan, y: np.ndarray, x: np.ndarray, z: np.ndarray,
-                    ok: np.ndarray) -> tuple[ChunkPlacement, ...]:
-    """The sharded chunks' placements at the fastest fitting count ``y``: the most gathered
-    chunks get the device shards."""
+# the body placements _cheapest_codes chooses from, by code, and what each is
+_SCAN_KINDS = (DD, DH, DK, HH, HK)
+_KIND_ARRAY = np.empty(len(_SCAN_KINDS), dtype=object)
+_KIND_ARRAY[:] = _SCAN_KINDS
+_HOST_SHARD = np.asarray([k.shard is not Placement.DEVICE for k in _SCAN_KINDS], dtype=bool)
+_DISK_SHARD = np.asarray([k.shard_on_disk for k in _SCAN_KINDS], dtype=bool)
+_SOLO_GATHERED = np.asarray([collectives(Sharding.SHARDED, 1, k.shard).gathers_per_use for k in _SCAN_KINDS], dtype=bool)
+
+
+def _cheapest_codes(sc: _PlaceScan, y: np.ndarray, x: np.ndarray, z: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    """The sharded chunks' placements at the fastest fitting count ``y``, as indices into
+    :data:`_SCAN_KINDS`: the most gathered chunks get the device shards (in rank order: ``y``
+    ``DD``, then ``DH``, ``DK``, ``HH`` and last ``HK``)."""
     n, ct = sc.n, sc.ct
     zc = np.minimum(z, n - y)
     # z disk chunks taken from the host-shard chunks first (HK), then DK
@@ -1172,21 +1238,11 @@ def _cheapest_kinds(sc: _PlaceScan, y: np.ndarray, x: np.ndarray, z: np.ndarray,
     total = np.where(ok, t_opt + t_h2d, np.inf)
     yi = int(np.argmin(total))
     xi, hki, dki = int(x[yi]), int(hk[yi]), int(dk[yi])
-    # assign: most gathered chunks get device shards
-    order = np.argsort(-sc.body_gathers, kind="stable")
-    kinds = [HH] * n
-    for rank_, c in enumerate(order):
-        if rank_ < yi:
-            kinds[c] = DD
-        elif rank_ < xi - dki:
-            kinds[c] = DH
-        elif rank_ < xi:
-            kinds[c] = DK
-        elif rank_ < n - hki:
-            kinds[c] = HH
-        else:
-            kinds[c] = HK
-    return tuple(kinds)
+    # the rank at which each kind starts (nondecreasing: dk <= x - y, hk <= n - x)
+    by_rank = np.searchsorted(np.asarray([yi, xi - dki, xi, n - hki]), np.arange(n), side="right")
+    codes = np.empty(n, dtype=np.intp)
+    codes[sc.order] = by_rank
+    return codes
 
 
 def _disk_shard_kinds(st: Setting, layout: Layout, cb: dict, shard: int, gathers: np.ndarray, host_free: int,
@@ -1233,7 +1289,11 @@ def price(
     those (:func:`frozen_shard_bytes`) and their gathers (plus the host-to-device copy of a host
     shard): no reduce-scatter, no gradient buffer, no master, no optimizer step, no write-back.
     """
-    p = _priced(layout, st, placements, gathers, frozen_where)
+    return _price(profile, layout, st, _priced(layout, st, placements, gathers, frozen_where), blocks, depth)
+
+
+def _price(profile: StepProfile, layout: Layout, st: Setting, p: _Priced, blocks: int, depth: int) -> Evaluation:
+    """:func:`price` of the placements ``p`` holds."""
     hw = st.hardware
     fixed = fixed_device_bytes(profile, layout, st, blocks)
     t_opt = _optimizer_seconds(p)
@@ -1254,10 +1314,10 @@ def price(
         t_opt -= fused_hidden
     memory, host, process = _memory_terms(profile, p, fixed, dev_var, host, transient)
     return Evaluation(
-        chunk_size=layout.chunk_size, blocks=blocks, prefetch_depth=depth, placements=tuple(placements),
+        chunk_size=layout.chunk_size, blocks=blocks, prefetch_depth=depth, placements=p.placements,
         device_bytes=sum(fixed.values()) + dev_var, host_bytes=host + process, disk_bytes=disk,
         step_time=fb + t_opt, breakdown=breakdown, memory=memory, gathers=n_gathers, shard_shared=layout.own > 0,
-        frozen_placement=frozen_where, zero=layout.zero,
+        frozen_placement=p.frozen_where, zero=layout.zero,
     )
 
 
@@ -1268,8 +1328,10 @@ class _Priced:
 
     layout: Layout
     st: Setting
+    placements: tuple[ChunkPlacement, ...]  # every chunk's, in the layout's order
     kinds: tuple[ChunkPlacement, ...]  # the sharded chunks, sharded tied chunks excluded
-    kind_counts: tuple[tuple[ChunkPlacement, int], ...]  # how many of ``kinds`` are each placement
+    # how many of ``kinds`` are each placement, in the order each first appears in ``kinds``
+    kind_counts: tuple[tuple[ChunkPlacement, int], ...]
     zero: tuple[ChunkPlacement, ...]  # the ZeRO-1/2 chunks
     rwhere: Placement  # the replicated chunks' optimizer state
     frozen_where: Placement
@@ -1283,6 +1345,8 @@ class _Priced:
     shard: int  # elements of one sharded chunk's shard
     fshard: int  # bytes of one frozen chunk's shard
     h2d: float  # seconds to copy one shard to the device
+    kinds_on_disk: int  # of ``kinds``, with optimizer state on disk
+    zero_on_disk: bool  # a ZeRO-1/2 chunk keeps its optimizer state on disk
 
 
 def _split_placements(layout: Layout,
@@ -1308,6 +1372,34 @@ def _priced(layout: Layout, st: Setting, placements: Sequence[ChunkPlacement], g
             frozen_where: Placement) -> _Priced:
     """``placements`` and ``gathers`` as :func:`price` uses them."""
     kinds, zero, rwhere = _split_placements(layout, placements)
+    host_shard = np.asarray([k.shard is not Placement.DEVICE for k in kinds], dtype=bool)
+    counts = tuple(Counter(kinds).items())
+    solo_gathered = (np.asarray([collectives(Sharding.SHARDED, 1, k.shard).gathers_per_use for k in kinds], dtype=bool)
+                     if st.world == 1 else None)
+    return _priced_parts(layout, st, tuple(placements), kinds, counts, zero, rwhere, gathers, frozen_where, host_shard,
+                         np.asarray([k.shard_on_disk for k in kinds], dtype=bool), solo_gathered)
+
+
+def _priced_codes(layout: Layout, st: Setting, codes: np.ndarray, zero: tuple[ChunkPlacement, ...],
+                  repl: tuple[ChunkPlacement, ...], gathers: np.ndarray, frozen_where: Placement) -> _Priced:
+    """:func:`_priced` of the placements :func:`place` chose: the sharded chunks' as indices into
+    :data:`_SCAN_KINDS` (``codes``), the sharded tied chunks ``DD``, the ZeRO-1/2 chunks ``zero``
+    and the replicated ones ``repl``; worked out on arrays, not chunk by chunk."""
+    kinds = tuple(_KIND_ARRAY[codes])
+    used, first = np.unique(codes, return_index=True)
+    tally = np.bincount(codes, minlength=len(_SCAN_KINDS))
+    counts = tuple((_SCAN_KINDS[c], int(tally[c])) for c in used[np.argsort(first)].tolist())
+    placements = kinds + (DD,) * layout.own + zero + repl
+    return _priced_parts(layout, st, placements, kinds, counts, zero, repl[0].optim if repl else Placement.DEVICE,
+                         gathers, frozen_where, _HOST_SHARD[codes], _DISK_SHARD[codes],
+                         _SOLO_GATHERED[codes] if st.world == 1 else None)
+
+
+def _priced_parts(layout: Layout, st: Setting, placements: tuple, kinds: tuple, counts: tuple, zero: tuple,
+                  rwhere: Placement, gathers: np.ndarray, frozen_where: Placement, host_shard: np.ndarray,
+                  disk_shard: np.ndarray, solo_gathered: Optional[np.ndarray]) -> _Priced:
+    """The :class:`_Priced` of placements split by kind of chunk (:func:`_priced`'s tail);
+    ``solo_gathered`` (at world size 1): which of ``kinds`` go through the rCache."""
     n_sh = layout.n_sharded
     n = n_sh - layout.own
     solo = st.world == 1
@@ -1317,17 +1409,16 @@ def _priced(layout: Layout, st: Setting, placements: Sequence[ChunkPlacement], g
     # whole and resident, never gathered; an off-device one still goes through the rCache
     if not collectives(Sharding.SHARDED, st.world, frozen_where, frozen=True).gathers_per_use:
         g_frozen = np.zeros_like(g_frozen)
-    host_shard = np.asarray([k.shard is not Placement.DEVICE for k in kinds], dtype=bool)
     if solo and n:
-        g = np.where([collectives(Sharding.SHARDED, 1, k.shard).gathers_per_use for k in kinds], g, 0)
+        g = np.where(solo_gathered, g, 0)
     shard = layout.chunk_size // st.world if n else 0
     return _Priced(
-        layout=layout, st=st, kinds=kinds, kind_counts=tuple(Counter(kinds).items()), zero=zero, rwhere=rwhere,
+        layout=layout, st=st, placements=placements, kinds=kinds, kind_counts=counts, zero=zero, rwhere=rwhere,
         frozen_where=frozen_where, n=n, solo=solo,
-        g=g, g_own=g_own, g_frozen=g_frozen, host_shard=host_shard,
-        disk_shard=np.asarray([k.shard_on_disk for k in kinds], dtype=bool), shard=shard,
+        g=g, g_own=g_own, g_frozen=g_frozen, host_shard=host_shard, disk_shard=disk_shard, shard=shard,
         fshard=layout.frozen_chunk_size // st.world * st.elem,
         h2d=st.hardware.h2d_time(shard * st.elem, st.pin) if n else 0.0,
+        kinds_on_disk=sum(m for k, m in counts if k.on_disk), zero_on_disk=any(k.on_disk for k in zero),
     )
 
 
@@ -1339,7 +1430,8 @@ def _optimizer_seconds(p: _Priced) -> float:
     return (replicated_optimizer_time(st, repl_numel, p.rwhere)
             + sum(st.hardware.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
             + sum(ct[k] * m for k, m in p.kind_counts)
-            + sum(zero_chunk_optimizer_time(st, c, k.optim) for c, k in zip(layout.zero_capacities, p.zero)))
+            + _per_layout(st, "zero_time", layout, lambda: sum(
+                zero_chunk_optimizer_time(st, c, k.optim) for c, k in zip(layout.zero_capacities, p.zero)), p.zero))
 
 
 def _copy_seconds(p: _Priced) -> tuple[float, float]:
@@ -1371,10 +1463,16 @@ def _placed_bytes(p: _Priced) -> tuple[int, int, int, int]:
     host += fbytes if fw is Placement.HOST else 0
     host += p.fshard if fw is Placement.DISK and layout.n_frozen else 0  # the one being gathered
     disk = sum(cb[k][2] * m for k, m in p.kind_counts) + (fbytes if fw is Placement.DISK else 0)
-    for c, k in zip(layout.zero_capacities, p.zero):
-        zd, zh, zk = zero_chunk_bytes(st, c, k.optim)
-        dev_var, host, disk = dev_var + zd, host + zh, disk + zk
-    return dev_var, host, disk, transient
+    zd, zh, zk = _zero_bytes(st, layout, p.zero)
+    return dev_var + zd, host + zh, disk + zk, transient
+
+
+def _zero_bytes(st: Setting, layout: Layout, zero: tuple[ChunkPlacement, ...]) -> tuple[int, int, int]:
+    """(device, host, disk) bytes of ``layout``'s ZeRO-1/2 chunks placed ``zero`` (remembered)."""
+    def make() -> tuple[int, int, int]:
+        per = [zero_chunk_bytes(st, c, k.optim) for c, k in zip(layout.zero_capacities, zero)]
+        return sum(b[0] for b in per), sum(b[1] for b in per), sum(b[2] for b in per)
+    return _per_layout(st, "zero_bytes", layout, make, zero)
 
 
 def _step_seconds(p: _Priced, comm: dict[str, float], t_h2d: float, t_shard_reads: float, depth: int,
@@ -1421,7 +1519,7 @@ def _fused_step_hidden(p: _Priced, compute: float, backward_share: float) -> Opt
     (``backward_share`` of ``compute``: :meth:`StepProfile.backward_share`), or None when the
     plan has no fused step over disk chunks."""
     st, layout = p.st, p.layout
-    n_disk = sum(k.on_disk for k in p.kinds)
+    n_disk = p.kinds_on_disk
     if not (st.fused_step and n_disk and layout.n_sharded):
         return None
     # the backward stager reads and writes disk chunks while backward computes; the first
@@ -1440,9 +1538,10 @@ def _memory_terms(profile: StepProfile, p: _Priced, fixed: dict, dev_var: int, h
     # every term once, device then host: they add up to device_bytes + host_bytes
     # a plan that streams from disk (optimizer state, or frozen shards: the runtime's rule,
     # ElixirModule.streams_from_disk) runs under return_host_memory and trims after backward
-    streams = any(k.on_disk for k in p.kinds + p.zero) or (p.frozen_where is Placement.DISK and layout.n_frozen > 0)
+    on_disk = p.kinds_on_disk > 0 or p.zero_on_disk  # trainable disk chunks
+    streams = on_disk or (p.frozen_where is Placement.DISK and layout.n_frozen > 0)
     process = st.process_bytes - (st.heap_slack_bytes if streams else 0)
-    if streams and st.heap_slack_bytes and any(k.on_disk for k in p.kinds + p.zero):
+    if streams and st.heap_slack_bytes and on_disk:
         # trainable disk chunks: what their step leaves in the heap even so
         # (HardwareProfile.disk_plan_heap_slack_per_activation_byte)
         hw = st.hardware
@@ -1470,10 +1569,18 @@ def frozen_shard_bytes(layout: Layout, st: Setting) -> int:
 
 
 def simulate_layout(layout: Layout, blocks: int) -> np.ndarray:
-    """Gather counts under Belady with ``blocks`` blocks, per sharded chunk then per frozen chunk."""
+    """Gather counts under Belady with ``blocks`` blocks, per sharded chunk then per frozen chunk.
+    Remembered per (layout, blocks): the search asks again for each configuration it prices
+    (fp32 gradients, then the lean one) and each bound; the array is read-only."""
     if layout.n_sharded + layout.n_frozen == 0:
         return np.zeros(0, dtype=np.int64)
-    return simulate(layout.trace, max(blocks, layout.min_blocks), "belady").per_chunk
+    blocks = max(blocks, layout.min_blocks)
+    g = layout.gathers_by_blocks.get(blocks)
+    if g is None:
+        g = simulate(layout.trace, blocks, "belady").per_chunk
+        g.flags.writeable = False
+        layout.gathers_by_blocks[blocks] = g
+    return g
 
 
 def collective_counts(ev: Evaluation, world: int) -> dict[str, int]:

@@ -172,6 +172,22 @@ def _layout_cache(profile: StepProfile, world: int) -> dict[tuple[int, bool, int
     return hit[1]
 
 
+_RANK_SHARES: dict[tuple[int, int], tuple[HardwareProfile, HardwareProfile]] = {}
+
+
+def _rank_share(hw: HardwareProfile, ranks_per_node: int) -> HardwareProfile:
+    """``hw.per_rank(ranks_per_node)``, one object per (profile, ranks): what the cost model
+    remembers per hardware (:func:`~elixir.search.cost_model.per_hardware`) is then shared by
+    the sibling searches (the lean configuration, the report's unconstrained one)."""
+    key = (id(hw), ranks_per_node)
+    hit = _RANK_SHARES.get(key)
+    if hit is None or hit[0] is not hw:
+        if len(_RANK_SHARES) > 16:
+            _RANK_SHARES.clear()
+        hit = _RANK_SHARES[key] = (hw, hw.per_rank(ranks_per_node))
+    return hit[1]
+
+
 @dataclass(frozen=True)
 class SearchRequest:
     """Everything one search is asked, in one object: the step, the ranks, the machine, the
@@ -203,7 +219,7 @@ class SearchRequest:
         return Setting(
             layout=MeshLayout.data_parallel(self.world), elem=element_bytes(prof.dtype),
             reduce_elem=element_bytes(self.reduce_dtype or prof.dtype), opt_bytes=optimizer_state_bytes(self.optimizer_type),
-            hardware=hw.per_rank(hw.ranks_per_node(self.world)), dtype=prof.dtype, grad_elem=element_bytes(self.grad_dtype),
+            hardware=_rank_share(hw, hw.ranks_per_node(self.world)), dtype=prof.dtype, grad_elem=element_bytes(self.grad_dtype),
             fused_step=self.fused_step, process_bytes=int(self.process_bytes),
             heap_slack_bytes=min(int(self.heap_slack_bytes), int(self.process_bytes)),
         )
