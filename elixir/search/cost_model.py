@@ -206,6 +206,11 @@ class _PackContext:
     backward: np.ndarray  # bool per step
     n_steps: int
 
+    @cached_property
+    def sh_numel_array(self) -> np.ndarray:
+        """``sh_numel`` as int64 (each layout sums it under a mask)."""
+        return np.asarray(self.sh_numel, dtype=np.int64)
+
 
 _CONTEXTS: dict[int, tuple[StepProfile, _PackContext]] = {}
 
@@ -297,7 +302,7 @@ def pack(profile: StepProfile, chunk_size: int, world: int, shard_shared: bool =
 def _numel_where(ctx: _PackContext, mask: np.ndarray) -> int:
     """Elements of the untied trainable parameters (``ctx.sh_names``) where ``mask`` is set."""
     k = len(ctx.sh_numel)
-    return int(np.asarray(ctx.sh_numel, dtype=np.int64)[mask[:k]].sum()) if k else 0
+    return int(ctx.sh_numel_array[mask[:k]].sum()) if k else 0
 
 
 _GREEDY: dict[tuple, tuple[_PackContext, list, Optional[np.ndarray]]] = {}

@@ -78,7 +78,7 @@ class Budgets:
     disk: int = 0
 
 
-_CHUNK_SIZES: dict[tuple[int, int, int], tuple[StepProfile, list[int]]] = {}
+_CHUNK_SIZES: dict[tuple, tuple[StepProfile, Any]] = {}  # chunk-size candidates, least-padding sizes
 
 
 def chunk_size_candidates(profile: StepProfile, world: int, points: int = GRID_POINTS) -> list[int]:
@@ -107,8 +107,18 @@ def _chunk_size_candidates(profile: StepProfile, world: int, points: int) -> lis
         r = (hi / lo) ** (1 / max(1, points - 1))
         for i in range(points):
             sizes.add(min(hi, round_up(int(lo * r**i), align)))
-    sizes.add(best_chunk_size(sh, align))
+    sizes.add(_least_padding(profile, world, sh, align))
     return sorted(s for s in sizes if s >= lo)
+
+
+def _least_padding(profile: StepProfile, world: int, numels: list[int], align: int) -> int:
+    """``best_chunk_size(numels, align)``, remembered per (profile, world) beside the candidates:
+    the grid and the replicated plan's sizes ask for it alike."""
+    key = (id(profile), world, "least padding")
+    hit = _CHUNK_SIZES.get(key)
+    if hit is None or hit[0] is not profile:
+        hit = _CHUNK_SIZES[key] = (profile, best_chunk_size(numels, align))
+    return hit[1]
 
 
 BODY_SHARDINGS = ("mixed", "sharded", "zero")
