@@ -21,6 +21,7 @@ import enum
 import errno
 import mmap
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Protocol
 
@@ -121,6 +122,11 @@ class DiskStore:
         self.peak_staged_bytes = 0
         self.bytes_read = 0
         self.bytes_written = 0
+        # seconds the caller spent blocked on this store's transfers: staging (finish) and converted
+        # reads (read_converted, a derived shard's gather); with the byte counters, what a profile
+        # of a disk-bound step (bench/disk_offload.py --breakdown) splits into I/O and compute
+        self.wait_seconds = 0.0
+        self.converted_wait_seconds = 0.0
         self._booked: dict[str, str] = {}  # flat key -> ledger kind its staged bytes are booked under
 
     @property
@@ -239,11 +245,13 @@ class DiskStore:
         rec = self.chunks[index]
         pending, rec.pending = rec.pending, []
         error = None
+        t0 = time.perf_counter()
         for h in pending:
             try:
                 h.wait()
             except Exception as e:  # wait for every transfer before touching the buffers
                 error = error or e
+        self.wait_seconds += time.perf_counter() - t0
         if error is not None:
             # nothing is lost: a failed read leaves the disk copy as the truth (buffers dropped), a
             # failed write keeps the chunk staged in memory (the disk copy is stale)
@@ -337,12 +345,15 @@ class DiskStore:
 
         handle = queue(0)
         for k, (lo, hi) in enumerate(spans):
+            t0 = time.perf_counter()
             try:
                 handle.wait()
             except OSError as e:
                 message = (f"offload file {self.path!r}: reading {key} of chunk {index} failed ({e}); "
                            "the disk copy is unchanged; check the disk holding the offload directory")
                 raise (OSError(e.errno, message) if e.errno is not None else OSError(message)) from e
+            finally:
+                self.converted_wait_seconds += time.perf_counter() - t0
             if k + 1 < len(spans):
                 handle = queue(k + 1)
             out[lo:hi].copy_(pieces[k % 2][: hi - lo])
