@@ -330,7 +330,10 @@ class DiskStore:
         converted. Returns the bytes read from the file (0 when staged)."""
         rec = self.chunks[index]
         if rec.state in (DiskState.READING, DiskState.WRITING):
-            self.finish(index)
+            waited = self.wait_seconds
+            self.finish(index)  # a read-ahead or write of the record: this read's wait, not staging's
+            self.converted_wait_seconds += self.wait_seconds - waited
+            self.wait_seconds = waited
         flat = rec.flats[key]
         if rec.state is DiskState.RESIDENT:
             out.copy_(flat)
