@@ -195,8 +195,9 @@ def _engine_rates(where: str, nbytes: int, transfer: int = 64 << 20, depth: int 
     return read_bps, write_bps
 
 
-def breakdown(layers: int, dim: int, reps: int, offload_dir, probe_bytes: int) -> dict:
-    """Measure the disk's sequential rates, then ``reps`` timed steps (after a warm-up one)."""
+def breakdown(layers: int, dim: int, reps: int, offload_dir, probe_bytes: int, variants=(False,)) -> list[dict]:
+    """Measure the disk's sequential rates, then per variant (the fused step's ``write_behind``,
+    :class:`~elixir.offload.pipeline.BackwardStager`) ``reps`` timed steps after a warm-up one."""
     import tempfile
 
     from elixir.profiling.measurement import measure_disk
@@ -207,23 +208,26 @@ def breakdown(layers: int, dim: int, reps: int, offload_dir, probe_bytes: int) -
     read_bps, write_bps = max(qd1[0], engine[0]), max(qd1[1], engine[1])  # the stricter ceiling
     em, opt = _kk_module(layers, dim, offload_dir)
     x = torch.randn(4, dim)
-    _timed_step(em, opt, x)  # warm-up: creates the moments on disk
-    steps = [_timed_step(em, opt, x) for _ in range(reps)]
-    totals = [sum(p["s"] for p in ph.values()) for ph in steps]
-    ph = steps[sorted(range(reps), key=lambda i: totals[i])[reps // 2]]  # the median step
-    rows = _rows(ph)
-    step_s = sum(p["s"] for p in ph.values())
-    read = sum(r[1] for r in rows)
-    written = sum(r[2] for r in rows)
-    ideal = read / read_bps + written / write_bps
+    out = []
+    for write_behind in variants:
+        opt.backward_step.stager.write_behind = write_behind
+        _timed_step(em, opt, x)  # warm-up (the first creates the moments on disk)
+        em.disk_store.reset_peak()
+        steps = [_timed_step(em, opt, x) for _ in range(reps)]
+        totals = [sum(p["s"] for p in ph.values()) for ph in steps]
+        ph = steps[sorted(range(reps), key=lambda i: totals[i])[reps // 2]]  # the median step
+        rows = _rows(ph)
+        step_s = sum(p["s"] for p in ph.values())
+        read, written = sum(r[1] for r in rows), sum(r[2] for r in rows)
+        out.append({
+            "params": layers * dim * dim, "chunks": len(em.chunks), "dir": where, "write_behind": write_behind,
+            "seq_read_Bps": read_bps, "seq_write_Bps": write_bps, "qd1_probe_Bps": qd1, "engine_probe_Bps": engine,
+            "step_s": step_s, "steps_s": totals, "peak_staged": em.disk_store.peak_staged_bytes,
+            "read": read, "written": written, "disk_share": (read / read_bps + written / write_bps) / step_s,
+            "phases": ph, "rows": [dict(zip(("phase", "read", "written", "s", "wait_s"), r)) for r in rows],
+        })
     em.disk_store.close()
-    return {
-        "params": layers * dim * dim, "chunks": len(em.chunks), "dir": where,
-        "seq_read_Bps": read_bps, "seq_write_Bps": write_bps, "qd1_probe_Bps": qd1, "engine_probe_Bps": engine, "step_s": step_s, "steps_s": totals,
-        "read": read, "written": written, "disk_share": ideal / step_s,
-        "phases": {name: p for name, p in ph.items()},
-        "rows": [dict(zip(("phase", "read", "written", "s", "wait_s"), r)) for r in rows],
-    }
+    return out
 
 
 def _rate(row: dict) -> str:
@@ -236,7 +240,8 @@ def _rate(row: dict) -> str:
 
 
 def _print_breakdown(r: dict) -> None:
-    title = (f"disk-bound step, {r['params'] / 1e6:.0f}M fp32 params, {r['chunks']} KK chunks (O_DIRECT), CPUAdam fused; "
+    title = (f"disk-bound step{', write-behind' if r['write_behind'] else ''}, {r['params'] / 1e6:.0f}M fp32 params, "
+             f"{r['chunks']} KK chunks (O_DIRECT), CPUAdam fused; "
              f"{r['dir']}: sequential read {r['seq_read_Bps'] / 1e9:.2f} GB/s, write {r['seq_write_Bps'] / 1e9:.2f} GB/s")
     table = Table(title=title)
     for col in ("phase", "read", "written", "s", "waiting s", "GB/s", "share of step"):
@@ -253,7 +258,7 @@ def _print_breakdown(r: dict) -> None:
     print(f"sequential probes (GB/s read, write): hwprofile QD1 {q_r / 1e9:.2f}, {q_w / 1e9:.2f}; "
           f"offload engine 2 x 64 MiB in flight {e_r / 1e9:.2f}, {e_w / 1e9:.2f}; the faster of each is the rate above")
     print(f"disk share: (read/seq read + written/seq write) / step = {r['disk_share']:.0%} "
-          f"(steps: {', '.join(f'{t:.2f}' for t in r['steps_s'])} s)")
+          f"(steps: {', '.join(f'{t:.2f}' for t in r['steps_s'])} s); peak staged {r['peak_staged'] / 1e6:.0f} MB")
 
 
 def main() -> None:
@@ -266,11 +271,15 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="profile a whole disk-bound training step (see above)")
     ap.add_argument("--probe-gib", type=float, default=1.0, help="--breakdown: size of the sequential-rate probe file")
     ap.add_argument("--json", default=None, help="--breakdown: write the numbers here")
+    ap.add_argument("--write-behind", action="store_true",
+                    help="--breakdown: also time the fused step with BackwardStager.write_behind (after the default)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.breakdown:
-        r = breakdown(args.layers, args.dim, args.reps, args.offload_dir, int(args.probe_gib * 2**30))
-        _print_breakdown(r)
+        variants = (False, True) if args.write_behind else (False,)
+        r = breakdown(args.layers, args.dim, args.reps, args.offload_dir, int(args.probe_gib * 2**30), variants)
+        for one in r:
+            _print_breakdown(one)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(r, f, indent=1)
