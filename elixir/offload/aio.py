@@ -92,13 +92,18 @@ class AsyncFileIO:
 
 
 class _NativeHandle:
-    __slots__ = ("engine", "handles", "tensor")
+    __slots__ = ("engine", "handles", "tensor", "error")
 
     def __init__(self, engine, handles: list[int], tensor: torch.Tensor) -> None:
         self.engine, self.handles, self.tensor = engine, handles, tensor
+        self.error: Optional[BaseException] = None
 
     def wait(self) -> None:
+        """Block until done; a failed transfer raises at every wait, not only the first (a read
+        may be waited on for one flat, then again with the chunk's others)."""
         if self.tensor is None:
+            if self.error is not None:
+                raise self.error
             return
         error = None
         for h in self.handles:  # wait for every part before the tensor may go
@@ -107,6 +112,7 @@ class _NativeHandle:
             except Exception as e:
                 error = error or e
         self.tensor = None
+        self.error = error
         if error is not None:
             raise error
 

@@ -18,6 +18,7 @@ pretrained loading all do), and the next read derives the new shard from it.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -53,6 +54,7 @@ class DerivedShards:
         self.peak_staged_bytes = 0
         self.bytes_read = 0
         self.bytes_written = 0  # always 0: nothing is written, kept for DiskStore's report shape
+        self.stage_seconds = 0.0  # wall time of stage() reading from the file (a gather's read and cast)
 
     def register(self, index: int, shard: torch.Tensor, ledger_kind: str) -> None:
         """Take over chunk ``index``'s resident shard (resizable, owning its storage; booked in the
@@ -85,12 +87,15 @@ class DerivedShards:
             n = min(PIECE_ELEMENTS, max(r.shard.numel() for r in self.chunks.values()))
             dt = self.masters.chunks[index].flats[MASTER].dtype  # fp32, or a bf16 master (issue 33)
             self._pieces = (torch.empty(n, dtype=dt), torch.empty(n, dtype=dt))
+        t0 = time.perf_counter()
         try:
             with torch.no_grad():
                 self.bytes_read += self.masters.read_converted(index, MASTER, rec.shard, self._pieces)
         except BaseException:
             self.discard(index)
             raise
+        finally:
+            self.stage_seconds += time.perf_counter() - t0
 
     def discard(self, index: int) -> None:
         """Free chunk ``index``'s shard (its master stays the truth)."""

@@ -79,11 +79,18 @@ class BackwardStager:
     staged, so at most **two** chunks are in host memory, as in :func:`run_pipelined`: the one
     being stepped and the one being read (or written). A wrong guess costs one discarded read.
     :meth:`drain` (end of backward) finishes the last write and drops an unused read-ahead.
+
+    ``write_behind`` (opt-in, off by default): the previous chunk's write is finished only after
+    ``work(i)``, so it overlaps the next chunk's read and ``work(i)`` instead of preceding them
+    (measured with ``bench/disk_offload.py --breakdown``). Then **three** chunks are in host memory
+    at once (written, worked on, read), one more than the cost model prices
+    (:data:`elixir.plan.footprint.DISK_STAGING`).
     """
 
-    def __init__(self, store: DiskStore, order: Sequence[int]) -> None:
+    def __init__(self, store: DiskStore, order: Sequence[int], write_behind: bool = False) -> None:
         self.store = store
         self.order = list(order)
+        self.write_behind = write_behind
         self.ahead: Optional[int] = None  # read queued or done, not yet worked on
         self.writing: Optional[int] = None
         self.done: set[int] = set()
@@ -97,11 +104,8 @@ class BackwardStager:
     def run(self, index: int, work: Callable[[int], None]) -> None:
         st = self.store
         try:
-            if self.writing is not None:
-                st.finish(self.writing)
-                self.writing = None
-                # backward frees activations while chunks stage: keep their holes from adding up
-                release_staging()
+            if not self.write_behind:
+                self._finish_write()
             if self.ahead is not None and self.ahead != index:
                 st.offload(self.ahead, write=False)  # guessed wrong: the disk copy is current
                 self.ahead = None
@@ -116,12 +120,20 @@ class BackwardStager:
                 st.start_read(nxt)
                 self.ahead = nxt
             work(index)
+            self._finish_write()
             st.start_write(index)
             self.writing = index
         except BaseException:
             self.ahead = self.writing = None
             st.settle()
             raise
+
+    def _finish_write(self) -> None:
+        if self.writing is not None:
+            self.store.finish(self.writing)
+            self.writing = None
+            # backward frees activations while chunks stage: keep their holes from adding up
+            release_staging()
 
     def drain(self) -> None:
         """Finish the last write and drop an unused read-ahead; ready for the next backward."""

@@ -21,6 +21,7 @@ import enum
 import errno
 import mmap
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Protocol
 
@@ -75,6 +76,7 @@ class DiskChunk:
     regions: dict[str, Region] = field(default_factory=dict)
     state: DiskState = DiskState.RESIDENT
     pending: list = field(default_factory=list)
+    reads: dict = field(default_factory=dict)  # flat key -> its read's handle, while READING
 
     @property
     def staged_bytes(self) -> int:
@@ -121,6 +123,11 @@ class DiskStore:
         self.peak_staged_bytes = 0
         self.bytes_read = 0
         self.bytes_written = 0
+        # seconds the caller spent blocked on this store's transfers: staging (finish) and converted
+        # reads (read_converted, a derived shard's gather); with the byte counters, what a profile
+        # of a disk-bound step (bench/disk_offload.py --breakdown) splits into I/O and compute
+        self.wait_seconds = 0.0
+        self.converted_wait_seconds = 0.0
         self._booked: dict[str, str] = {}  # flat key -> ledger kind its staged bytes are booked under
 
     @property
@@ -222,7 +229,8 @@ class DiskStore:
         for key, flat in rec.flats.items():
             region = rec.regions[key]
             flat.untyped_storage().resize_(region.nbytes)
-            rec.pending.append(self.io.read(f, region.offset, flat))
+            rec.reads[key] = self.io.read(f, region.offset, flat)
+            rec.pending.append(rec.reads[key])
             self.bytes_read += region.nbytes
 
     def start_write(self, index: int) -> None:
@@ -238,12 +246,15 @@ class DiskStore:
         """Wait for the chunk's transfers: READING -> RESIDENT, WRITING -> OFFLOADED (flats freed)."""
         rec = self.chunks[index]
         pending, rec.pending = rec.pending, []
+        rec.reads.clear()
         error = None
+        t0 = time.perf_counter()
         for h in pending:
             try:
                 h.wait()
             except Exception as e:  # wait for every transfer before touching the buffers
                 error = error or e
+        self.wait_seconds += time.perf_counter() - t0
         if error is not None:
             # nothing is lost: a failed read leaves the disk copy as the truth (buffers dropped), a
             # failed write keeps the chunk staged in memory (the disk copy is stale)
@@ -319,10 +330,20 @@ class DiskStore:
         converted to ``out``'s dtype; the record's state is left as it is. Staged, the flat is
         converted in memory; else its region is read through the two ``pieces`` (1-D buffers of
         the flat's dtype, equal lengths) in turn, the next read queued before the last piece is
-        converted. Returns the bytes read from the file (0 when staged)."""
+        converted. Being read ahead (READING: a staging's read-ahead),
+        only flat ``key``'s read is waited for, so the caller (a backward gather) goes on while the
+        optimizer state still streams in. Returns the bytes read from the file (0 when staged or
+        read ahead: those bytes were counted by the read-ahead)."""
         rec = self.chunks[index]
+        if rec.state is DiskState.READING and key in rec.reads:
+            self._wait_for_flat(rec, key)
+            out.copy_(rec.flats[key])  # read ahead (a staging): the rest of the record may still be in flight
+            return 0
         if rec.state in (DiskState.READING, DiskState.WRITING):
-            self.finish(index)
+            waited = self.wait_seconds
+            self.finish(index)  # a read-ahead or write of the record: this read's wait, not staging's
+            self.converted_wait_seconds += self.wait_seconds - waited
+            self.wait_seconds = waited
         flat = rec.flats[key]
         if rec.state is DiskState.RESIDENT:
             out.copy_(flat)
@@ -337,16 +358,31 @@ class DiskStore:
 
         handle = queue(0)
         for k, (lo, hi) in enumerate(spans):
+            t0 = time.perf_counter()
             try:
                 handle.wait()
             except OSError as e:
                 message = (f"offload file {self.path!r}: reading {key} of chunk {index} failed ({e}); "
                            "the disk copy is unchanged; check the disk holding the offload directory")
                 raise (OSError(e.errno, message) if e.errno is not None else OSError(message)) from e
+            finally:
+                self.converted_wait_seconds += time.perf_counter() - t0
             if k + 1 < len(spans):
                 handle = queue(k + 1)
             out[lo:hi].copy_(pieces[k % 2][: hi - lo])
         return rec.numel * item
+
+    def _wait_for_flat(self, rec: DiskChunk, key: str) -> None:
+        """Wait for the read of one flat of a READING record, not the others'; on failure the
+        whole record is finished, which raises the store's error."""
+        t0 = time.perf_counter()
+        try:
+            rec.reads[key].wait()
+        except OSError:
+            self.finish(rec.index)  # waits for the rest, drops the buffers, raises with the fix
+            raise
+        finally:
+            self.converted_wait_seconds += time.perf_counter() - t0
 
     def discard(self, index: int) -> None:
         """RESIDENT -> OFFLOADED without writing (the disk copy is current)."""
