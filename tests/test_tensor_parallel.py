@@ -160,7 +160,10 @@ def _tp_worker(cases):
         ddp_err = max((ddp[k] - ref[k]).abs().max().item() for k in ref)
         for variant in variants:
             losses, full, (kinds, shapes) = _elixir_tp(name, mesh, variant)
-            errs = {k: (full[k] - ref[k]).abs().max().item() for k in ref}
+            # loss parallelism sums the log-softmax over vocab shards in another order: allow one
+            # fp32 ulp of each tensor's magnitude where DDP's own error is below that
+            ulp = _options(variant)[2] * torch.finfo(torch.float32).eps
+            errs = {k: max((full[k] - ref[k]).abs().max().item() - ulp * ref[k].abs().max().item(), 0.0) for k in ref}
             worst = max(errs, key=errs.get)
             out[(name, variant)] = {"ref": ref_losses, "losses": losses, "ddp_err": ddp_err,
                                     "err": errs[worst], "worst": worst, "kinds": kinds, "shapes": shapes,
