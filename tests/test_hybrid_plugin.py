@@ -192,7 +192,10 @@ def test_hybrid_and_gemini_tp_plugins_match_reference(tmp_path):
 
 @pytest.mark.parametrize("kw, says", [
     ({"custom_policy": object()}, "tp_plan="),
-    ({"enable_sequence_parallelism": True}, "sequence parallelism is not supported"),
+    ({"enable_sequence_parallelism": True, "tp_size": 2, "pp_size": 2, "num_microbatches": 2}, "pp_size=1"),
+    ({"enable_sequence_parallelism": True, "tp_size": 2, "tp_plan": {}}, "SequenceParallel / PrepareModuleInput"),
+    ({"enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"}, "'split_gather'"),
+    ({"sp_size": 2}, "enable_sequence_parallelism=True splits the sequence over the tp ranks"),
     ({"scheduler_nodes": [1]}, "pp_style='1f1b' or 'interleaved'"),
     ({"zero_stage": 4}, "zero_stage must be 0, 1, 2 or 3"),
     ({"pp_size": 2}, "num_microbatches or microbatch_size"),

@@ -7,7 +7,11 @@ elixir's chunks as the data-parallel axis on a (dp_shard, tp) mesh.
   (tied) model with ZeRO-3 chunks, ZeRO-1 chunks and host-placed optimizer state: losses within
   rtol 1e-5, final weights within 2x torch DDP's error in the same run, with global-norm clipping
   that clips (the norm summed over tp for Shard placements, replicated ones counted once); OPT
-  (tied, vocab-parallel) and BERT (tied, embeddings whole) the same with ZeRO-3 chunks.
+  (tied, vocab-parallel) and BERT (tied, embeddings whole) the same with ZeRO-3 chunks;
+- sequence parallelism (``sequence_parallel=True``: the residual stream split over the sequence)
+  and loss parallelism (``loss_parallel=True``: logits split over the vocabulary, the loss from
+  :func:`elixir.parallel.vocab_parallel_lm_loss`) on LLaMA, TP2 x DP2 with ZeRO-3 chunks, in the
+  same launch and held to the same bounds; a family without a sequence-parallel plan is refused.
 """
 
 from __future__ import annotations
@@ -19,15 +23,22 @@ import torch
 import torch.nn as nn
 
 from elixir import distributed as edist
-from elixir.parallel import NoTensorParallelPlan, hf_plan, plan_for, qkv_from_tp_order, tensor_parallel
+from elixir.parallel import (
+    NoTensorParallelPlan,
+    hf_plan,
+    plan_for,
+    qkv_from_tp_order,
+    tensor_parallel,
+    vocab_parallel_lm_loss,
+)
 from elixir.parallel.tensor import _reorder
 from elixir.plan import MeshLayout, Sharding
-from elixir.plan.tensor_plans import local_shapes, style_plan
+from elixir.plan.tensor_plans import local_shapes, sequence_parallel_plan, style_plan
 from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
 from elixir.testing.zoo import ZOO
-from tests.mesh_cases import ddp_reference, sgd_reference, tiny_llama
+from tests.mesh_cases import ddp_reference, plugin_steps, sgd_reference, tiny_llama
 
 STEPS = 3
 LR = 0.5
@@ -89,6 +100,16 @@ def _ddp(name: str, dp_group, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
     return ddp_reference(_build(name), _batches(name), ZOO[name].loss, LR, MAX_NORM, dp_group, dp_rank, dp)
 
 
+def _options(variant: str) -> tuple[str, bool, bool]:
+    """``"zero3+sp+lp"`` -> (chunk variant, sequence parallel, loss parallel)."""
+    base, *flags = variant.split("+")
+    return base, "sp" in flags, "lp" in flags
+
+
+def _vocab_parallel_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return vocab_parallel_lm_loss(model(input_ids=batch["input_ids"]).logits, batch["input_ids"])
+
+
 def _plan(model: nn.Module, layout: MeshLayout, variant: str):
     sr = minimum_waste_search(model, layout, cpu_offload=variant == "host_optim")
     if variant == "zero1":
@@ -101,16 +122,18 @@ def _elixir_tp(name: str, mesh, variant: str) -> tuple[list[float], dict[str, to
 
     dp, tp = mesh["dp_shard"].size(), mesh["tp"].size()
     dp_rank = mesh.get_local_rank("dp_shard")
+    variant, sp, lp = _options(variant)
     plain = _build(name)
-    expected = local_shapes(tuple((n, tuple(q.shape)) for n, q in plain.named_parameters()), style_plan(plain), tp)
-    model = tensor_parallel(_build(name), mesh)
+    styles = sequence_parallel_plan(plain, lp) if sp else style_plan(plain)
+    expected = local_shapes(tuple((n, tuple(q.shape)) for n, q in plain.named_parameters()), styles, tp)
+    model = tensor_parallel(_build(name), mesh, sequence_parallel=sp, loss_parallel=lp)
     held = {n: tuple(getattr(q, "_local_tensor", q).shape) for n, q in model.named_parameters()}
     em = ElixirModule(model, _plan(model, MeshLayout(dp_shard=dp, tp=tp), variant), mesh=mesh)
     kinds = sorted({(c.spec.sharding.value, c.spec.master_on_host) for c in em.chunks})
     opt = ElixirOptimizer(em, torch.optim.SGD(em.parameters(), lr=LR), max_norm=MAX_NORM)
     losses = []
     for batch in _batches(name):
-        loss = ZOO[name].loss(em, shard_batch(batch, dp_rank, dp))
+        loss = (_vocab_parallel_loss if lp else ZOO[name].loss)(em, shard_batch(batch, dp_rank, dp))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -137,12 +160,33 @@ def _tp_worker(cases):
         ddp_err = max((ddp[k] - ref[k]).abs().max().item() for k in ref)
         for variant in variants:
             losses, full, (kinds, shapes) = _elixir_tp(name, mesh, variant)
-            errs = {k: (full[k] - ref[k]).abs().max().item() for k in ref}
+            # loss parallelism sums the log-softmax over vocab shards in another order: allow one
+            # fp32 ulp of each tensor's magnitude where DDP's own error is below that
+            ulp = _options(variant)[2] * torch.finfo(torch.float32).eps
+            errs = {k: max((full[k] - ref[k]).abs().max().item() - ulp * ref[k].abs().max().item(), 0.0) for k in ref}
             worst = max(errs, key=errs.get)
             out[(name, variant)] = {"ref": ref_losses, "losses": losses, "ddp_err": ddp_err,
                                     "err": errs[worst], "worst": worst, "kinds": kinds, "shapes": shapes,
                                     "moved": max((full[k] - _build(name).state_dict()[k]).abs().max().item() for k in ref)}
+        if name == "llama":
+            out["plugin_sp"] = _plugin_sp(ref_losses, ref, ddp_err)
     return out
+
+
+def _plugin_sp(ref_losses: list[float], ref: dict[str, torch.Tensor], ddp_err: float) -> dict:
+    """HybridParallelPlugin(tp_size=2, enable_sequence_parallelism=True) on 4 ranks (dp 2): its
+    losses, and on rank 0 the worst weight error of its full state dict against the reference."""
+    from elixir.booster import Booster, HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(tp_size=2, pp_size=1, zero_stage=3, precision="fp32", max_norm=MAX_NORM,
+                                  enable_sequence_parallelism=True)
+    booster = Booster(plugin=plugin)
+    model = _build("llama")
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=LR))
+    losses = plugin_steps(booster, plugin, model, opt, _batches("llama"), ZOO["llama"].loss)
+    full = plugin.full_state_dict(model)
+    err = max(((full[k] - ref[k]).abs().max().item() for k in ref), default=None) if full else None
+    return {"ref": ref_losses, "losses": losses, "ddp_err": ddp_err, "err": err, "sp": plugin.sequence_parallel}
 
 
 def _check(results, cases):
@@ -157,12 +201,41 @@ def _check(results, cases):
                 assert res["shapes"] is True, (name, res["shapes"])  # plan/tensor_plans.local_shapes, as the search sees them
 
 
-@pytest.mark.dist
-def test_tp2_dp2_matches_reference_llama_gpt2_opt_bert():
-    cases = [("llama", ("zero3", "zero1", "host_optim")), ("gpt2", ("zero3", "zero1", "host_optim")),
+_TP_CASES = [("llama", ("zero3", "zero1", "host_optim")), ("gpt2", ("zero3", "zero1", "host_optim")),
              ("opt", ("zero3",)), ("bert", ("zero3",))]
-    results = run_distributed(_tp_worker, 4, cases, timeout=400)
-    _check(results, cases)
-    kinds = results[0][("gpt2", "zero1")]["kinds"]
+_SP_CASES = [("llama", ("zero3+sp", "zero3+sp+lp", "zero3+lp"))]
+
+
+@pytest.fixture(scope="module")
+def tp_results():
+    """Every TP2 x DP2 case in one launch of 4 ranks (starting the ranks costs more than a case)."""
+    cases = [(name, _TP_CASES[0][1] + _SP_CASES[0][1] if name == "llama" else v) for name, v in _TP_CASES]
+    return run_distributed(_tp_worker, 4, cases, timeout=400)
+
+
+@pytest.mark.dist
+def test_tp2_dp2_matches_reference_llama_gpt2_opt_bert(tp_results):
+    _check(tp_results, _TP_CASES)
+    kinds = tp_results[0][("gpt2", "zero1")]["kinds"]
     assert any(k[0] == "zero1" for k in kinds), kinds
-    assert all(k[1] for k in results[0][("llama", "host_optim")]["kinds"])
+    assert all(k[1] for k in tp_results[0][("llama", "host_optim")]["kinds"])
+
+
+@pytest.mark.dist
+def test_sequence_and_loss_parallel_match_reference(tp_results):
+    _check(tp_results, _SP_CASES)
+    for r in tp_results:  # ... and through HybridParallelPlugin(enable_sequence_parallelism=True)
+        res = r["plugin_sp"]
+        assert res["sp"] and res["losses"] == pytest.approx(res["ref"], rel=1e-5), res
+    res = tp_results[0]["plugin_sp"]
+    assert res["err"] is not None and res["err"] <= 2 * res["ddp_err"], res
+
+
+def test_sequence_parallel_refuses_a_family_without_a_plan():
+    with pytest.raises(NoTensorParallelPlan, match=r"no sequence-parallel plan for GPT2LMHeadModel.*without sequence_parallel"):
+        plan_for(_build("gpt2"), sequence_parallel=True)
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    plan = plan_for(_build("llama"), sequence_parallel=True, loss_parallel=True)
+    assert isinstance(plan["model.layers.*.input_layernorm"], SequenceParallel)
+    assert isinstance(plan["model.layers.*.self_attn"], PrepareModuleInput)

@@ -93,8 +93,9 @@ GEMINI: dict[str, Compat] = {
     "extra_dp_size": Compat(1, "elixir shards over its whole process group; leave extra_dp_size=1", refuse=True),
     "enable_fused_normalization": Compat(False, _SHARDFORMER),
     "enable_jit_fused": Compat(False, _SHARDFORMER),
-    "enable_sequence_parallelism": Compat(False, "sequence parallelism is not supported (elixir's tensor-parallel plans "
-                                                 "keep activations replicated; ColossalAI also drops it at tp_size=1)"),
+    "enable_sequence_parallelism": Compat(False, "GeminiPlugin keeps activations replicated over tp (ColossalAI also "
+                                                 "drops it at tp_size=1): HybridParallelPlugin(tp_size=..., "
+                                                 "enable_sequence_parallelism=True) splits them by the sequence"),
     "enable_async_reduce": Compat(True, "gradient reductions always overlap backward"),
     "use_fp8": Compat(False, "fp8 compute is not supported; the chunks compute in the plugin's precision"),
     "fp8_communication": Compat(False, "gradients are reduced in the compute dtype (fp8 communication is not supported)"),

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from elixir import checkpoint
 from elixir import distributed as edist
-from elixir.booster.compat import ALWAYS, Compat, check_compat
+from elixir.booster.compat import ALWAYS, Compat, check_compat, note
 from elixir.booster.mesh_wrap import (
     bind_optimizer,
     copy_optimizer,
@@ -46,10 +46,8 @@ _DDP = "elixir's chunks are the data-parallel engine (each chunk is a reduction 
 
 # HybridParallelPlugin (ColossalAI 0.5) arguments elixir does not honour one-to-one
 HYBRID: dict[str, Compat] = {
-    "sp_size": Compat(None, "sequence parallelism is not supported: leave sp_size unset (or 1)", refuse=True),
-    "sequence_parallelism_mode": Compat(None, "sequence parallelism is not supported: leave it unset", refuse=True),
-    "enable_sequence_parallelism": Compat(False, "sequence parallelism is not supported (elixir's tensor-parallel plans "
-                                                 "keep activations replicated): leave it False", refuse=True),
+    "sp_size": Compat(None, "a separate sequence axis (all_to_all / ring attention) is not supported: leave sp_size unset "
+                            "(enable_sequence_parallelism=True splits the sequence over the tp ranks)", refuse=True),
     "enable_fused_normalization": Compat(False, _SHARDFORMER),
     "enable_jit_fused": Compat(False, _SHARDFORMER),
     "parallel_output": Compat(True, "the last stage's logits are gathered over tp (no vocab-parallel loss yet)"),
@@ -123,6 +121,10 @@ class HybridParallelPlugin(Plugin):
         cpu_offload: fp32 masters and optimizer state in host memory.
         communication_dtype: ``torch.float32`` reduces gradients in fp32 under bf16/fp16.
         enable_flash_attention: switch Hugging Face attention to torch's fused SDPA.
+        enable_sequence_parallelism: split the activations between blocks over the tp ranks by
+            the sequence (ColossalAI's ``"split_gather"`` mode, torch's ``SequenceParallel``;
+            LLaMA-style models, ``pp_size=1``; see :func:`elixir.parallel.tensor_parallel`).
+        sequence_parallelism_mode: ``None`` or ``"split_gather"`` (the only mode).
         num_layers_per_stage: decoder layers of each stage (default: an even split).
         tp_plan: a tensor-parallel plan in torch's format (default: elixir's plan for the model).
         plan_fn: ``plan_fn(module, MeshLayout) -> plan`` for each wrapped module (default
@@ -140,9 +142,13 @@ class HybridParallelPlugin(Plugin):
                  cpu_offload: bool = False, communication_dtype: Optional[torch.dtype] = None, pp_style: str = "1f1b",
                  num_model_chunks: int = 1, enable_flash_attention: bool = False,
                  num_layers_per_stage: Optional[list[int]] = None, tp_plan: Optional[dict] = None,
-                 plan_fn: Optional[Callable[[nn.Module, MeshLayout], SearchResult]] = None, **options: Any) -> None:
+                 plan_fn: Optional[Callable[[nn.Module, MeshLayout], SearchResult]] = None,
+                 enable_sequence_parallelism: bool = False, sequence_parallelism_mode: Optional[str] = None,
+                 **options: Any) -> None:
         self.loss_scale = pop_loss_scale(options)
         check_compat(type(self).__name__, options, HYBRID)
+        self.sequence_parallel = _sequence_parallel(enable_sequence_parallelism, sequence_parallelism_mode, tp_size,
+                                                    pp_size, tp_plan)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
         if zero_stage not in ZERO_STAGES:
@@ -197,7 +203,7 @@ class HybridParallelPlugin(Plugin):
             model, optimizer = self._configure_pipeline(model, optimizer, names)
         else:
             if self.tp_size > 1:
-                tensor_parallel(model, self.mesh, plan=self.tp_plan)
+                tensor_parallel(model, self.mesh, plan=self.tp_plan, sequence_parallel=self.sequence_parallel)
             sub = self.mesh["dp_shard", "tp"]
             model = ElixirModule(model, self._plan(model, MeshLayout(dp_shard=self.dp_size, tp=self.tp_size)), mesh=sub,
                                  **self._module_kwargs())
@@ -306,6 +312,29 @@ class HybridParallelPlugin(Plugin):
         sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.mesh.get_local_rank("dp_shard"),
                                      shuffle=shuffle, seed=seed, drop_last=drop_last)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
+
+
+def _sequence_parallel(enable: bool, mode: Optional[str], tp_size: int, pp_size: int, tp_plan: Optional[dict]) -> bool:
+    """Whether the run splits activations over the sequence (``enable_sequence_parallelism``);
+    refuses what elixir cannot do, naming the alternative."""
+    if mode not in (None, "split_gather"):
+        raise ValueError(f"sequence_parallelism_mode={mode!r} is not supported: elixir's sequence parallelism is "
+                         "'split_gather' (torch's SequenceParallel over the tp ranks); pass it or leave it unset")
+    if not enable:
+        if mode is not None:
+            note("HybridParallelPlugin(sequence_parallelism_mode=...) is ignored without enable_sequence_parallelism=True",
+                 stacklevel=4)
+        return False
+    if tp_size == 1:  # ColossalAI drops it too: there is no tp group to split over
+        note("HybridParallelPlugin(enable_sequence_parallelism=True) is ignored at tp_size=1 (it splits over tp)", stacklevel=4)
+        return False
+    if pp_size > 1:
+        raise ValueError("enable_sequence_parallelism=True is not supported with pp_size > 1 yet: use pp_size=1 "
+                         "(tensor x data parallel), or leave sequence parallelism off")
+    if tp_plan is not None:
+        raise ValueError("enable_sequence_parallelism=True builds elixir's sequence-parallel plan: with tp_plan={...} put "
+                         "SequenceParallel / PrepareModuleInput entries in your plan instead and leave it False")
+    return True
 
 
 def _owner(optimizer: Any) -> Any:

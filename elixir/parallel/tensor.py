@@ -32,6 +32,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -39,7 +40,15 @@ from torch.distributed.tensor.parallel import (
 
 from elixir import distributed as edist
 from elixir.parallel.conv1d import Conv1DColwise, Conv1DRowwise
-from elixir.plan.tensor_plans import NoTensorParallelPlan, hf_style_plan, how_to_pass, pattern, style_plan
+from elixir.plan.tensor_plans import (
+    NoTensorParallelPlan,
+    hf_style_plan,
+    how_to_pass,
+    loss_parallel_plan,
+    pattern,
+    sequence_parallel_plan,
+    style_plan,
+)
 
 # A style that only all-reduces a replicated parameter's gradient over tp (Qwen3's q_norm/k_norm act
 # on each rank's own heads): kept plain and given a gradient hook (see _grad_allreduce).
@@ -57,13 +66,29 @@ def _styles() -> dict[str, Any]:
         "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
         "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
         "sequence_parallel": SequenceParallel(),
+        # sequence parallelism (plan/tensor_plans.sequence_parallel_plan): the residual stream stays a
+        # Shard(1) DTensor (use_local_output=False) so the model sees the global sequence length
+        "embedding_rowwise_seq": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "rowwise_seq": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "gather_seq_input": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True),
+        "gather_seq_hidden_states": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                       desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                                       use_local_output=True),
+        "colwise_seq_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        # loss parallelism: logits stay a DTensor split over the vocabulary (vocab_parallel_lm_loss)
+        "colwise_seq_head_vocab": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        "colwise_vocab": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         "conv1d_colwise": Conv1DColwise(),
         "conv1d_rowwise": Conv1DRowwise(),
         GRAD_ALLREDUCE: GRAD_ALLREDUCE,
     }
 
 
-HF_STYLES = tuple(k for k in _styles() if not k.startswith("conv1d_"))
+# elixir's own style names (its GPT-2, sequence- and loss-parallel plans), not Hugging Face's
+_ELIXIR_STYLES = ("conv1d_colwise", "conv1d_rowwise", "embedding_rowwise_seq", "rowwise_seq", "gather_seq_input",
+                  "gather_seq_hidden_states", "colwise_seq_head", "colwise_seq_head_vocab", "colwise_vocab")
+HF_STYLES = tuple(k for k in _styles() if k not in _ELIXIR_STYLES)
 """The Hugging Face ``tp_plan`` style names elixir translates to torch's parallel styles."""
 
 
@@ -95,10 +120,15 @@ _ATTRS = {
 }
 
 
-def plan_for(model: nn.Module) -> dict[str, Any]:
-    """The tensor-parallel plan elixir applies to ``model`` (:func:`elixir.plan.tensor_plans.style_plan`
-    in torch's styles); raises :class:`NoTensorParallelPlan` naming how to pass one when it has none."""
-    return _translate(model, style_plan(model))
+def plan_for(model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Any]:
+    """The tensor-parallel plan elixir applies to ``model`` (:func:`elixir.plan.tensor_plans.style_plan`,
+    or :func:`~elixir.plan.tensor_plans.sequence_parallel_plan` with ``sequence_parallel``; with
+    ``loss_parallel`` the head's logits stay split over the vocabulary) in torch's styles; raises
+    :class:`NoTensorParallelPlan` naming how to pass one when it has none."""
+    if sequence_parallel:
+        return _translate(model, sequence_parallel_plan(model, loss_parallel))
+    plan = style_plan(model)
+    return _translate(model, loss_parallel_plan(plan) if loss_parallel else plan)
 
 
 def _check_divisible(model: nn.Module, tp: int) -> None:
@@ -169,17 +199,20 @@ def _tp_dim(mesh: Any) -> Any:
     raise ValueError(f"tensor_parallel needs a 1-D mesh or a DeviceMesh with a 'tp' dimension, got dimensions {names}")
 
 
-def tensor_parallel(model: nn.Module, mesh: Any, plan: Optional[dict[str, Any]] = None) -> nn.Module:
+def tensor_parallel(model: nn.Module, mesh: Any, plan: Optional[dict[str, Any]] = None,
+                    sequence_parallel: bool = False, loss_parallel: bool = False) -> nn.Module:
     """Parallelise ``model`` over the ``tp`` dimension of ``mesh`` (a ``DeviceMesh``: 1-D, or
     named with a ``tp`` dimension) with ``plan`` (torch's format: module path with ``*`` wildcards ->
-    ``ParallelStyle``; default :func:`plan_for`). Every rank must pass the same model (same
-    values: rank 0 of each tp group's are scattered). Returns the model, parallelised in place,
-    with tied weights tied again. Collective over the tp group."""
+    ``ParallelStyle``; default :func:`plan_for` with ``sequence_parallel`` / ``loss_parallel``: the
+    activations between blocks split over the sequence; the logits left split over the vocabulary,
+    for :func:`causal_lm_loss`). Every rank must pass the same model (same values: rank 0 of each
+    tp group's are scattered). Returns the model, parallelised in place, with tied weights tied
+    again. Collective over the tp group."""
     tp_mesh = _tp_dim(mesh)
     tp = tp_mesh.size()
     own_attrs: dict[str, tuple[str, ...]] = {}
     if plan is None:
-        plan = plan_for(model)
+        plan = plan_for(model, sequence_parallel, loss_parallel)
         own_attrs = _ATTRS.get(getattr(getattr(model, "config", None), "model_type", None), {})
         _check_divisible(model, tp)
     if tp == 1:

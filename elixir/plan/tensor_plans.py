@@ -31,11 +31,16 @@ WEIGHT_SPLIT: dict[str, tuple[int, bool]] = {
     "rowwise_rep": (1, False),
     "rowwise_split_input": (1, False),
     "embedding_rowwise": (0, False),
+    "embedding_rowwise_seq": (0, False),
+    "rowwise_seq": (1, False),
+    "colwise_vocab": (0, True),
+    "colwise_seq_head": (0, True),
+    "colwise_seq_head_vocab": (0, True),
     "conv1d_colwise": (1, True),
     "conv1d_rowwise": (0, False),
 }
 # styles that split no parameter (activations only, or a gradient all-reduce over tp)
-UNSPLIT_STYLES = ("sequence_parallel", "replicated_with_grad_allreduce")
+UNSPLIT_STYLES = ("sequence_parallel", "replicated_with_grad_allreduce", "gather_seq_input", "gather_seq_hidden_states")
 
 _GPT2 = "transformer.h.*."
 _OPT = "model.decoder.layers.*."
@@ -102,6 +107,43 @@ def style_plan(model: Any) -> dict[str, str]:
     )
 
 
+# Sequence parallelism (torchtitan's LLaMA recipe): the residual stream between blocks is split over
+# the sequence (Shard(1), kept a DTensor so the model sees the global sequence length: its rotary
+# positions and causal mask); norms compute on their sequence slice; attention and the MLP gather
+# the whole sequence at their input and their row-wise output projection reduce-scatters it back.
+SP_FAMILIES = ("llama", "mistral", "qwen2")
+_SP_LAYER = {"input_layernorm": "sequence_parallel", "post_attention_layernorm": "sequence_parallel",
+             "self_attn": "gather_seq_hidden_states", "mlp": "gather_seq_input",
+             **{f"self_attn.{x}_proj": "colwise" for x in "qkv"}, "self_attn.o_proj": "rowwise_seq",
+             "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise_seq"}
+
+
+def sequence_parallel_plan(model: Any, loss_parallel: bool = False) -> dict[str, str]:
+    """The sequence-parallel plan (style names) of a LLaMA-style decoder (:data:`SP_FAMILIES`);
+    with ``loss_parallel`` the head's logits stay split over the vocabulary (see
+    :func:`elixir.parallel.tensor.causal_lm_loss`). Raises :class:`NoTensorParallelPlan` for
+    another family, naming the alternatives."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in SP_FAMILIES:
+        raise NoTensorParallelPlan(
+            f"elixir has no sequence-parallel plan for {type(model).__name__} (model_type {kind!r}; it has one for "
+            f"{', '.join(SP_FAMILIES)}): use tensor_parallel(model, mesh) without sequence_parallel (activations "
+            f"replicated over tp), or {how_to_pass()} with SequenceParallel / PrepareModuleInput entries")
+    base = "model."
+    plan = {base + "embed_tokens": "embedding_rowwise_seq", base + "norm": "sequence_parallel",
+            "lm_head": "colwise_seq_head_vocab" if loss_parallel else "colwise_seq_head"}
+    plan.update({f"{base}layers.*.{k}": v for k, v in _SP_LAYER.items()})
+    return plan
+
+
+def loss_parallel_plan(plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` with its head (``lm_head``) keeping the logits split over the vocabulary."""
+    if plan.get("lm_head") not in ("colwise", "colwise_rep", "colwise_gather_output", "colwise_vocab"):
+        raise NoTensorParallelPlan(f"loss parallelism needs a column-parallel lm_head in the plan (got "
+                                   f"{plan.get('lm_head')!r}): pass loss_parallel=False")
+    return {**plan, "lm_head": "colwise_vocab"}
+
+
 def pattern(key: str) -> re.Pattern:
     """A plan key (module path, ``*`` for one path component) as a regular expression."""
     return re.compile(re.escape(key).replace(r"\*", r"[^.]+"))
@@ -133,4 +175,5 @@ def local_shapes(params: tuple[tuple[str, tuple[int, ...]], ...], plan: dict[str
 
 
 __all__ = ["FAMILY_PLANS", "TIED_VOCAB", "WEIGHT_SPLIT", "UNSPLIT_STYLES", "NoTensorParallelPlan", "how_to_pass",
-           "hf_style_plan", "style_plan", "pattern", "local_shapes"]
+           "hf_style_plan", "style_plan", "pattern", "local_shapes", "SP_FAMILIES", "sequence_parallel_plan",
+           "loss_parallel_plan"]
