@@ -13,6 +13,8 @@ context when it starts and leaves it when the gradient reaches the logits: ``los
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -28,10 +30,11 @@ def vocab_parallel_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.
     """Hugging Face's ``labels=`` causal-LM loss (mean over the tokens, ``-100`` ignored, fp32) of
     ``logits`` ``[batch, seq, vocab]``: a DTensor split over the vocabulary (loss parallelism) or a
     plain tensor (then plain cross-entropy). Returns a plain scalar tensor, the same on every tp rank."""
-    if not isinstance(logits, DTensor):
-        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), _shifted(labels), ignore_index=-100)
-    with loss_parallel():
+    split = isinstance(logits, DTensor)
+    with loss_parallel() if split else contextlib.nullcontext():
         loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), _shifted(labels), ignore_index=-100)
+    if not split:
+        return loss
     loss = loss.full_tensor()
     if loss.requires_grad:
         _backward_under_loss_parallel(loss, logits)
