@@ -103,7 +103,7 @@ setup(
         "bench": ["transformers", "safetensors", "psutil"],
         "docs": DOCS_EXTRA,
         "dev": [
-            "pytest", "pytest-timeout", "hypothesis", "ruff", "transformers", "accelerate", "safetensors", "psutil",
+            "pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "ruff", "transformers", "accelerate", "safetensors", "psutil",
             "matplotlib", "lightning>=2.4", "peft>=0.13", "build", *DOCS_EXTRA,
         ],
     },
