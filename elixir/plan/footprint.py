@@ -145,6 +145,30 @@ def held_bytes(params: int, state: int, dtype: Union[torch.dtype, str], shard: P
     return out[0], out[1], out[2]
 
 
+
+def state_floor_bytes(numel: int, frozen: int, dtype: Union[torch.dtype, str], world: int, kept_grad: int,
+                      opt_bytes: int, disk: int = 0) -> int:
+    """The least memory (device and host together) per rank that ``numel`` trainable and
+    ``frozen`` frozen elements hold between uses, whatever their chunks and placements, with
+    ``disk`` bytes of disk per rank to offload to.
+
+    Each trainable element costs a rank at least ``1 / world`` of :func:`held_bytes` at its
+    leanest (a sharded chunk's: value, fp32 master unless the value is the master, ``kept_grad``
+    and ``opt_bytes``), or only ``kept_grad`` where its chunk's master and state are on disk (at
+    :func:`disk_bytes_per_element` there); a frozen element ``1 / world`` of its value, or nothing
+    on disk. As many elements go to disk as it could hold (each sort on its own: a floor). The
+    search's memory floor (``search/bounds.py``) and the refusal before tracing
+    (``plan/budgets.py``) are both this rule."""
+    elem = element_bytes(dtype)
+    full = sum(held_bytes(1, 1, dtype, Placement.DEVICE, Placement.DEVICE, kept_grad, opt_bytes))
+    state = (numel * full + frozen * elem) / world
+    if disk > 0:
+        disk_elem = disk_bytes_per_element(opt_bytes)
+        per_disk = (full - kept_grad) / world  # memory an element on disk frees
+        on_disk = min(numel, -(-disk * world // max(1, disk_elem)))
+        state -= on_disk * per_disk + min(frozen, -(-disk * world // max(1, elem))) * elem / world
+    return max(0, int(state))
+
 @dataclass(frozen=True)
 class Collectives:
     """The collectives one chunk issues on one rank in a training step.

@@ -79,6 +79,7 @@ import numpy as np
 
 from elixir.hardware.profile import HardwareProfile
 from elixir.plan import MeshLayout, Placement, Sharding
+from elixir.plan.budgets import MemoryPolicy, unified_memory  # the budgets' margins and pools (re-exported)
 from elixir.plan.footprint import (  # the one footprint rule, shared with the runtime
     CONSTRUCTION_STAGING,
     DERIVED_SHARD_PIECE_ELEMENTS,
@@ -98,35 +99,6 @@ from elixir.search.step_profile import BACKWARD, StepProfile
 ALIGN = 16  # elements per rank a shard is aligned to (as minimum_waste_search)
 # the host terms of Evaluation.memory (the rest are device terms)
 HOST_TERMS = ("process", "placed_host", "staging", "not_at_once")
-
-
-@dataclass(frozen=True)
-class MemoryPolicy:
-    """Safety margins held back from each budget (fractions of the budget).
-
-    Attributes:
-        device_margin: for the caching allocator's fragmentation and kernel workspaces (cuBLAS,
-            NCCL buffers) that the tracer does not see. PyTorch's caching allocator typically
-            reserves 5-15% more than it allocates on transformer training; 10% is the default.
-        host_margin: for the Python process, pinned staging and the page cache.
-        disk_margin: for the file system's own overhead.
-    """
-
-    device_margin: float = 0.10
-    host_margin: float = 0.10
-    disk_margin: float = 0.05
-
-    def __post_init__(self) -> None:
-        for k in ("device_margin", "host_margin", "disk_margin"):
-            if not 0.0 <= getattr(self, k) < 1.0:
-                raise ValueError(f"{k} must be in [0, 1)")
-
-    def usable(self, device: int, host: int, disk: int) -> tuple[int, int, int]:
-        return (
-            int(device * (1 - self.device_margin)),
-            int(host * (1 - self.host_margin)),
-            int(disk * (1 - self.disk_margin)),
-        )
 
 
 @dataclass(frozen=True)
@@ -1021,12 +993,6 @@ def _collectives(layout: Layout, st: Setting, zero: tuple[ChunkPlacement, ...]) 
         publish=sum(publish(k.sharding, c) for c, k in zc) if zc else None,
     )
     return per
-
-
-def unified_memory(hw) -> bool:
-    """Whether a rank's device memory and host memory are one pool: on a CPU-only profile the
-    "device" is the host's RAM, shared by every rank of the node."""
-    return hw.device_type == "cpu"
 
 
 def place(

@@ -40,11 +40,11 @@ from typing import Any, Optional
 
 from elixir.hardware.profile import HardwareProfile
 from elixir.plan import MeshLayout, Prediction, SearchResult
+from elixir.plan.mesh import SCHEDULES
 from elixir.search.optimal import search_profile
 from elixir.search.step_profile import RECOMPUTE, StepProfile
 from elixir.tracer.op_costs import OpCosts
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 _LAYER = re.compile(r"\.(\d+)\.")
 # Korthikanti et al. 2022, Table 2: activation bytes per layer are s*b*h*(34 + 5as/h) with no
 # tensor parallelism; with t ranks, s*b*h*(10 + 24/t + 5as/(ht)) (the 10: layer norms, dropout
