@@ -54,6 +54,9 @@ ADAM_STATE_BYTES = 8
 # the cost model counts their bytes in the disk staging)
 DERIVED_SHARD_PIECE_ELEMENTS = 2 << 20
 """Elements per read buffer when a disk-resident shard is derived from its fp32 master."""
+DERIVED_SHARD_READ_BUFFERS = 2
+"""Read buffers a disk-resident shard is derived through (``offload/derived.py``: one read while
+the other is converted), each of at most :data:`DERIVED_SHARD_PIECE_ELEMENTS` fp32 elements."""
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 """Bytes of one element of each dtype a chunk, its master or its gradient may hold (by the name

@@ -83,6 +83,7 @@ from elixir.plan.budgets import MemoryPolicy, unified_memory  # the budgets' mar
 from elixir.plan.footprint import (  # the one footprint rule, shared with the runtime
     CONSTRUCTION_STAGING,
     DERIVED_SHARD_PIECE_ELEMENTS,
+    DERIVED_SHARD_READ_BUFFERS,
     DISK_SHARD_STAGING,
     DISK_STAGING,
     MASTER_BYTES,
@@ -552,7 +553,13 @@ def construction_staging_bytes(layout: Layout) -> int:
     """Host bytes staged while the model is built or loaded: :data:`CONSTRUCTION_STAGING` chunks
     of fp32 values (the flat a chunk is assembled in, and the values of one initialisation unit
     of a meta-built model or the rows ``load_pretrained`` reads for it)."""
-    return CONSTRUCTION_STAGING * max(layout.capacities, default=0) * 4
+    return CONSTRUCTION_STAGING * max(layout.capacities, default=0) * element_bytes("float32")
+
+
+def derived_piece_bytes(shard: int) -> int:
+    """Host bytes of the read buffers a disk-resident shard of ``shard`` elements is derived
+    through (held once any is read)."""
+    return DERIVED_SHARD_READ_BUFFERS * min(DERIVED_SHARD_PIECE_ELEMENTS, shard) * MASTER_BYTES
 
 
 def staging_bytes(st: Setting, shard: int, disk_chunks: int, disk_shards: int = 0) -> int:
@@ -560,7 +567,7 @@ def staging_bytes(st: Setting, shard: int, disk_chunks: int, disk_shards: int = 
     of the ``disk_shards`` among them whose shard is on disk too."""
     return (min(int(disk_chunks), DISK_STAGING) * shard * st.disk_elem
             + min(int(disk_shards), DISK_SHARD_STAGING) * shard * st.elem
-            + (2 * min(DERIVED_SHARD_PIECE_ELEMENTS, shard) * MASTER_BYTES if disk_shards else 0))
+            + (derived_piece_bytes(shard) if disk_shards else 0))
 
 
 def transient_host_bytes(layout: Layout, st: Setting, shard: int, disk_chunks: int, disk_shards: int = 0) -> int:
@@ -676,7 +683,7 @@ def timeline_peak(profile: StepProfile, layout: Layout, st: Setting, kinds: Sequ
     n_disk = sum(k.on_disk for k in kinds)
     n_kk = sum(k.shard_on_disk for k in kinds)
     masters = min(n_disk, DISK_STAGING) * shard * st.disk_elem
-    pieces = 2 * min(DERIVED_SHARD_PIECE_ELEMENTS, shard) * MASTER_BYTES if n_kk else 0
+    pieces = derived_piece_bytes(shard) if n_kk else 0
     kk = min(n_kk, DISK_SHARD_STAGING) * shard * st.elem
     always = (total - memory["activations"] - memory["grad_buffers"] - memory["param_grad"]
               - memory["grad_in_flight"] - memory["staging"] + pieces)  # frozen_shards: left out of total
