@@ -94,10 +94,10 @@ from elixir.plan.footprint import (  # the one footprint rule, shared with the r
     resident_sharding,
 )
 from elixir.plan.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
+from elixir.search.minimum_waste import ALIGN  # elements per rank a shard is aligned to: one figure for both searches
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 
-ALIGN = 16  # elements per rank a shard is aligned to (as minimum_waste_search)
 # the host terms of Evaluation.memory (the rest are device terms)
 HOST_TERMS = ("process", "placed_host", "staging", "not_at_once")
 
