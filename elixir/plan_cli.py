@@ -31,8 +31,8 @@ from elixir.hardware.registry import (
     reference_profiles,
 )
 from elixir.plan import dtype_from_name
-from elixir.plan.mesh import SCHEDULES
 from elixir.plan.budgets import budgets_for, untraced_refusal
+from elixir.plan.mesh import SCHEDULES
 from elixir.tables import human_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

@@ -15,7 +15,15 @@ import torch
 
 from elixir import models
 from elixir.hardware import load_profile
-from elixir.plan.budgets import INF, Budgets, DoesNotFitError, MemoryPolicy, budget_head, unified_memory, untraced_refusal
+from elixir.plan.budgets import (
+    INF,
+    Budgets,
+    DoesNotFitError,
+    MemoryPolicy,
+    budget_head,
+    unified_memory,
+    untraced_refusal,
+)
 from elixir.search.optimal import search_profile
 from elixir.search.step_profile import profile_step
 

@@ -79,7 +79,7 @@ import numpy as np
 
 from elixir.hardware.profile import HardwareProfile
 from elixir.plan import MeshLayout, Placement, Sharding
-from elixir.plan.budgets import MemoryPolicy, unified_memory  # the budgets' margins and pools (re-exported)
+from elixir.plan.budgets import MemoryPolicy, unified_memory  # noqa: F401 - the budgets' margins and pools, re-exported here
 from elixir.plan.footprint import (  # the one footprint rule, shared with the runtime
     CONSTRUCTION_STAGING,
     DERIVED_SHARD_PIECE_ELEMENTS,
@@ -94,7 +94,8 @@ from elixir.plan.footprint import (  # the one footprint rule, shared with the r
     resident_sharding,
 )
 from elixir.plan.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
-from elixir.search.minimum_waste import ALIGN  # elements per rank a shard is aligned to: one figure for both searches
+# elements per rank a shard is aligned to: one figure for both searches
+from elixir.search.minimum_waste import ALIGN
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 
