@@ -94,7 +94,7 @@ from elixir.plan.footprint import (  # the one footprint rule, shared with the r
     resident_sharding,
 )
 from elixir.plan.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
-from elixir.search.minimum_waste import ALIGN  # elements per rank a shard is aligned to, as both searches pack
+from elixir.search.minimum_waste import ALIGN  # both searches align shards alike
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 
