@@ -13,9 +13,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 VPY="$VENV/bin/python"
-# --no-compile: pip would byte-compile every module of torch, transformers and the rest (14 s for
-# torch alone on the 2-core box); Python compiles the few it imports on first use instead.
-pip_q() { "$VPY" -m pip install -q --no-compile --disable-pip-version-check "$@"; }
+pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
 
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   # The pinned CPU wheel: an unpinned `torch` would pull a multi-GB CUDA build.
