@@ -49,11 +49,15 @@ def _plan(model, world: int, kinds: str):
 
 
 def _run(kinds: str, fused: bool, deferred: bool) -> dict:
-    seen = {"reducing": 0, "publishing": 0}
+    seen = {"reducing": 0, "publishing": 0, "most_in_flight": 0}
     finish, publish = Chunk.finish_reduction, Chunk.publish
+    held: list = []  # the module, once built
 
     def counting_finish(self):
         seen["reducing"] += self.grad_state is GradState.REDUCING
+        if held:
+            in_flight = sum(c.grad_state is GradState.REDUCING for c in held[0].chunks)
+            seen["most_in_flight"] = max(seen["most_in_flight"], in_flight)
         finish(self)
 
     def counting_publish(self, async_op=False):
@@ -66,6 +70,7 @@ def _run(kinds: str, fused: bool, deferred: bool) -> dict:
     try:
         model = build_model("gpt2")
         em = ElixirModule(model, _plan(model, edist.get_world_size(), kinds))
+        held.append(em)
         eo = ElixirOptimizer(em, torch.optim.AdamW(list(em.parameters()), lr=1e-2), fused_step=fused)
         run = train_wrapped(ZOO["gpt2"], em, eo, steps=STEPS, batch_size=4)
         state = em.state_dict()
@@ -86,8 +91,11 @@ def _worker(cases):
 @pytest.mark.dist
 def test_deferred_collectives_train_bitwise_as_synchronous():
     # a mixed plan cycles sharded / ZeRO-2 / ZeRO-1 / replicated chunks; pure ZeRO-1 publishes
-    # every chunk from the fused step; pure sharded reduce-scatters straight into shard gradients
-    cases = [("mixed", False), ("mixed", True), ("zero1", True), ("sharded", False)]
+    # every chunk from the fused step; pure sharded reduce-scatters straight into shard gradients;
+    # replicated chunks without the fused step keep their reduced buffers, so their reductions
+    # all stay in flight until backward's end (DDP's buckets), and with it one at a time
+    cases = [("mixed", False), ("mixed", True), ("zero1", True), ("sharded", False),
+             ("replicated", False), ("replicated", True)]
     res = run_distributed(_worker, 2, cases, timeout=600)
     errors = []
     for (kinds, fused), (deferred, sync) in zip(cases, res[0]):
@@ -106,4 +114,9 @@ def test_deferred_collectives_train_bitwise_as_synchronous():
             errors.append(f"{label}: the fused step published nothing asynchronously")
         if kinds != "replicated" and deferred["reused"] == 0:
             errors.append(f"{label}: no gradient buffer was reused")
+        # the limit: one buffer-holding reduction in flight besides the one just issued
+        unbounded = kinds == "replicated" and not fused
+        most = deferred["seen"]["most_in_flight"]
+        if unbounded and most <= 2 or not unbounded and kinds != "mixed" and most > 2:
+            errors.append(f"{label}: {most} reductions in flight at once")
     assert not errors, "\n".join(errors)

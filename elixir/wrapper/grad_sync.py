@@ -28,7 +28,10 @@ from elixir.wrapper.param_map import ParamMap
 # Reductions left running on the backend's thread while backward goes on (CPU, world size > 1):
 # chunk i's collective runs while chunk i+1's gradients arrive, and completes (then the fused step
 # steps chunk i) when chunk i+1's reduction is issued. Each one in flight holds its gradient
-# buffer until then (the search counts one: cost_model.fixed_device_bytes).
+# buffer until then (the search counts one: cost_model.fixed_device_bytes). A reduction whose
+# buffer becomes the chunk's shard gradient as it is (:meth:`GradientSync.holds_buffer`) holds
+# nothing extra and is not counted: it completes at the end of backward at the latest, as DDP's
+# buckets do, instead of blocking backward while the next chunk's gradients could be computed.
 REDUCTIONS_IN_FLIGHT = 1
 
 
@@ -81,10 +84,21 @@ class GradientSync:
         chunk.reduce(defer=defer)
         if chunk.grad_state is GradState.REDUCING:
             self._reducing.append(chunk)
-            while len(self._reducing) > REDUCTIONS_IN_FLIGHT:
+            # oldest first, so every rank completes (and announces) chunks in the same order
+            while sum(map(self.holds_buffer, self._reducing)) > REDUCTIONS_IN_FLIGHT:
                 self._finish_reduction(self._reducing.pop(0))
         else:
             self._after_reduction(chunk)
+
+    def holds_buffer(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s reduction in flight holds a gradient buffer that its completion
+        frees. Not when the buffer is kept as the shard gradient (a whole-chunk gradient adopted:
+        :attr:`ChunkGrads.adopts`) and no grad-ready hook (the fused step) frees that once the
+        chunk is final: then the bytes stay in use whenever the reduction completes (a replicated
+        chunk's gradient lives until the optimizer step, as a DDP bucket does). Those in flight
+        are waited for only at the end of backward, or by a gradient arriving late for them."""
+        grads = chunk.grads
+        return bool(self.grad_ready_hooks) or not grads.adopts or grads.valid
 
     def _finish_reduction(self, chunk: Chunk) -> None:
         chunk.finish_reduction()
