@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from rss_cap import tree_rss  # bench/rss_cap.py: the RSS cap step_time.py enforces too
+
 SYSTEMS = {
     "a": "torch fp32 AdamW",
     "b": "torch bf16 autocast",
@@ -370,21 +372,6 @@ def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: in
 # the driver
 
 
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and its descendants."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return total
-
-
 OFFLOADS_TO_DISK = {"d", "e", "h"}
 
 
@@ -445,7 +432,7 @@ def run_trial(args, system: str, rung: tuple[int, int]) -> dict:
         with open(log + ".out", "w") as fo, open(log + ".err", "w") as fe:
             proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, env=env, start_new_session=True)
         while proc.poll() is None:
-            rss = _tree_rss(proc.pid)
+            rss = tree_rss(proc.pid)
             peak = max(peak, rss)
             if rss > args.mem_cap * GIB or time.monotonic() - t0 > args.timeout:
                 killed = "memory" if rss > args.mem_cap * GIB else "timeout"

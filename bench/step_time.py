@@ -51,13 +51,17 @@ Systems:
 (default fp32, FSDP2's usual ``reduce_dtype``): elixir's bf16 lines with ``reduce_always_fp32``
 (and the search prices fp32 reductions), FSDP2's ``reduce_dtype``, DeepSpeed's
 ``communication_data_type``; DDP's autocast reduces fp32 gradients anyway. Each line records its
-``reduce_dtype``. The lines that claim the tight budget (``elixir-tight*`` and the ``-offload``
-peers) run under an RSS cap at it, per rank, as ``bench/capacity.py`` caps its trials (a rank
-past it kills the line, which fails saying so; ``--no-rss-cap`` lifts it): the budget given by
-``--tight-budget``, or the one the ``elixir-tight`` line of that model ran on (which runs first in
-the line-up; its own peak RSS is checked against it afterwards). ``elixir-tight`` is then ranked
-against *every* line of its model and world whose peak RSS per rank stayed under the budget
-(DDP and elixir's unconstrained plan included), not only the offload peers.
+``reduce_dtype``. Where a budget is claimed (an ``elixir-tight`` line), *every* line of that
+model and world, whatever its system (DDP, FSDP2, DeepSpeed, elixir), runs under one RSS cap at
+it, per rank, measured as ``bench/capacity.py`` caps its trials (``bench/rss_cap.py``; a rank
+past it kills the line; ``--no-rss-cap`` lifts it): the budget given by ``--tight-budget``, or
+the one the ``elixir-tight`` line's search set (that line runs first in its group). A line that
+claims the budget (``elixir-tight*``, the ``-offload`` peers) fails when killed; any other is
+listed as over the cap. elixir's ledger limit on that line is the cap less what the process
+holds outside the ledger (its size before the model and the step's untracked bytes the hardware
+profile declares: the search's ``process_bytes``) and what the runtime does not book, so elixir
+gets no looser budget than the cap the others run under. ``elixir-tight`` is then ranked
+against every line of its model and world whose peak RSS per rank stayed under the cap.
 - ``deepspeed`` (ZeRO-3, fp32), ``deepspeed-bf16``, ``deepspeed-offload`` (ZeRO-3 with optimizer
   state and parameters offloaded to CPU), built outside ``zero.Init`` (broken with transformers
   5.x), gloo through ``deepspeed.init_distributed``, torch's fused AdamW as the client optimizer
@@ -81,6 +85,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
+
+from rss_cap import rank_rss  # bench/rss_cap.py: the cap bench/capacity.py enforces, measured the same way
 
 GiB = 2**30
 
@@ -319,9 +325,13 @@ def _optimal_plan(system: str, model, cfg: BenchConfig, world: int, dtype, extra
             budget = least + int(cfg.tight_fraction * max(0, need - least))
         extra["least_budget"] = least if not cfg.tight_budget else None
         sr = search(budget, {"elixir-tight-zero3": "sharded", "elixir-tight-zero2": "zero"}.get(system, "mixed"))
-        # the ledger enforces what the plan may use of the budget: after the safety margin, less
-        # what the runtime does not account (activations, buffers, device optimizer moments)
-        limit = max(1, sr.info["usable_after_margins"]["device"] - _runtime_share(sr))
+        # the ledger enforces what the plan may use of the budget, which is the RSS cap every line
+        # of this model runs under: the cap less what the process holds outside the ledger (its
+        # size before the model, and the step's untracked bytes the hardware profile declares,
+        # both in the search's process_bytes) and what the runtime does not account (activations,
+        # buffers, device optimizer moments). The search's own margin (usable_after_margins) left
+        # the process's bytes out, so the ledger let elixir's tensors alone fill 90% of the cap
+        limit = max(1, budget - sr.info["process_bytes"] - _runtime_share(sr))
     extra.update(
         search_s=time.perf_counter() - t0, budget=budget, memory_limit=limit,
         predicted_step_s=sr.prediction.step_time_s, predicted_device_bytes=sr.prediction.peak_device_bytes,
@@ -567,27 +577,31 @@ def _time_collectives(edist) -> _CollectiveTimer:
 # orchestrator
 
 
-def _rank_rss(pid: int) -> int:
-    """The largest RSS (bytes) of ``pid`` and its descendants: one rank's, under torchrun."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    todo, most = [pid], 0
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/statm") as f:
-                most = max(most, int(f.read().split()[1]) * page)
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return most
-
-
 def claims_budget(system: str) -> bool:
-    """Lines that run on the tight budget (``elixir-tight*``, and the peers' CPU-offload variants
-    beside it): their RSS is capped at it, as bench/capacity.py caps its trials."""
+    """Lines that claim the tight budget (``elixir-tight*``, and the peers' CPU-offload variants
+    beside it): passing its RSS cap fails them."""
     return system.startswith("elixir-tight") or system.endswith("-offload")
+
+
+def tight_groups(lines: list[str]) -> set[tuple[int, str]]:
+    """(world, model) of each ``elixir-tight`` line: a budget is claimed there, and every line of
+    that world and model runs under its RSS cap."""
+    return {(w, m) for s, w, m in map(parse_line, lines) if s == "elixir-tight"}
+
+
+def run_order(lines: list[str], cap_given: bool) -> list[str]:
+    """``lines`` in the order to run them: without a given cap, each ``elixir-tight`` line before
+    the other lines of its world and model (its search sets the budget they are all capped at)."""
+    if cap_given:
+        return list(lines)
+    out = list(lines)
+    for line in lines:
+        system, world, model = parse_line(line)
+        if system == "elixir-tight" and not split_tree(line)[1]:
+            first = next(i for i, x in enumerate(out) if parse_line(x)[1:] == (world, model))
+            out.remove(line)
+            out.insert(first, line)
+    return out
 
 
 def run_line(line: str, base: BenchConfig, layers: Optional[int], timeout: float, profile_dir: Optional[str],
@@ -617,7 +631,7 @@ def run_line(line: str, base: BenchConfig, layers: Optional[int], timeout: float
         t0, peak, killed = time.monotonic(), 0, ""
         while p.poll() is None:
             if rss_cap is not None:
-                peak = max(peak, _rank_rss(p.pid))
+                peak = max(peak, rank_rss(p.pid, world))
                 if peak > rss_cap:
                     killed = f"killed: a rank's RSS passed the {rss_cap / GiB:.2f} GiB cap ({peak / GiB:.2f} GiB)"
             if not killed and time.monotonic() - t0 > timeout:
@@ -662,7 +676,8 @@ def _fmt_gib(b: Optional[int]) -> str:
     return "-" if b is None else f"{b / GiB:.2f}"
 
 
-def print_results(results: dict[str, LineResult], cfg: BenchConfig, wall: float) -> None:
+def print_results(results: dict[str, LineResult], cfg: BenchConfig, wall: float,
+                  over_cap: Optional[dict[str, str]] = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -722,18 +737,19 @@ def print_results(results: dict[str, LineResult], cfg: BenchConfig, wall: float)
                    f"{row['peak_rss']:.2f}",
                    "-" if mt is None else f"<= {mt}", met)
     console.print(rt)
-    for line in tight_verdicts(results):
+    for line in tight_verdicts(results, over_cap):
         console.print(line)
     console.print(f"bf16 lines reduce gradients in {cfg.bf16_reduce} (elixir, FSDP2, DeepSpeed; DDP autocast: float32)")
     console.print(f"total wall time {wall:.0f} s; load average at end {os.getloadavg()[0]:.1f} "
                   f"(other processes on the box make timings noisy; compare ratios only)")
 
 
-def tight_verdicts(results: dict[str, LineResult]) -> list[str]:
+def tight_verdicts(results: dict[str, LineResult], over_cap: Optional[dict[str, str]] = None) -> list[str]:
     """For each ``elixir-tight`` line: its rank against *every* line of the same model and world
-    whose peak RSS per rank stayed under its budget (capped or not, any system), not only the
-    offload peers; the lines over it are named apart."""
+    whose peak RSS per rank stayed under its budget (any system), not only the offload peers;
+    the lines over it (``over_cap``: those the cap killed, by line) are named apart."""
     out = []
+    over_cap = over_cap or {}
     for r in (x for x in results.values() if x.system == "elixir-tight"):
         budget = r.extra.get("budget")
         if not budget:
@@ -741,6 +757,7 @@ def tight_verdicts(results: dict[str, LineResult]) -> list[str]:
         peers = [x for x in results.values() if x.model == r.model and x.world == r.world and x is not r]
         under = [x for x in peers if max(x.peak_rss) <= budget]
         over = [x.key for x in peers if max(x.peak_rss) > budget]
+        over += [k for k in over_cap if parse_line(k)[1:] == (r.world, r.model)]
         faster = [x.key for x in under if x.step_s < r.step_s]
         own = "under" if max(r.peak_rss) <= budget else f"OVER ({max(r.peak_rss) / GiB:.2f} GiB)"
         verdict = (f"slower than {', '.join(faster)}" if faster else
@@ -804,13 +821,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     results: dict[str, LineResult] = {}
     failed: dict[str, str] = {}
-    for line in args.systems:
+    over_cap: dict[str, str] = {}  # lines that do not claim the budget, killed by its cap: ranked out, not failed
+    groups = tight_groups(args.systems)
+    for line in run_order(args.systems, cfg.tight_budget is not None):
         print(f"running {line} ...", file=sys.stderr, flush=True)
         system, world, model = parse_line(line)
-        # the tight budget: given, or the one an elixir-tight line of this model and world ran on
+        # the tight budget: given, or the one the elixir-tight line of this model and world ran on
+        # (run first in its group); every line of the group runs under it, whatever its system
         cap = cfg.tight_budget or next((x.extra.get("budget") for x in results.values() if x.system == "elixir-tight"
                                         and x.model == model and x.world == world), None)
-        cap = cap if claims_budget(system) and not args.no_rss_cap else None
+        cap = cap if (world, model) in groups and not args.no_rss_cap else None
         if cap:
             print(f"  RSS cap {cap / GiB:.2f} GiB per rank (the tight budget)", file=sys.stderr, flush=True)
         try:
@@ -818,6 +838,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # one broken line must not lose the others
             msg = str(e)
             head = msg.splitlines()[0] if msg else ""
+            if "RSS passed" in head and not claims_budget(system):
+                over_cap[line] = head
+                print(f"  {line}: over the cap ({head})", file=sys.stderr, flush=True)
+                continue
             failed[line] = head + "\n" + msg[-2000:]
             print(f"  {line} FAILED: {head}\n{msg[-1500:]}", file=sys.stderr, flush=True)
             continue
@@ -827,14 +851,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  {line}: {r.step_s:.3f} s/step, peak RSS {max(r.peak_rss) / GiB:.2f} GiB", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t0
     if results:
-        print_results(results, cfg, wall)
+        print_results(results, cfg, wall, over_cap)
     if failed:
         print(f"FAILED lines: {', '.join(failed)}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"config": asdict(cfg), "command": " ".join(sys.argv), "wall_s": wall,
                        "results": {k: asdict(v) for k, v in results.items()}, "ratios": ratios(results),
-                       "failed": failed, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}, f, indent=1)
+                       "failed": failed, "over_cap": over_cap, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}, f, indent=1)
     return 1 if failed else 0
 
 

@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("elixir.info", "show the version, native extension, CPU features and devices"),
     "demo": ("elixir.demo", "train a small GPT on the Python standard library's source, across local ranks"),
     "profile": ("elixir.tracer.cli", "profile a training step's memory and parameter order (no GPU needed)"),
-    "plan": ("elixir.search.cli", "plan a run (chunk size, cache, placement) for any cluster"),
+    "plan": ("elixir.plan_cli", "plan a run (chunk size, cache, placement) for any cluster"),
     "checkpoint": ("elixir.checkpoint.cli", "check a checkpoint's files against its index (verify PATH)"),
     "hwprofile": ("elixir.hardware_cli", "measure this machine's bandwidths and optimizer speed into JSON"),
 }

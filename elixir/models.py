@@ -23,6 +23,8 @@ __all__ = [
     "registry_table",
     "registry_name",
     "suggest_names",
+    "config_fields",
+    "parameter_floor",
     "load_config",
     "build_model",
     "make_batch",
@@ -196,11 +198,9 @@ def unknown_model_message(name: str) -> str:
             "  or a folder holding one (a local Hugging Face model directory).")
 
 
-def load_config(name_or_path: Union[str, os.PathLike], **overrides: Any):
-    """The HF config for a registry name or a ``config.json`` path (or a folder holding one)."""
-    # optional dependency: transformers (the hf extra)
-    from transformers import AutoConfig
-
+def config_fields(name_or_path: Union[str, os.PathLike], **overrides: Any) -> tuple[str, dict]:
+    """``(model_type, fields)`` of a registry name or a ``config.json`` path (or a folder holding
+    one), ``overrides`` applied, as written: no defaults filled in, and no transformers import."""
     key = str(name_or_path)
     path = os.path.join(key, "config.json") if os.path.isdir(key) else key
     if os.path.isfile(path):
@@ -214,7 +214,51 @@ def load_config(name_or_path: Union[str, os.PathLike], **overrides: Any):
         model_type, fields = spec.model_type, dict(spec.fields)
     else:
         raise UnknownModel(unknown_model_message(key))
-    return AutoConfig.for_model(model_type, **_fit_per_layer_fields(fields, overrides))
+    return model_type, _fit_per_layer_fields(fields, overrides)
+
+
+def load_config(name_or_path: Union[str, os.PathLike], **overrides: Any):
+    """The HF config for a registry name or a ``config.json`` path (or a folder holding one)."""
+    # optional dependency: transformers (the hf extra)
+    from transformers import AutoConfig
+
+    model_type, fields = config_fields(name_or_path, **overrides)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+# The families whose every layer holds attention projections (q, k, v, o) and a two-matrix-or-more
+# MLP, and whose word embedding is vocab x hidden (OPT's: x word_embed_proj_dim): the families
+# parameter_floor counts. Others (mixtures of experts, hybrids with attention-free layers) get None.
+_FLOOR_FAMILIES = ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen3", "bert")
+_GATED_MLP = ("llama", "mistral", "qwen2", "qwen3")  # gate, up and down projections
+
+
+def _first_int(fields: dict, *keys: str) -> Optional[int]:
+    return next((fields[k] for k in keys if isinstance(fields.get(k), int)), None)
+
+
+def parameter_floor(name_or_path: Union[str, os.PathLike], **overrides: Any) -> Optional[int]:
+    """At most the model's parameter count, from its config's fields alone (no transformers, no
+    model built): the word embedding once (tied or not) and per layer the attention projections
+    and MLP matrices (three in the gated families), each ``hidden x`` its stated width, and an
+    untied LM head where the config says ``tie_word_embeddings: false``; biases, norms and position
+    embeddings are left out, and so is a width or an untying the config does not state (no
+    default is looked up). None for a family it does not know (:data:`_FLOOR_FAMILIES`) or a
+    config without hidden size, layer count, heads or vocabulary."""
+    model_type, f = config_fields(name_or_path, **overrides)
+    hidden = _first_int(f, "hidden_size", "n_embd", "d_model")
+    layers = _first_int(f, *_LAYER_COUNT_FIELDS)
+    heads = _first_int(f, "num_attention_heads", "n_head")
+    vocab = _first_int(f, "vocab_size")
+    if model_type not in _FLOOR_FAMILIES or None in (hidden, layers, heads, vocab) or heads < 1:
+        return None
+    head_dim = _first_int(f, "head_dim") or hidden // heads
+    kv_heads = _first_int(f, "num_key_value_heads") or heads
+    inner = _first_int(f, "intermediate_size", "ffn_dim", "n_inner") or (4 * hidden if model_type == "gpt2" else 0)
+    mlp = 3 if model_type in _GATED_MLP else 2
+    embed = vocab * min(hidden, _first_int(f, "word_embed_proj_dim") or hidden)
+    embeddings = 2 if f.get("tie_word_embeddings") is False else 1  # an untied head only where the config says so
+    return embeddings * embed + layers * (hidden * head_dim * 2 * (heads + kv_heads) + mlp * hidden * inner)
 
 
 # Config fields that hold one entry per layer: a layer-count override must cut them to match,

@@ -76,6 +76,6 @@ def test_plan_cli_says_what_would_fit(capsys):
 @pytest.mark.parametrize("text,expected", [("24GiB", 24 * 2**30), ("256GB", 256 * 10**9), ("1.5TiB", int(1.5 * 2**40)),
                                            ("1000", 1000)])
 def test_sizes(text, expected):
-    from elixir.search.cli import parse_size
+    from elixir.plan_cli import parse_size
 
     assert parse_size(text) == expected

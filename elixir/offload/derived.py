@@ -25,6 +25,7 @@ import torch
 
 from elixir.offload.store import MASTER, DiskState, DiskStore, Ledger
 from elixir.plan import DERIVED_SHARD_PIECE_ELEMENTS as PIECE_ELEMENTS
+from elixir.plan.footprint import DERIVED_SHARD_READ_BUFFERS
 
 
 class _DerivedShard:
@@ -86,7 +87,7 @@ class DerivedShards:
         if self._pieces is None:  # sized for the largest shard, held from now on (read_buffer_bytes)
             n = min(PIECE_ELEMENTS, max(r.shard.numel() for r in self.chunks.values()))
             dt = self.masters.chunks[index].flats[MASTER].dtype  # fp32, or a bf16 master (issue 33)
-            self._pieces = (torch.empty(n, dtype=dt), torch.empty(n, dtype=dt))
+            self._pieces = tuple(torch.empty(n, dtype=dt) for _ in range(DERIVED_SHARD_READ_BUFFERS))
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
@@ -126,7 +127,7 @@ class DerivedShards:
 
     @property
     def read_buffer_bytes(self) -> int:
-        """Host bytes of the two read buffers (allocated at the first read, then held)."""
+        """Host bytes of the read buffers (allocated at the first read, then held)."""
         return 0 if self._pieces is None else sum(p.numel() * p.element_size() for p in self._pieces)
 
     def report(self) -> dict[str, int]:

@@ -54,6 +54,9 @@ ADAM_STATE_BYTES = 8
 # the cost model counts their bytes in the disk staging)
 DERIVED_SHARD_PIECE_ELEMENTS = 2 << 20
 """Elements per read buffer when a disk-resident shard is derived from its fp32 master."""
+DERIVED_SHARD_READ_BUFFERS = 2
+"""Read buffers a disk-resident shard is derived through (``offload/derived.py``: one read while
+the other is converted), each of at most :data:`DERIVED_SHARD_PIECE_ELEMENTS` fp32 elements."""
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 """Bytes of one element of each dtype a chunk, its master or its gradient may hold (by the name
@@ -144,6 +147,30 @@ def held_bytes(params: int, state: int, dtype: Union[torch.dtype, str], shard: P
         out[where[optim]] += state * (master + grad_bytes + opt_bytes)
     return out[0], out[1], out[2]
 
+
+
+def state_floor_bytes(numel: int, frozen: int, dtype: Union[torch.dtype, str], world: int, kept_grad: int,
+                      opt_bytes: int, disk: int = 0) -> int:
+    """The least memory (device and host together) per rank that ``numel`` trainable and
+    ``frozen`` frozen elements hold between uses, whatever their chunks and placements, with
+    ``disk`` bytes of disk per rank to offload to.
+
+    Each trainable element costs a rank at least ``1 / world`` of :func:`held_bytes` at its
+    leanest (a sharded chunk's: value, fp32 master unless the value is the master, ``kept_grad``
+    and ``opt_bytes``), or only ``kept_grad`` where its chunk's master and state are on disk (at
+    :func:`disk_bytes_per_element` there); a frozen element ``1 / world`` of its value, or nothing
+    on disk. As many elements go to disk as it could hold (each sort on its own: a floor). The
+    search's memory floor (``search/bounds.py``) and the refusal before tracing
+    (``plan/budgets.py``) are both this rule."""
+    elem = element_bytes(dtype)
+    full = sum(held_bytes(1, 1, dtype, Placement.DEVICE, Placement.DEVICE, kept_grad, opt_bytes))
+    state = (numel * full + frozen * elem) / world
+    if disk > 0:
+        disk_elem = disk_bytes_per_element(opt_bytes)
+        per_disk = (full - kept_grad) / world  # memory an element on disk frees
+        on_disk = min(numel, -(-disk * world // max(1, disk_elem)))
+        state -= on_disk * per_disk + min(frozen, -(-disk * world // max(1, elem))) * elem / world
+    return max(0, int(state))
 
 @dataclass(frozen=True)
 class Collectives:

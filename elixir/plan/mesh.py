@@ -33,6 +33,9 @@ from typing import Any, Union
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
 """The mesh axes a layout names, outermost first: pipeline, replicated and sharded data parallelism, tensor."""
 # names other systems use for an axis (torchtitan flattens dp_replicate x dp_shard into "dp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+"""The pipeline schedules a mesh plan is priced for (``parallel/pipeline.py`` runs each)."""
+
 _ALIASES = {"dp": "dp_shard", "data": "dp_shard", "tensor": "tp", "pipeline": "pp"}
 
 

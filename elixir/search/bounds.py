@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from elixir.plan import Placement
-from elixir.plan.footprint import held_bytes
+from elixir.plan.footprint import state_floor_bytes
 from elixir.plan.placement import SHARDED_PLACEMENTS
 from elixir.search.cost_model import (
     Layout,
@@ -143,25 +143,16 @@ def memory_floor(profile: StepProfile, st: Setting, disk: int = 0) -> tuple[int,
     (:func:`~elixir.search.cost_model.fixed_device_bytes`), and :func:`~elixir.search.cost_model.place`
     keeps no candidate whose host bytes (the pool's: the device bytes too) leave no room for
     ``process_bytes`` beside them, nor one whose chunks' state (summed over device and host,
-    before the timeline's overlap is taken off) does not fit. Each trainable element costs a rank
-    at least ``1 / world`` of its compute-dtype value, fp32 master (none in fp32), kept gradient
-    and optimizer state (the least of every placement: a sharded chunk's), or only the kept
-    gradient where its chunk is on disk (``disk_elem`` bytes there); a frozen element ``1 /
-    world`` of its value, or nothing on disk. Returned for separate memories: the device floor,
+    before the timeline's overlap is taken off) does not fit: at least
+    :func:`~elixir.plan.footprint.state_floor_bytes` of the parameters. Returned for separate memories: the device floor,
     and the host floor with the state counted where it can least be (the device budget is
     checked against it in :func:`fits_floor`)."""
     dev = int(profile.activation_bytes) + int(profile.buffer_bytes)
-    w = st.world
-    full = sum(held_bytes(1, 1, st.dtype, Placement.DEVICE, Placement.DEVICE, st.kept_grad, st.opt_bytes))
     ctx = _context(profile)  # the parameters the search packs into chunks
     numel = sum(ctx.sh_numel) + sum(k for _, k in ctx.shared)
     frozen = sum(k for _, k in ctx.frozen)
-    state = (numel * full + frozen * st.elem) / w
-    if disk > 0:  # as many elements on disk as it could hold (each sort on its own: a floor)
-        per_disk = (full - st.kept_grad) / w  # memory an element on disk frees
-        on_disk = min(numel, -(-disk * w // max(1, st.disk_elem)))
-        state -= on_disk * per_disk + min(frozen, -(-disk * w // max(1, st.elem))) * st.elem / w
-    return dev, int(st.process_bytes) + dev + max(0, int(state))
+    state = state_floor_bytes(numel, frozen, st.dtype, st.world, st.kept_grad, st.opt_bytes, disk)
+    return dev, int(st.process_bytes) + dev + state
 
 
 def fits_floor(profile: StepProfile, st: Setting, usable: Sequence[int]) -> bool:

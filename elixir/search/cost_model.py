@@ -79,9 +79,11 @@ import numpy as np
 
 from elixir.hardware.profile import HardwareProfile
 from elixir.plan import MeshLayout, Placement, Sharding
+from elixir.plan.budgets import MemoryPolicy, unified_memory  # noqa: F401 - the budgets' margins and pools, re-exported here
 from elixir.plan.footprint import (  # the one footprint rule, shared with the runtime
     CONSTRUCTION_STAGING,
     DERIVED_SHARD_PIECE_ELEMENTS,
+    DERIVED_SHARD_READ_BUFFERS,
     DISK_SHARD_STAGING,
     DISK_STAGING,
     MASTER_BYTES,
@@ -92,41 +94,12 @@ from elixir.plan.footprint import (  # the one footprint rule, shared with the r
     resident_sharding,
 )
 from elixir.plan.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
+from elixir.search.minimum_waste import ALIGN  # both searches align shards alike
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
 
-ALIGN = 16  # elements per rank a shard is aligned to (as minimum_waste_search)
 # the host terms of Evaluation.memory (the rest are device terms)
 HOST_TERMS = ("process", "placed_host", "staging", "not_at_once")
-
-
-@dataclass(frozen=True)
-class MemoryPolicy:
-    """Safety margins held back from each budget (fractions of the budget).
-
-    Attributes:
-        device_margin: for the caching allocator's fragmentation and kernel workspaces (cuBLAS,
-            NCCL buffers) that the tracer does not see. PyTorch's caching allocator typically
-            reserves 5-15% more than it allocates on transformer training; 10% is the default.
-        host_margin: for the Python process, pinned staging and the page cache.
-        disk_margin: for the file system's own overhead.
-    """
-
-    device_margin: float = 0.10
-    host_margin: float = 0.10
-    disk_margin: float = 0.05
-
-    def __post_init__(self) -> None:
-        for k in ("device_margin", "host_margin", "disk_margin"):
-            if not 0.0 <= getattr(self, k) < 1.0:
-                raise ValueError(f"{k} must be in [0, 1)")
-
-    def usable(self, device: int, host: int, disk: int) -> tuple[int, int, int]:
-        return (
-            int(device * (1 - self.device_margin)),
-            int(host * (1 - self.host_margin)),
-            int(disk * (1 - self.disk_margin)),
-        )
 
 
 @dataclass(frozen=True)
@@ -580,7 +553,13 @@ def construction_staging_bytes(layout: Layout) -> int:
     """Host bytes staged while the model is built or loaded: :data:`CONSTRUCTION_STAGING` chunks
     of fp32 values (the flat a chunk is assembled in, and the values of one initialisation unit
     of a meta-built model or the rows ``load_pretrained`` reads for it)."""
-    return CONSTRUCTION_STAGING * max(layout.capacities, default=0) * 4
+    return CONSTRUCTION_STAGING * max(layout.capacities, default=0) * element_bytes("float32")
+
+
+def derived_piece_bytes(shard: int) -> int:
+    """Host bytes of the read buffers a disk-resident shard of ``shard`` elements is derived
+    through (held once any is read)."""
+    return DERIVED_SHARD_READ_BUFFERS * min(DERIVED_SHARD_PIECE_ELEMENTS, shard) * MASTER_BYTES
 
 
 def staging_bytes(st: Setting, shard: int, disk_chunks: int, disk_shards: int = 0) -> int:
@@ -588,7 +567,7 @@ def staging_bytes(st: Setting, shard: int, disk_chunks: int, disk_shards: int = 
     of the ``disk_shards`` among them whose shard is on disk too."""
     return (min(int(disk_chunks), DISK_STAGING) * shard * st.disk_elem
             + min(int(disk_shards), DISK_SHARD_STAGING) * shard * st.elem
-            + (2 * min(DERIVED_SHARD_PIECE_ELEMENTS, shard) * MASTER_BYTES if disk_shards else 0))
+            + (derived_piece_bytes(shard) if disk_shards else 0))
 
 
 def transient_host_bytes(layout: Layout, st: Setting, shard: int, disk_chunks: int, disk_shards: int = 0) -> int:
@@ -704,7 +683,7 @@ def timeline_peak(profile: StepProfile, layout: Layout, st: Setting, kinds: Sequ
     n_disk = sum(k.on_disk for k in kinds)
     n_kk = sum(k.shard_on_disk for k in kinds)
     masters = min(n_disk, DISK_STAGING) * shard * st.disk_elem
-    pieces = 2 * min(DERIVED_SHARD_PIECE_ELEMENTS, shard) * MASTER_BYTES if n_kk else 0
+    pieces = derived_piece_bytes(shard) if n_kk else 0
     kk = min(n_kk, DISK_SHARD_STAGING) * shard * st.elem
     always = (total - memory["activations"] - memory["grad_buffers"] - memory["param_grad"]
               - memory["grad_in_flight"] - memory["staging"] + pieces)  # frozen_shards: left out of total
@@ -1021,12 +1000,6 @@ def _collectives(layout: Layout, st: Setting, zero: tuple[ChunkPlacement, ...]) 
         publish=sum(publish(k.sharding, c) for c, k in zc) if zc else None,
     )
     return per
-
-
-def unified_memory(hw) -> bool:
-    """Whether a rank's device memory and host memory are one pool: on a CPU-only profile the
-    "device" is the host's RAM, shared by every rank of the node."""
-    return hw.device_type == "cpu"
 
 
 def place(

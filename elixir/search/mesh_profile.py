@@ -40,17 +40,24 @@ from typing import Any, Optional
 
 from elixir.hardware.profile import HardwareProfile
 from elixir.plan import MeshLayout, Prediction, SearchResult
+from elixir.plan.footprint import element_bytes
+from elixir.plan.mesh import SCHEDULES
 from elixir.search.optimal import search_profile
 from elixir.search.step_profile import RECOMPUTE, StepProfile
 from elixir.tracer.op_costs import OpCosts
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 _LAYER = re.compile(r"\.(\d+)\.")
 # Korthikanti et al. 2022, Table 2: activation bytes per layer are s*b*h*(34 + 5as/h) with no
 # tensor parallelism; with t ranks, s*b*h*(10 + 24/t + 5as/(ht)) (the 10: layer norms, dropout
 # masks and the residual, replicated); with sequence parallelism all of it / t. The attention
 # scores' 5as/h term is left out: SDPA does not keep them.
 _ACT_REPLICATED, _ACT_SPLIT = 10.0, 24.0
+# Megatron's tensor parallelism (the same paper, section 3): each layer's attention and MLP
+# blocks reduce their output once per pass (all-reduce, or with sequence parallelism a
+# reduce-scatter and an all-gather): 2 per layer per forward, backward or recompute pass
+_TP_REDUCTIONS_PER_LAYER = 2
+# a pipeline stage sends each microbatch's activations forward and receives their gradients back
+_PIPELINE_SENDS_PER_MICROBATCH = 2
 
 
 @dataclass(frozen=True)
@@ -207,11 +214,13 @@ def mesh_seconds(profile: StepProfile, layout: MeshLayout, hw: HardwareProfile, 
         passes = 2 + (1 if RECOMPUTE in profile.step_kinds else 0)  # forward, backward, recompute
         one = (hw.reduce_scatter_time(per_mb, tp) + hw.all_gather_time(per_mb, tp) if sequence_parallel
                else hw.all_reduce_time(per_mb, tp))
-        tensor = layers * passes * 2 * m * one
+        tensor = layers * passes * _TP_REDUCTIONS_PER_LAYER * m * one
     sends = 0.0
     if pp > 1:
         sent = per_mb / tp if sequence_parallel else per_mb
-        sends = 2 * m * hw.all_gather_time(2 * sent, 2)  # activations forward, gradients back
+        # one send of ``sent`` bytes priced as a 2-rank all-gather of twice that (each rank
+        # receives the other's half: ``sent`` bytes on the wire), as no point-to-point curve is measured
+        sends = _PIPELINE_SENDS_PER_MICROBATCH * m * hw.all_gather_time(2 * sent, 2)
     bubble = (pp - 1) / m / (interleave if schedule == "interleaved_1f1b" else 1)
     return MeshCosts(tensor_collectives=tensor, pipeline_sends=sends, bubble_fraction=bubble)
 
@@ -246,7 +255,7 @@ def search_mesh(profile: StepProfile, layout: MeshLayout, *, tp_shapes: Optional
     hw = search.get("hardware")
     if not isinstance(hw, HardwareProfile):
         raise ValueError("search_mesh needs hardware=HardwareProfile (the collectives of every axis are priced on it)")
-    elem = {"float32": 4}.get(profile.dtype, 2)
+    elem = element_bytes(profile.dtype)
     stages, costs = [], []
     for prof in stage_profiles(profile, layout.pp, microbatches, schedule):
         prof = tensor_profile(prof, tp_shapes or {}, layout.tp, sequence_parallel)

@@ -31,6 +31,7 @@ from elixir import distributed as edist
 from elixir.hardware.profile import HardwareProfile
 from elixir.hardware.registry import choose_default_profile, load_profile
 from elixir.plan import ChunkPlan, MeshLayout, Placement, Prediction, SearchResult, dtype_name
+from elixir.plan.budgets import INF, Budgets, DoesNotFitError, budget_head, budgets_for, fmt_bytes
 from elixir.plan.footprint import element_bytes, optimizer_state_bytes
 from elixir.plan.placement import DD, RD
 from elixir.search.bounds import SLACK, StepFloor, fits_floor, layout_fits_floor
@@ -58,25 +59,6 @@ EXTRA_BLOCKS = 6  # block counts tried above the minimum one by one (then geomet
 MAX_DEPTH = 2  # deepest prefetch tried when overlap is on
 # counts of ZeRO-1/2 body chunks tried per layout beyond which they are spaced out (zero_candidates)
 ZERO_POINTS = 12
-INF = 1 << 62
-
-class DoesNotFitError(ValueError):
-    """No configuration fits the budgets. ``suggestions`` lists changes that would fit, smallest first."""
-
-    def __init__(self, message: str, suggestions: list[str], needs: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.suggestions = suggestions
-        self.needs = needs
-
-
-@dataclass(frozen=True)
-class Budgets:
-    """Per-rank memory budgets in bytes (before the safety margins); ``disk`` 0 forbids disk offload."""
-
-    device: int
-    host: int
-    disk: int = 0
-
 
 _CHUNK_SIZES: dict[tuple, tuple[StepProfile, Any]] = {}  # chunk-size candidates, least-padding sizes
 
@@ -483,12 +465,12 @@ class _Searcher:
         if min_dev is not None and min_dev > dev:
             need = math.ceil(min_dev / (1 - self.policy.device_margin)) + 1
             needs["device_memory"] = need
-            options.append((need / max(1, self.budgets.device) - 1, f"device memory >= {_fmt(need)} per rank (budget {_fmt(self.budgets.device)})"))
+            options.append((need / max(1, self.budgets.device) - 1, f"device memory >= {fmt_bytes(need)} per rank (budget {fmt_bytes(self.budgets.device)})"))
         min_host = self._min_needed(lambda v: (dev, v, disk), host)
         if min_host is not None and min_host > host:
             need = math.ceil(min_host / (1 - self.policy.host_margin)) + 1
             needs["host_memory"] = need
-            options.append((need / max(1, self.budgets.host) - 1, f"host memory >= {_fmt(need)} per rank (budget {_fmt(self.budgets.host)})"))
+            options.append((need / max(1, self.budgets.host) - 1, f"host memory >= {fmt_bytes(need)} per rank (budget {fmt_bytes(self.budgets.host)})"))
         if unified_memory(self.hw) and "device_memory" not in needs and "host_memory" not in needs:
             # device = host RAM: the pool grows as one (device cap and host budget together)
             min_pool = self._min_needed(lambda v: (v, v, disk), max(dev, host))
@@ -496,14 +478,14 @@ class _Searcher:
                 margin = max(self.policy.device_margin, self.policy.host_margin)
                 need = math.ceil(min_pool / (1 - margin)) + 1
                 needs["memory"] = need
-                options.append((need / max(1, self.budgets.host) - 1, f"memory >= {_fmt(need)} per rank (device and "
-                                f"host are one pool of host RAM on this CPU profile; budget {_fmt(self.budgets.host)})"))
+                options.append((need / max(1, self.budgets.host) - 1, f"memory >= {fmt_bytes(need)} per rank (device and "
+                                f"host are one pool of host RAM on this CPU profile; budget {fmt_bytes(self.budgets.host)})"))
         if self.budgets.disk == 0 and self.fits((dev, host, INF)):
             d_need = self._min_needed(lambda v: (dev, host, v), 1 << 20)
             if d_need is not None:
                 d_need = math.ceil(d_need / (1 - self.policy.disk_margin)) + 1
                 needs["disk"] = d_need
-                options.append((0.5, f"allow disk offload of optimizer state (disk >= {_fmt(d_need)} per rank)"))
+                options.append((0.5, f"allow disk offload of optimizer state (disk >= {fmt_bytes(d_need)} per rank)"))
         w = self.world
         # more ranks can be priced only on a profile that measured collectives (a one-GPU profile has none)
         priced_collectives = None not in (self.hw.all_gather, self.hw.reduce_scatter)
@@ -526,7 +508,7 @@ class _Searcher:
                         hi = mid
                 needs["activation_fraction"] = lo
                 tok = self.profile.tokens
-                txt = f"activations <= {_fmt(int(act * lo))} (now {_fmt(act)}): a batch about {lo:.0%} of the current one"
+                txt = f"activations <= {fmt_bytes(int(act * lo))} (now {fmt_bytes(act)}): a batch about {lo:.0%} of the current one"
                 if tok:
                     txt += f" (~{max(1, int(tok * lo))} tokens per rank instead of {tok})"
                 options.append((1 - lo, txt))
@@ -534,14 +516,8 @@ class _Searcher:
                     options.append((1 - lo + 0.01, "gradient checkpointing (--checkpointing), which cuts activations to about one layer's worth plus layer inputs"))
         options.sort()
         suggestions = [t for _, t in options]
-        head = (
-            f"no plan fits: device budget {_fmt(self.budgets.device)} and host budget {_fmt(self.budgets.host)} per rank"
-            f" (usable after margins {_fmt(dev)} / {_fmt(host)}"
-            + ("; one pool: device = host RAM, the host budget holds both" if unified_memory(self.hw) else "")
-            + ")"
-            + (f", disk {_fmt(self.budgets.disk)}" if self.budgets.disk else ", no disk offload")
-            + f", world size {self.world}; activations alone need {_fmt(act)}"
-        )
+        head = (budget_head(self.budgets, self.usable, unified_memory(self.hw), self.world)
+                + f"; activations alone need {fmt_bytes(act)}")
         if suggestions:
             head += ". Smallest changes that would fit:\n  - " + "\n  - ".join(suggestions)
         else:
@@ -569,15 +545,6 @@ class _Searcher:
     def _fits_with_activation(self, act: int) -> bool:
         """Whether a plan fits were the activations ``act`` bytes (the caller's profile is left as it is)."""
         return self.fits(profile=dataclasses.replace(self.profile, activation_bytes=act))
-
-
-def _fmt(n: int) -> str:
-    if n >= INF // 2:
-        return "unlimited"
-    for unit, k in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{n} B"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -697,12 +664,7 @@ def _resolve_hardware(world: int, hardware: Union[HardwareProfile, str, os.PathL
     budgets, its defaults filled in."""
     hw, hw_why = _chosen_profile(hardware, hardware_choice)
     rpn = ranks_per_node or hw.ranks_per_node(world)
-    if host_memory is None:
-        host_memory = hw.host_memory_bytes // rpn
-    if device_memory is None:
-        device_memory = min(hw.device_memory_bytes, host_memory) if unified_memory(hw) else hw.device_memory_bytes
-    return hw, hw_why, rpn, Budgets(int(device_memory), int(host_memory), int(disk or 0))
-
+    return hw, hw_why, rpn, budgets_for(hw, rpn, device_memory, host_memory, disk)
 
 def _chosen_profile(hardware: Union[HardwareProfile, str, os.PathLike, None],
                     hardware_choice: Optional[str]) -> tuple[HardwareProfile, str]:
@@ -795,8 +757,8 @@ def _explain(s: _Searcher, best: Evaluation) -> str:
         return "memory does not bind: this is the fastest configuration considered."
     return (
         f"memory binds: the fastest configuration considered (chunk {fbest.chunk_size:,}, {fbest.blocks} blocks, "
-        f"{_summary(fbest)}) would take {fbest.step_time:.4f} s but needs {_fmt(fbest.device_bytes)} device and "
-        f"{_fmt(fbest.host_bytes)} host per rank; this plan is {best.step_time / fbest.step_time:.2f}x its time."
+        f"{_summary(fbest)}) would take {fbest.step_time:.4f} s but needs {fmt_bytes(fbest.device_bytes)} device and "
+        f"{fmt_bytes(fbest.host_bytes)} host per rank; this plan is {best.step_time / fbest.step_time:.2f}x its time."
     )
 
 
@@ -824,7 +786,7 @@ def tied_reason(info: dict) -> str:
     if not alt["fits"]:
         return f"{tied}: no plan with them {alt['tied']} fits the budgets"
     return (f"{tied}: with them {alt['tied']} the best plan would take {alt['step_time_s']:.4f} s and "
-            f"{_fmt(alt['device_bytes'])} device per rank")
+            f"{fmt_bytes(alt['device_bytes'])} device per rank")
 
 
 def _runner_ups(results: list[Evaluation], k: int) -> list[Evaluation]:
@@ -870,16 +832,16 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     t.add_row("shard gradients / fused backward-and-step", f"{result.grad_dtype} / {'yes' if result.fused_step else 'no'}")
     b = info["budgets"]
     u = info["usable_after_margins"]
-    t.add_row("peak device / usable / budget", f"{_fmt(p.peak_device_bytes)} / {_fmt(u['device'])} / {_fmt(b['device'])}")
-    t.add_row("peak host / usable / budget", f"{_fmt(p.peak_host_bytes)} / {_fmt(u['host'])} / {_fmt(b['host'])}")
+    t.add_row("peak device / usable / budget", f"{fmt_bytes(p.peak_device_bytes)} / {fmt_bytes(u['device'])} / {fmt_bytes(b['device'])}")
+    t.add_row("peak host / usable / budget", f"{fmt_bytes(p.peak_host_bytes)} / {fmt_bytes(u['host'])} / {fmt_bytes(b['host'])}")
     if str(info.get("memory_pool", "")).startswith("unified"):
         k = int(info.get("ranks_per_node", 1))
         t.add_row(f"peak node RAM (device + host, {k} rank{'s' if k > 1 else ''}) / node",
-                  f"{_fmt(k * (p.peak_device_bytes + p.peak_host_bytes))} / {_fmt(int(info.get('node_memory', 0)))}")
+                  f"{fmt_bytes(k * (p.peak_device_bytes + p.peak_host_bytes))} / {fmt_bytes(int(info.get('node_memory', 0)))}")
     if p.peak_disk_bytes:
-        t.add_row("disk", _fmt(p.peak_disk_bytes))
+        t.add_row("disk", fmt_bytes(p.peak_disk_bytes))
     for k, v in info.get("predicted_memory", {}).items():
-        t.add_row(f"  {'host' if k in HOST_TERMS else 'device'}: {k}", _fmt(v))
+        t.add_row(f"  {'host' if k in HOST_TERMS else 'device'}: {k}", fmt_bytes(v))
     t.add_row("predicted step time", f"{p.step_time_s:.4f} s")
     for k, v in p.breakdown.items():
         t.add_row(f"  {k}", f"{v:.4f} s")
