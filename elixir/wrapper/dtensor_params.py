@@ -101,8 +101,14 @@ class TensorParallelParams:
 
 def _expose(entries: list[tuple[str, TPParam]]):
     def hook(module: nn.Module, args) -> None:
-        for attr, t in entries:
-            module.__dict__[attr] = t.as_dtensor()
+        # This hook runs before the step hook that gathers the module's chunks, so a sharded chunk
+        # may still be released here. from_local only views the local parameter (a view of the
+        # chunk's payload, whose storage the gather refills in place), so the view is made without
+        # the released parameter's guard: through the guard it would read as an access and gather
+        # the chunk pinned to the end of backward (every chunk held at once, the plan's rCache exceeded).
+        with torch._C.DisableTorchFunctionSubclass():
+            for attr, t in entries:
+                module.__dict__[attr] = t.as_dtensor()
     return hook
 
 
