@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from elixir import distributed as edist
+
 
 class TensorParallelError(ValueError):
     """A model's DTensor parameters do not fit the run's mesh."""
@@ -153,5 +155,6 @@ def localize(module: nn.Module, tp_mesh: Any, tp_size: int) -> Optional[TensorPa
             )
         return None
     aliases = {n: found[id(p)] for n, p in every_name if id(p) in found}
+    edist.name_backward_failures("tensor-parallel backward")  # DTensor's backward collectives, bare loss.backward()
     return TensorParallelParams({id(t.param): t for t in found.values()}, owners, aliases)
 
