@@ -92,6 +92,7 @@ def _elixir_predicted(model, mesh, batch: int, seq: int):
     em = ElixirModule(model, plan, mesh=mesh)
     p = plan.prediction
     em.predicted_bytes = p.peak_device_bytes + p.peak_host_bytes
+    em.predicted_terms = {"step_s": p.step_time_s, "memory": plan.info.get("predicted_memory", {})}
     return em, ElixirOptimizer(em, torch.optim.AdamW(em.parameters(), lr=1e-4))
 
 
@@ -133,8 +134,11 @@ def worker(system: str, size: str, steps: int, batch: int, seq: int) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
+    report = model.memory_report() if hasattr(model, "memory_report") else {}
     return {"peak": dev.peak_rss_bytes() - base, "built": built, "losses": losses,
-            "step_s": (time.perf_counter() - t0) / steps, "predicted": getattr(model, "predicted_bytes", None)}
+            "step_s": (time.perf_counter() - t0) / steps, "predicted": getattr(model, "predicted_bytes", None),
+            "predicted_terms": getattr(model, "predicted_terms", None),
+            "ledger_peaks": {k: v for k, v in report.items() if k.startswith("peak_")}}
 
 
 def main() -> int:
@@ -146,16 +150,24 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--predicted", action="store_true",
                     help="also run elixir on the mesh search's own plan and print its prediction against the peak")
+    ap.add_argument("--prediction-only", action="store_true",
+                    help="run only elixir on the mesh search's plan (the prediction check, without the comparison)")
     args = ap.parse_args()
     size = "tiny" if args.tiny else "default"
     out = {"size": SIZES[size], "steps": args.steps, "batch": args.batch, "seq": args.seq,
            "load_average": os.getloadavg(), "torch": torch.__version__}
     systems = ("elixir", "fsdp2_tp") + (("elixir_mesh_plan",) if args.predicted else ())
+    if args.prediction_only:
+        systems = ("elixir_mesh_plan",)
     for system in systems:
         ranks = run_distributed(worker, 4, system, size, args.steps, args.batch, args.seq, timeout=1800)
         out[system] = {"peak_bytes_max_rank": max(r["peak"] for r in ranks), "per_rank_peak": [r["peak"] for r in ranks],
                        "built_bytes_max_rank": max(r["built"] for r in ranks), "losses": ranks[0]["losses"],
-                       "step_s": max(r["step_s"] for r in ranks), "predicted": ranks[0]["predicted"]}
+                       "step_s": max(r["step_s"] for r in ranks), "predicted": ranks[0]["predicted"],
+                       "predicted_terms": ranks[0]["predicted_terms"], "ledger_peaks": [r["ledger_peaks"] for r in ranks]}
+    if args.prediction_only:
+        _print_prediction(out["elixir_mesh_plan"])
+        return _dump(out, args.json)
     ratio = out["elixir"]["peak_bytes_max_rank"] / max(1, out["fsdp2_tp"]["peak_bytes_max_rank"])
     out["ratio_elixir_over_fsdp2_tp"] = ratio
     print(f"{'system':<10} {'peak/rank (MiB)':>16} {'after build (MiB)':>18} {'step (s)':>9}  losses")
@@ -165,12 +177,27 @@ def main() -> int:
               f"{r['step_s']:>9.2f}  {[round(x, 4) for x in r['losses']]}")
     print(f"elixir / FSDP2+TP peak per rank: {ratio:.3f}x (target <= 1.0); load average {out['load_average']}")
     if args.predicted:
-        r = out["elixir_mesh_plan"]
-        print(f"elixir with `elixir plan --tp 2` 's plan: {r['peak_bytes_max_rank'] / 2**20:.1f} MiB measured "
-              f"(largest rank, over its pre-build RSS) against {r['predicted'] / 2**20:.1f} MiB predicted "
-              f"(device + host, no process bytes): {r['peak_bytes_max_rank'] / r['predicted']:.3f}x")
-    if args.json:
-        with open(args.json, "w") as f:
+        _print_prediction(out["elixir_mesh_plan"])
+    return _dump(out, args.json)
+
+
+def _print_prediction(r: dict) -> None:
+    """The mesh search's prediction against the run of its own plan: bytes, step time, and the
+    predicted memory terms beside the runtime ledger's peaks (largest rank)."""
+    print(f"elixir with `elixir plan --tp 2` 's plan: {r['peak_bytes_max_rank'] / 2**20:.1f} MiB measured "
+          f"(largest rank, over its pre-build RSS) against {r['predicted'] / 2**20:.1f} MiB predicted "
+          f"(device + host, no process bytes): {r['peak_bytes_max_rank'] / r['predicted']:.3f}x")
+    terms = r["predicted_terms"] or {}
+    print(f"step time: {r['step_s']:.2f} s measured (slowest rank, mean of the steps) against "
+          f"{terms.get('step_s', 0.0):.2f} s predicted on the cpu-box profile")
+    print("predicted memory terms (MiB): " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in terms.get("memory", {}).items()))
+    peaks = max(r["ledger_peaks"], key=lambda p: sum(p.values()) if p else 0)
+    print("runtime ledger peaks (MiB): " + ", ".join(f"{k[5:]} {v / 2**20:.1f}" for k, v in peaks.items()))
+
+
+def _dump(out: dict, path) -> int:
+    if path:
+        with open(path, "w") as f:
             json.dump(out, f, indent=1)
     return 0
 
