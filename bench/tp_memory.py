@@ -96,6 +96,48 @@ def _elixir_predicted(model, mesh, batch: int, seq: int):
     return em, ElixirOptimizer(em, torch.optim.AdamW(em.parameters(), lr=1e-4))
 
 
+class _PipelineRun:
+    """An :class:`~elixir.parallel.ElixirPipeline` behind the worker's loop: ``run(input_ids=,
+    labels=)`` is the whole step (its forwards and backwards); ``.loss`` the last stage's mean
+    loss, 0 elsewhere (no backward left to run)."""
+
+    def __init__(self, pipe, predicted: int, terms: dict) -> None:
+        self.pipe, self.predicted_bytes, self.predicted_terms = pipe, predicted, terms
+
+    def __call__(self, input_ids, labels):
+        loss = self.pipe.step(input_ids, labels)
+        return argparse.Namespace(loss=loss.detach() if loss is not None else torch.zeros(()))
+
+    def memory_report(self) -> dict:
+        return self.pipe.modules[0].memory_report()
+
+
+def _elixir_pipeline_predicted(model, mesh, batch: int, seq: int, microbatches: int = 4):
+    """PP2 x DP2 (1F1B) with each stage on the plan ``elixir plan --pp 2`` makes (``search_mesh`` on
+    the cpu-box profile): this rank's stage's predicted device + host bytes against its peak."""
+    from elixir.hardware import load_profile  # noqa: PLC0415 - each system imports only its own stack
+    from elixir.models import lm_step_fn  # noqa: PLC0415
+    from elixir.parallel import ElixirPipeline, PipelineOptimizer  # noqa: PLC0415
+    from elixir.plan import MeshLayout  # noqa: PLC0415
+    from elixir.search.mesh_profile import search_mesh  # noqa: PLC0415
+    from elixir.search.step_profile import profile_step  # noqa: PLC0415
+
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    prof = profile_step(meta, {"input_ids": ids, "labels": ids}, lm_step_fn)
+    mp = search_mesh(prof, MeshLayout(pp=2, dp_shard=2), tp_shapes=None, hidden=model.config.hidden_size,
+                     microbatches=microbatches, hardware=load_profile("cpu-box"), device_memory=64 << 30,
+                     host_memory=64 << 30, optimizer_type="AdamW")
+    pipe = ElixirPipeline(model, mesh, microbatches, plan_fn=lambda stage, layout: mp.stages[stage.index])
+    plan = mp.stages[pipe.pp_rank]
+    p = plan.prediction
+    terms = {"step_s": p.step_time_s, "memory": plan.info.get("predicted_memory", {}),
+             "accumulation": plan.info.get("accumulation_bytes", 0), "stage": pipe.pp_rank}
+    run = _PipelineRun(pipe, p.peak_device_bytes + p.peak_host_bytes, terms)
+    return run, PipelineOptimizer(pipe, lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+
+
 def _fsdp(model, mesh):
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - each system imports only its own stack
     from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
@@ -112,12 +154,19 @@ def _fsdp(model, mesh):
 def worker(system: str, size: str, steps: int, batch: int, seq: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 - inside the spawned rank
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    from elixir.parallel import pipeline_mesh  # noqa: PLC0415
+    from elixir.plan import MeshLayout  # noqa: PLC0415
+
+    pipelined = system == "elixir_mesh_plan_pp"
+    mesh = (pipeline_mesh(MeshLayout(pp=2, dp_shard=2)) if pipelined
+            else init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp")))
     gc.collect()
     dev.trim_host_memory()
     base = dev.rss_bytes()
     if system == "elixir_mesh_plan":
         model, opt = _elixir_predicted(_model(size), mesh, batch, seq)
+    elif pipelined:
+        model, opt = _elixir_pipeline_predicted(_model(size), mesh, batch, seq)
     else:
         model, opt = (_elixir if system == "elixir" else _fsdp)(_model(size), mesh)
     gc.collect()
@@ -130,7 +179,8 @@ def worker(system: str, size: str, steps: int, batch: int, seq: int) -> dict:
     for _ in range(steps):
         ids = torch.randint(0, SIZES[size]["vocab_size"], (batch, seq), generator=g)
         loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        if loss.requires_grad:  # a pipeline's step ran its backwards already
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
@@ -156,17 +206,19 @@ def main() -> int:
     size = "tiny" if args.tiny else "default"
     out = {"size": SIZES[size], "steps": args.steps, "batch": args.batch, "seq": args.seq,
            "load_average": os.getloadavg(), "torch": torch.__version__}
-    systems = ("elixir", "fsdp2_tp") + (("elixir_mesh_plan",) if args.predicted else ())
+    systems = ("elixir", "fsdp2_tp") + (("elixir_mesh_plan", "elixir_mesh_plan_pp") if args.predicted else ())
     if args.prediction_only:
-        systems = ("elixir_mesh_plan",)
+        systems = ("elixir_mesh_plan", "elixir_mesh_plan_pp")
     for system in systems:
         ranks = run_distributed(worker, 4, system, size, args.steps, args.batch, args.seq, timeout=1800)
         out[system] = {"peak_bytes_max_rank": max(r["peak"] for r in ranks), "per_rank_peak": [r["peak"] for r in ranks],
                        "built_bytes_max_rank": max(r["built"] for r in ranks), "losses": ranks[0]["losses"],
                        "step_s": max(r["step_s"] for r in ranks), "predicted": ranks[0]["predicted"],
-                       "predicted_terms": ranks[0]["predicted_terms"], "ledger_peaks": [r["ledger_peaks"] for r in ranks]}
+                       "predicted_terms": ranks[0]["predicted_terms"], "ledger_peaks": [r["ledger_peaks"] for r in ranks],
+                       "per_rank": [{"peak": r["peak"], "predicted": r["predicted"], "terms": r["predicted_terms"]}
+                                    for r in ranks]}
     if args.prediction_only:
-        _print_prediction(out["elixir_mesh_plan"])
+        _print_predictions(out)
         return _dump(out, args.json)
     ratio = out["elixir"]["peak_bytes_max_rank"] / max(1, out["fsdp2_tp"]["peak_bytes_max_rank"])
     out["ratio_elixir_over_fsdp2_tp"] = ratio
@@ -177,8 +229,19 @@ def main() -> int:
               f"{r['step_s']:>9.2f}  {[round(x, 4) for x in r['losses']]}")
     print(f"elixir / FSDP2+TP peak per rank: {ratio:.3f}x (target <= 1.0); load average {out['load_average']}")
     if args.predicted:
-        _print_prediction(out["elixir_mesh_plan"])
+        _print_predictions(out)
     return _dump(out, args.json)
+
+
+def _print_predictions(out: dict) -> None:
+    _print_prediction(out["elixir_mesh_plan"])
+    print("PP2 x DP2 (1F1B, 4 microbatches), each stage on `elixir plan --pp 2`'s plan; per rank, measured "
+          "peak over pre-build RSS / predicted device + host:")
+    for rank, r in enumerate(out["elixir_mesh_plan_pp"]["per_rank"]):
+        t = r["terms"]
+        print(f"  rank {rank} (stage {t['stage']}): {r['peak'] / 2**20:.1f} / {r['predicted'] / 2**20:.1f} MiB = "
+              f"{r['peak'] / r['predicted']:.3f}x (accumulation term {t['accumulation'] / 2**20:.1f} MiB); "
+              f"step {out['elixir_mesh_plan_pp']['step_s']:.2f} s measured, {t['step_s']:.2f} s predicted")
 
 
 def _print_prediction(r: dict) -> None:
