@@ -154,12 +154,14 @@ def _fsdp(model, mesh):
 def worker(system: str, size: str, steps: int, batch: int, seq: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 - inside the spawned rank
 
-    from elixir.parallel import pipeline_mesh  # noqa: PLC0415
-    from elixir.plan import MeshLayout  # noqa: PLC0415
-
     pipelined = system == "elixir_mesh_plan_pp"
-    mesh = (pipeline_mesh(MeshLayout(pp=2, dp_shard=2)) if pipelined
-            else init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp")))
+    if pipelined:  # the FSDP2 line imports none of elixir's stack
+        from elixir.parallel import pipeline_mesh  # noqa: PLC0415
+        from elixir.plan import MeshLayout  # noqa: PLC0415
+
+        mesh = pipeline_mesh(MeshLayout(pp=2, dp_shard=2))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     gc.collect()
     dev.trim_host_memory()
     base = dev.rss_bytes()
