@@ -5,8 +5,9 @@ with tied embeddings, 1F1B over 2 microbatches), one rank is SIGKILLed in step 2
   send of its microbatch 1 activations (torch's ``_batch_p2p``);
 - "tensor-parallel forward": rank 2 (stage 1, tp rank 0) just before the row-parallel MLP
   projection of microbatch 1, so its tp peer waits in that projection's all-reduce;
-- "tensor-parallel backward" (marked slow: a third launch costs about 20 s more here): at TP2 x
-  DP2 (ZeRO-3, no pipeline; ``booster.backward``), rank 1 just before the backward of the
+- "tensor-parallel backward" (marked slow: a third launch, 37 s for the three at once against
+  26.5 s for two on the loaded 2-core box): at TP2 x DP2 (ZeRO-3, no pipeline), rank 1 just
+  before the backward of the
   row-parallel MLP projection, so its tp peer waits in a column-parallel input-gradient all-reduce;
   that peer calls a bare ``loss.backward()`` (the others ``booster.backward``).
 
