@@ -74,9 +74,20 @@ def test_a_one_stage_one_shard_mesh_is_the_data_parallel_search():
     prof = _profile(_llama())
     kw = dict(hardware=HW, device_memory=80 * G, host_memory=64 * G)
     mp = search_mesh(prof, MeshLayout(dp_shard=2), tp_shapes=None, hidden=32, microbatches=1, **kw)
-    plain = search_profile(prof, 2, **kw)
+    plain = search_profile(prof, 2, **_step_growth(prof), **kw)
     assert mp.stages[0].chunks == plain.chunks
     assert mp.step_time_s == pytest.approx(plain.prediction.step_time_s, rel=1e-12)
+    assert mp.stages[0].prediction.peak_host_bytes == plain.prediction.peak_host_bytes
+    # the process's step growth is counted (optimal_search counts it for a live model); given, it is kept
+    assert mp.stages[0].info["process_bytes"] == HW.step_extra_bytes(prof.activation_bytes, False) > 0
+    given = search_mesh(prof, MeshLayout(dp_shard=2), tp_shapes=None, hidden=32, microbatches=1, process_bytes=0, **kw)
+    assert given.stages[0].info["process_bytes"] == 0
+
+
+def _step_growth(profile) -> dict:
+    """What search_mesh adds to the data-parallel search's keywords on a GPU profile (activations on the device)."""
+    extra = HW.step_extra_bytes(profile.activation_bytes, False)
+    return {"process_bytes": extra, "heap_slack_bytes": extra - HW.step_untracked_bytes}
 
 
 def test_pipeline_and_tensor_axes_add_their_priced_terms():
@@ -115,7 +126,8 @@ def test_pipeline_stages_price_the_microbatches_accumulation():
     kw = dict(hardware=HW, device_memory=48 << 20, host_memory=64 * G)
     mp = search_mesh(prof, MeshLayout(pp=2, dp_shard=2, tp=2), tp_shapes=shapes, hidden=512, microbatches=4, **kw)
     for prof_s, r in zip(stage_profiles(prof, 2, 4), mp.stages):
-        plain = search_profile(tensor_profile(prof_s, shapes, 2), 2, **kw)  # the same search, unadjusted
+        cut = tensor_profile(prof_s, shapes, 2)
+        plain = search_profile(cut, 2, **_step_growth(cut), **kw)  # the same search, unadjusted
         assert len(plain.chunks) > 1 and plain.cache_blocks < len(plain.chunks)
         extra = r.info["accumulation_bytes"]
         assert extra == accumulation_bytes(plain, 2) > 0

@@ -25,6 +25,9 @@ a :class:`~elixir.search.step_profile.StepProfile` cut down to what one rank of 
   bubble: ``(pp - 1) / m`` of the forward and backward time for GPipe and 1F1B, ``/ v`` more for
   interleaved 1F1B with ``v`` stages per rank.
 
+- **The process's step growth**: each stage's plan counts the bytes a training step adds to the
+  process beyond the priced terms (the hardware profile's ``step_extra_bytes`` of the stage's
+  activations), as ``optimal_search`` does for a live model.
 - **Accumulating microbatches** (:func:`accumulation_bytes`): with more than one microbatch a
   stage's backwards but the last run under ``no_sync``, every sharded chunk gathered and every
   chunk's full-size gradient buffer open: added to the stage's device bytes, and the plan's rCache
@@ -47,6 +50,7 @@ from elixir.hardware.profile import HardwareProfile
 from elixir.plan import MeshLayout, Prediction, SearchResult
 from elixir.plan.footprint import element_bytes
 from elixir.plan.mesh import SCHEDULES
+from elixir.search.cost_model import unified_memory
 from elixir.search.optimal import search_profile
 from elixir.search.step_profile import RECOMPUTE, StepProfile
 from elixir.tracer.op_costs import OpCosts
@@ -272,6 +276,18 @@ def with_accumulation(result: SearchResult, elem: int) -> SearchResult:
                                info={**result.info, "accumulation_bytes": extra})
 
 
+def _with_step_growth(search: dict, hw: HardwareProfile, profile: StepProfile) -> dict:
+    """``search`` with the bytes a training step adds to a rank's process beyond every counted term
+    (:meth:`~elixir.hardware.HardwareProfile.step_extra_bytes` of the stage's activations: on a
+    CPU-only profile their heap slack is host RAM), as ``optimal_search`` counts them for a live
+    model, unless the caller gave ``process_bytes``. Without it the TP2 x DP2 check measured 1.249x
+    the prediction (docs/benchmarks.md)."""
+    if "process_bytes" in search:
+        return search
+    extra = hw.step_extra_bytes(profile.activation_bytes, unified_memory(hw))
+    return {**search, "process_bytes": extra, "heap_slack_bytes": extra - hw.step_untracked_bytes}
+
+
 def search_mesh(profile: StepProfile, layout: MeshLayout, *, tp_shapes: Optional[dict[str, tuple[int, ...]]],
                 hidden: int, microbatches: int, schedule: str = "1f1b", sequence_parallel: bool = False,
                 **search: Any) -> MeshPlan:
@@ -292,7 +308,7 @@ def search_mesh(profile: StepProfile, layout: MeshLayout, *, tp_shapes: Optional
     for prof in stage_profiles(profile, layout.pp, microbatches, schedule):
         prof = tensor_profile(prof, tp_shapes or {}, layout.tp, sequence_parallel)
         c = mesh_seconds(prof, layout, hw, hidden, elem, microbatches, schedule, sequence_parallel)
-        r = search_profile(prof, layout.dp_shard, **search)
+        r = search_profile(prof, layout.dp_shard, **_with_step_growth(search, hw, prof))
         if layout.pp > 1 and microbatches > 1:  # the stage's microbatches accumulate under no_sync
             r = with_accumulation(r, elem)
         stages.append(with_mesh_costs(r, c, layout))
