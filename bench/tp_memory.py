@@ -244,6 +244,8 @@ def _print_predictions(out: dict) -> None:
         print(f"  rank {rank} (stage {t['stage']}): {r['peak'] / 2**20:.1f} / {r['predicted'] / 2**20:.1f} MiB = "
               f"{r['peak'] / r['predicted']:.3f}x (accumulation term {t['accumulation'] / 2**20:.1f} MiB); "
               f"step {out['elixir_mesh_plan_pp']['step_s']:.2f} s measured, {t['step_s']:.2f} s predicted")
+        if rank % 2 == 0:  # one rank of each stage: the terms of its prediction
+            print("    predicted memory terms (MiB): " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in t["memory"].items()))
 
 
 def _print_prediction(r: dict) -> None:
