@@ -253,7 +253,7 @@ def _print_prediction(r: dict) -> None:
     predicted memory terms beside the runtime ledger's peaks (largest rank)."""
     print(f"elixir with `elixir plan --tp 2` 's plan: {r['peak_bytes_max_rank'] / 2**20:.1f} MiB measured "
           f"(largest rank, over its pre-build RSS) against {r['predicted'] / 2**20:.1f} MiB predicted "
-          f"(device + host, no process bytes): {r['peak_bytes_max_rank'] / r['predicted']:.3f}x")
+          f"(device + host, with the step growth search_mesh adds): {r['peak_bytes_max_rank'] / r['predicted']:.3f}x")
     terms = r["predicted_terms"] or {}
     print(f"step time: {r['step_s']:.2f} s measured (slowest rank, mean of the steps) against "
           f"{terms.get('step_s', 0.0):.2f} s predicted on the cpu-box profile")
