@@ -320,6 +320,37 @@ def engine_collectives(what: str = "a collective of torch's engines") -> Iterato
         raise _failed(what, e) from e
 
 
+_backward_named = False
+
+
+def name_backward_failures(what: str) -> None:
+    """From now on, a backend failure raised out of any ``loss.backward()`` (``Tensor.backward``
+    and ``torch.autograd.backward``) is a :class:`CollectiveFailed` naming ``what`` and where this
+    rank was. Collectives torch's engines issue inside a backward (DTensor's, under tensor
+    parallelism) fail inside the autograd engine, out of reach of any context elixir puts around
+    its own code: a bare ``loss.backward()`` (not ``ElixirOptimizer.backward``) gave gloo's raw
+    error. Installed once, by the first tensor-parallel module; every other error, and elixir's own
+    CollectiveFailed, passes through unchanged (a CollectiveFailed is a RuntimeError)."""
+    global _backward_named
+    if _backward_named:
+        return
+    _backward_named = True
+    inner = torch.autograd.backward
+
+    @functools.wraps(inner)
+    def backward(*args, **kwargs):
+        try:
+            return inner(*args, **kwargs)
+        except CollectiveFailed:
+            raise
+        except RuntimeError as e:
+            if not is_initialized() or not is_backend_failure(e):
+                raise
+            raise _failed(what, e) from e
+
+    torch.autograd.backward = backward
+
+
 def is_backend_failure(e: BaseException) -> bool:
     """``e`` came from the communication backend (a lost peer, a timeout), not from the model's
     own code: torch's ``DistError`` family, or gloo's plain ``RuntimeError`` whose text names gloo."""

@@ -48,6 +48,19 @@ def ddp_reference(model: nn.Module, batches: list[dict], loss: Callable[[nn.Modu
     return {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
 
 
+def cache_use(em) -> dict:
+    """How an ElixirModule's rCache was used so far: its peak of gathered chunks, the plan's blocks,
+    and the parameters gathered on access (read while released, so held to the end of backward)."""
+    return {"peak": em.cache.peak_resident, "blocks": em.cache.capacity, "on_access": sorted(em._access.names)[:3]}
+
+
+def check_cache_use(use: dict, what) -> None:
+    """The run kept to its plan's rCache, and no parameter was gathered outside its module's step
+    (under tensor parallelism, DTensor's ``from_local`` of a released shard once did: every chunk
+    stayed gathered to the end of backward)."""
+    assert not use["on_access"] and use["peak"] <= use["blocks"], (what, use)
+
+
 def tiny_llama(layers: int = 2, tie: bool = False) -> nn.Module:
     """A LLaMA-style decoder small enough for 4 CPU ranks: 2 heads and 2 key/value heads (tp 2
     divides both), vocabulary 128 (the zoo's batches), seeded."""

@@ -211,3 +211,31 @@ def test_bad_mesh_checkpoints_fail_on_every_rank(launched):
     for r in result(results, "refusals"):
         assert "stage01-tp01" in r["part"] and "index.json" in r["part"], r
         assert "param groups" in r["groups"] and "build the optimizer with the param groups" in r["groups"], r
+
+
+def test_mesh_checkpoints_refuse_a_replica_axis(tmp_path):
+    """A replica axis (HSDP's dp_replicate) has no place in a mesh checkpoint: refused at save
+    (the layout it would record) and at load (a mesh.json that records one), naming the fix."""
+    from types import SimpleNamespace
+
+    from elixir.checkpoint import CheckpointError
+    from elixir.checkpoint.mesh import _layout
+    from elixir.checkpoint.mesh_source import MESH, MESH_FORMAT, MESH_VERSION, read_meta
+    from elixir.plan import MeshLayout
+
+    def on(layout):
+        return SimpleNamespace(mesh=SimpleNamespace(layout=layout))
+
+    assert _layout(on(MeshLayout(dp_shard=2, tp=2))) == {"pp": 1, "dp_shard": 2, "tp": 2}
+    with pytest.raises(CheckpointError, match="fold dp_replicate into dp_shard"):
+        _layout(on(MeshLayout(dp_replicate=2, dp_shard=2)))
+    meta = {"format": MESH_FORMAT, "version": MESH_VERSION, "layout": {"pp": 1, "dp_shard": 2, "tp": 1}, "parts": {}}
+    for replicas in (1, 2):
+        meta["layout"]["dp_replicate"] = replicas
+        with open(tmp_path / MESH, "w") as f:
+            json.dump(meta, f)
+        if replicas == 1:
+            assert read_meta(str(tmp_path))["layout"]["dp_shard"] == 2
+        else:
+            with pytest.raises(CheckpointError, match="replica axis .*dp_replicate folded into dp_shard"):
+                read_meta(str(tmp_path))

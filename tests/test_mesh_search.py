@@ -74,9 +74,20 @@ def test_a_one_stage_one_shard_mesh_is_the_data_parallel_search():
     prof = _profile(_llama())
     kw = dict(hardware=HW, device_memory=80 * G, host_memory=64 * G)
     mp = search_mesh(prof, MeshLayout(dp_shard=2), tp_shapes=None, hidden=32, microbatches=1, **kw)
-    plain = search_profile(prof, 2, **kw)
+    plain = search_profile(prof, 2, **_step_growth(prof), **kw)
     assert mp.stages[0].chunks == plain.chunks
     assert mp.step_time_s == pytest.approx(plain.prediction.step_time_s, rel=1e-12)
+    assert mp.stages[0].prediction.peak_host_bytes == plain.prediction.peak_host_bytes
+    # the process's step growth is counted (optimal_search counts it for a live model); given, it is kept
+    assert mp.stages[0].info["process_bytes"] == HW.step_extra_bytes(prof.activation_bytes, False) > 0
+    given = search_mesh(prof, MeshLayout(dp_shard=2), tp_shapes=None, hidden=32, microbatches=1, process_bytes=0, **kw)
+    assert given.stages[0].info["process_bytes"] == 0
+
+
+def _step_growth(profile) -> dict:
+    """What search_mesh adds to the data-parallel search's keywords on a GPU profile (activations on the device)."""
+    extra = HW.step_extra_bytes(profile.activation_bytes, False)
+    return {"process_bytes": extra, "heap_slack_bytes": extra - HW.step_untracked_bytes}
 
 
 def test_pipeline_and_tensor_axes_add_their_priced_terms():
@@ -96,6 +107,36 @@ def test_pipeline_and_tensor_axes_add_their_priced_terms():
         assert br["pipeline_bubble"] > 0 and br["tensor_collectives"] > 0
     with pytest.raises(ValueError, match="tp_shapes"):
         search_mesh(prof, layout, tp_shapes=None, hidden=32, microbatches=4, **kw)
+
+
+def test_pipeline_stages_price_the_microbatches_accumulation():
+    """A stage accumulates its microbatches under no_sync: every sharded chunk gathered and every
+    chunk's gradient buffer open (elixir.parallel.ElixirPipeline). On a budget that makes the search
+    split the stage into several chunks, the stage's plan gets a block per sharded chunk and the
+    bytes the data-parallel search did not count; none without a dp axis or with one microbatch."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 - transformers: the hf extra
+
+    from elixir.search.mesh_profile import accumulation_bytes  # noqa: PLC0415
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024,
+                                             num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4))
+    prof = profile_from_module(model, activation_bytes=8 << 20, dtype=torch.bfloat16, tokens=256)
+    shapes = local_shapes(prof.params, style_plan(model), 2)
+    kw = dict(hardware=HW, device_memory=48 << 20, host_memory=64 * G)
+    mp = search_mesh(prof, MeshLayout(pp=2, dp_shard=2, tp=2), tp_shapes=shapes, hidden=512, microbatches=4, **kw)
+    for prof_s, r in zip(stage_profiles(prof, 2, 4), mp.stages):
+        cut = tensor_profile(prof_s, shapes, 2)
+        plain = search_profile(cut, 2, **_step_growth(cut), **kw)  # the same search, unadjusted
+        assert len(plain.chunks) > 1 and plain.cache_blocks < len(plain.chunks)
+        extra = r.info["accumulation_bytes"]
+        assert extra == accumulation_bytes(plain, 2) > 0
+        assert r.prediction.peak_device_bytes == plain.prediction.peak_device_bytes + extra
+        assert r.cache_blocks == max(plain.cache_blocks, sum(c.sharded for c in r.chunks))
+    one = search_mesh(prof, MeshLayout(pp=2, dp_shard=2, tp=2), tp_shapes=shapes, hidden=512, microbatches=1, **kw)
+    assert all("accumulation_bytes" not in r.info for r in one.stages)
+    no_dp = search_mesh(prof, MeshLayout(pp=2, tp=2), tp_shapes=shapes, hidden=512, microbatches=4, **kw)
+    assert all(r.info["accumulation_bytes"] == 0 for r in no_dp.stages)
 
 
 def test_plan_cli_predicts_a_70b_cluster_run(capsys):

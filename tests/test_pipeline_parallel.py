@@ -36,7 +36,7 @@ from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
 from elixir.testing.zoo import ZOO
-from tests.mesh_cases import ddp_reference, sgd_reference, tiny_llama
+from tests.mesh_cases import cache_use, check_cache_use, ddp_reference, sgd_reference, tiny_llama
 
 STEPS = 3
 LR = 0.5
@@ -101,7 +101,7 @@ def _ddp(name: str, dp_group, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
 
 def _plan_fn(variant: str):
     def plan(stage: nn.Module, layout: MeshLayout):
-        sr = minimum_waste_search(stage, layout, cpu_offload=variant == "host_optim")
+        sr = minimum_waste_search(stage, layout, cpu_offload=variant == "host_optim", accumulation=True)  # no_sync
         if variant == "zero1":
             sr = dataclasses.replace(sr, chunks=tuple(c.with_sharding(Sharding.ZERO1, sr.world_size) for c in sr.chunks))
         return sr
@@ -142,6 +142,7 @@ def _pipeline(name: str, layout: MeshLayout, schedule: str, variant: str) -> dic
     edist.barrier()
     return {"losses": losses, "weights": weights, "kinds": kinds, "last": pipe.is_last_stage, "reductions": reductions,
             "sharded_chunks": sum(c.spec.sharded for em in pipe.modules for c in em.chunks),
+            "cache": [cache_use(em) for em in pipe.modules],
             "stages": [em.module.index for em in pipe.modules]}
 
 
@@ -193,7 +194,7 @@ def _worker(cases):
         init = _build(name).state_dict()
         out[key] = {"ref": ref_losses, "losses": res["losses"], "ddp_err": ddp_err, "errs": errs,
                     "kinds": res["kinds"], "last": res["last"], "stages": res["stages"],
-                    "reductions": res["reductions"], "sharded_chunks": res["sharded_chunks"],
+                    "reductions": res["reductions"], "sharded_chunks": res["sharded_chunks"], "cache": res["cache"],
                     "moved": max((res["weights"][k] - init[k]).abs().max().item() for k in res["weights"])}
     return out
 
@@ -205,6 +206,8 @@ def _check(results, cases):
             what = (rank, name, layout_sizes, schedule, variant)
             assert res["moved"] > 1e-3, (what, res["moved"])  # the weights trained
             assert res["errs"], what
+            for use in res["cache"]:
+                check_cache_use(use, what)
             worst = max(res["errs"], key=res["errs"].get)
             assert res["errs"][worst] <= 2 * res["ddp_err"], (what, worst, res["errs"][worst], res["ddp_err"])
             if variant == "zero3" and layout_sizes.get("dp_shard", 1) > 1:  # one reduction per chunk and step

@@ -38,7 +38,14 @@ from elixir.search import minimum_waste_search
 from elixir.testing import run_distributed
 from elixir.testing.reference import shard_batch
 from elixir.testing.zoo import ZOO
-from tests.mesh_cases import ddp_reference, plugin_steps, sgd_reference, tiny_llama
+from tests.mesh_cases import (
+    cache_use,
+    check_cache_use,
+    ddp_reference,
+    plugin_steps,
+    sgd_reference,
+    tiny_llama,
+)
 
 STEPS = 3
 LR = 0.5
@@ -145,7 +152,7 @@ def _elixir_tp(name: str, mesh, variant: str) -> tuple[list[float], dict[str, to
         w = em.tensor_parallel.full_tensor(k, v)
         full[k] = qkv_from_tp_order(w, tp) if k.endswith("attn.c_attn.weight") or k.endswith("attn.c_attn.bias") else w
     edist.barrier()
-    return losses, full, (kinds, held == expected or {"held": held, "search's shapes": expected})
+    return losses, full, (kinds, held == expected or {"held": held, "search's shapes": expected}, cache_use(em))
 
 
 def _tp_worker(cases):
@@ -159,14 +166,14 @@ def _tp_worker(cases):
         ddp = _ddp(name, dp_group, dp_rank, 2)
         ddp_err = max((ddp[k] - ref[k]).abs().max().item() for k in ref)
         for variant in variants:
-            losses, full, (kinds, shapes) = _elixir_tp(name, mesh, variant)
+            losses, full, (kinds, shapes, cache) = _elixir_tp(name, mesh, variant)
             # loss parallelism sums the log-softmax over vocab shards in another order: allow one
             # fp32 ulp of each tensor's magnitude where DDP's own error is below that
             ulp = _options(variant)[2] * torch.finfo(torch.float32).eps
             errs = {k: max((full[k] - ref[k]).abs().max().item() - ulp * ref[k].abs().max().item(), 0.0) for k in ref}
             worst = max(errs, key=errs.get)
             out[(name, variant)] = {"ref": ref_losses, "losses": losses, "ddp_err": ddp_err,
-                                    "err": errs[worst], "worst": worst, "kinds": kinds, "shapes": shapes,
+                                    "err": errs[worst], "worst": worst, "kinds": kinds, "shapes": shapes, "cache": cache,
                                     "moved": max((full[k] - _build(name).state_dict()[k]).abs().max().item() for k in ref)}
         if name == "llama":
             out["plugin_sp"] = _plugin_sp(ref_losses, ref, ddp_err)
@@ -199,6 +206,7 @@ def _check(results, cases):
                 assert res["err"] <= 2 * res["ddp_err"], (name, variant, res)
                 assert res["kinds"], res
                 assert res["shapes"] is True, (name, res["shapes"])  # plan/tensor_plans.local_shapes, as the search sees them
+                check_cache_use(res["cache"], (name, variant))
 
 
 _TP_CASES = [("llama", ("zero3", "zero1", "host_optim")), ("gpt2", ("zero3", "zero1", "host_optim")),

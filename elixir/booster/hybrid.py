@@ -187,7 +187,9 @@ class HybridParallelPlugin(Plugin):
     def _plan(self, module: nn.Module, layout: MeshLayout) -> SearchResult:
         if self.plan_fn is not None:
             return self.plan_fn(module, layout)
-        sr = minimum_waste_search(module, layout, unified_dtype=self.dtype, cpu_offload=self.cpu_offload)
+        # a pipeline stage accumulates its microbatches under no_sync, every sharded chunk gathered
+        sr = minimum_waste_search(module, layout, unified_dtype=self.dtype, cpu_offload=self.cpu_offload,
+                                  accumulation=self.pp_size > 1)
         kind = ZERO_STAGES[self.zero_stage]
         return dataclasses.replace(sr, chunks=tuple(c.with_sharding(kind, sr.world_size) for c in sr.chunks))
 

@@ -87,7 +87,13 @@ def _ties(model: MeshModel, parts: Parts) -> list[list[str]]:
 
 
 def _layout(model: MeshModel) -> dict[str, int]:
+    """The layout ``mesh.json`` records; a replica axis is refused (each replica would write the
+    same shards, and a load could not tell the replicas' parts apart)."""
     lay = model.layout if isinstance(model, ElixirPipeline) else model.mesh.layout
+    if lay.dp_replicate > 1:
+        raise CheckpointError(f"a mesh checkpoint has pp, dp_shard and tp axes; this model runs on {lay.describe()}, "
+                              "with a replica axis: fold dp_replicate into dp_shard, or save one replica's model "
+                              "with elixir.checkpoint.save from a process group of that replica's ranks")
     return {"pp": lay.pp, "dp_shard": lay.dp_shard, "tp": lay.tp}
 
 
@@ -95,6 +101,7 @@ def save_mesh(path: str, model: MeshModel, optimizer: Optional[MeshOptimizer] = 
     """Write ``model``'s (and ``optimizer``'s) mesh checkpoint to the directory ``path``, atomically
     (see the module docstring). Collective over the whole world."""
     parts = mesh_parts(model, optimizer)
+    lay = _layout(model)  # before any collective: the layout is the same on every rank
     rank, world = edist.get_rank(), edist.get_world_size()
     mine = {"parts": {part_name(em): {"stage": getattr(em.module, "index", 0), "tp": em.mesh.coordinates.get("tp", 0)}
                       for em, _ in parts},
@@ -112,7 +119,7 @@ def save_mesh(path: str, model: MeshModel, optimizer: Optional[MeshOptimizer] = 
         metas = agree(None, world, error, mine)
         if rank == 0:
             try:
-                atomic_write_json(os.path.join(stage.tmp, MESH), _merge(metas, _layout(model)))
+                atomic_write_json(os.path.join(stage.tmp, MESH), _merge(metas, lay))
             except OSError as e:
                 stage.error = f"writing {MESH} failed: {e}"
 

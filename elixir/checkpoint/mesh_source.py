@@ -79,6 +79,10 @@ def read_meta(root: str) -> dict:
         raise CheckpointError(f"{mpath} is unreadable or truncated ({e})") from None
     if meta.get("format") != MESH_FORMAT or meta.get("version") != MESH_VERSION:
         raise CheckpointError(f"{mpath} is not a version-{MESH_VERSION} elixir mesh checkpoint description")
+    if int(meta.get("layout", {}).get("dp_replicate", 1)) > 1:
+        raise CheckpointError(f"{mpath} records a replica axis (dp_replicate {meta['layout']['dp_replicate']}): elixir's mesh "
+                              "checkpoints have pp, dp_shard and tp axes only; save it again with dp_replicate folded "
+                              "into dp_shard")
     return meta
 
 

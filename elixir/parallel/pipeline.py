@@ -107,7 +107,9 @@ def _phase(em: ElixirModule, phase: str) -> str:
 
 
 def _default_plan(stage: nn.Module, layout: MeshLayout) -> Any:
-    return minimum_waste_search(stage, layout)
+    """A stage's plan: every backward but a step's last runs under ``no_sync``, which holds each
+    sharded chunk gathered, so the rCache has a block for each (``accumulation``)."""
+    return minimum_waste_search(stage, layout, accumulation=True)
 
 
 class ElixirPipeline:
@@ -127,7 +129,8 @@ class ElixirPipeline:
         stages_per_rank: stages each rank holds (``"interleaved_1f1b"`` needs 2 or more; the
             others 1).
         plan_fn: ``plan_fn(stage_module, layout) -> plan`` for each stage (default
-            :func:`~elixir.search.minimum_waste_search`; a ``MeshLayout(dp_shard, tp)``).
+            :func:`~elixir.search.minimum_waste_search` with ``accumulation=True``: the
+            microbatches' backwards but the last run under ``no_sync``; a ``MeshLayout(dp_shard, tp)``).
         loss_fn: ``loss_fn(logits, target) -> mean loss of a microbatch`` (default: the causal-LM
             loss, targets shifted by one as Hugging Face's ``labels=``).
         **module_kwargs: passed to every stage's :class:`ElixirModule` (``dtype=``, ``prefetch=``, ...).

@@ -25,6 +25,14 @@ a :class:`~elixir.search.step_profile.StepProfile` cut down to what one rank of 
   bubble: ``(pp - 1) / m`` of the forward and backward time for GPipe and 1F1B, ``/ v`` more for
   interleaved 1F1B with ``v`` stages per rank.
 
+- **The process's step growth**: each stage's plan counts the bytes a training step adds to the
+  process beyond the priced terms (the hardware profile's ``step_extra_bytes`` of the stage's
+  activations), as ``optimal_search`` does for a live model.
+- **Accumulating microbatches** (:func:`accumulation_bytes`): with more than one microbatch a
+  stage's backwards but the last run under ``no_sync``, every sharded chunk gathered and every
+  chunk's full-size gradient buffer open: added to the stage's device bytes, and the plan's rCache
+  gets a block per sharded chunk.
+
 The stage's step time is ``(forward and backward + tensor collectives + sends) * (1 + bubble) +
 optimizer step``; the pipeline's is its slowest stage's. These are model-level estimates, not a
 trace of the parallelised step: the checks on layouts this box runs are in docs/parallel.md.
@@ -42,6 +50,7 @@ from elixir.hardware.profile import HardwareProfile
 from elixir.plan import MeshLayout, Prediction, SearchResult
 from elixir.plan.footprint import element_bytes
 from elixir.plan.mesh import SCHEDULES
+from elixir.search.cost_model import unified_memory
 from elixir.search.optimal import search_profile
 from elixir.search.step_profile import RECOMPUTE, StepProfile
 from elixir.tracer.op_costs import OpCosts
@@ -240,6 +249,45 @@ def with_mesh_costs(result: SearchResult, costs: MeshCosts, layout: MeshLayout) 
                                prediction=dataclasses.replace(pred, step_time_s=step, breakdown=br))
 
 
+def accumulation_bytes(result: SearchResult, elem: int) -> int:
+    """Device bytes a pipeline stage holds beyond what the data-parallel search counted for its plan
+    ``result``, while the step's microbatches accumulate: every backward but the last runs under
+    ``no_sync`` (:class:`elixir.parallel.ElixirPipeline`), which keeps each sharded chunk gathered
+    and a full-size gradient buffer of every chunk open until the last backward, where the search
+    counted its rCache blocks and the buffers of the chunks whose backward is in progress. Buffers
+    are priced at ``elem`` bytes (the compute dtype). 0 with no data-parallel axis (nothing gathered;
+    the kept gradients are the whole ones the search counts)."""
+    if result.world_size <= 1:
+        return 0
+    counted = result.info.get("predicted_memory", {})
+    gathered = sum(c.chunk_size for c in result.chunks if c.sharded) * elem
+    buffers = sum(c.chunk_size for c in result.chunks) * elem
+    return max(0, gathered - counted.get("rcache", 0)) + max(0, buffers - counted.get("grad_buffers", 0))
+
+
+def with_accumulation(result: SearchResult, elem: int) -> SearchResult:
+    """``result`` with a block for every sharded chunk (``no_sync`` holds them all: the runtime
+    would otherwise go over its rCache) and :func:`accumulation_bytes` in its predicted device
+    bytes (``info["accumulation_bytes"]``)."""
+    extra = accumulation_bytes(result, elem)
+    pred = dataclasses.replace(result.prediction, peak_device_bytes=result.prediction.peak_device_bytes + extra)
+    blocks = max(result.cache_blocks, sum(c.sharded for c in result.chunks))
+    return dataclasses.replace(result, prediction=pred, cache_blocks=blocks,
+                               info={**result.info, "accumulation_bytes": extra})
+
+
+def _with_step_growth(search: dict, hw: HardwareProfile, profile: StepProfile) -> dict:
+    """``search`` with the bytes a training step adds to a rank's process beyond every counted term
+    (:meth:`~elixir.hardware.HardwareProfile.step_extra_bytes` of the stage's activations: on a
+    CPU-only profile their heap slack is host RAM), as ``optimal_search`` counts them for a live
+    model, unless the caller gave ``process_bytes``. Without it the TP2 x DP2 check measured 1.249x
+    the prediction (docs/benchmarks.md)."""
+    if "process_bytes" in search:
+        return search
+    extra = hw.step_extra_bytes(profile.activation_bytes, unified_memory(hw))
+    return {**search, "process_bytes": extra, "heap_slack_bytes": extra - hw.step_untracked_bytes}
+
+
 def search_mesh(profile: StepProfile, layout: MeshLayout, *, tp_shapes: Optional[dict[str, tuple[int, ...]]],
                 hidden: int, microbatches: int, schedule: str = "1f1b", sequence_parallel: bool = False,
                 **search: Any) -> MeshPlan:
@@ -260,7 +308,9 @@ def search_mesh(profile: StepProfile, layout: MeshLayout, *, tp_shapes: Optional
     for prof in stage_profiles(profile, layout.pp, microbatches, schedule):
         prof = tensor_profile(prof, tp_shapes or {}, layout.tp, sequence_parallel)
         c = mesh_seconds(prof, layout, hw, hidden, elem, microbatches, schedule, sequence_parallel)
-        r = search_profile(prof, layout.dp_shard, **search)
+        r = search_profile(prof, layout.dp_shard, **_with_step_growth(search, hw, prof))
+        if layout.pp > 1 and microbatches > 1:  # the stage's microbatches accumulate under no_sync
+            r = with_accumulation(r, elem)
         stages.append(with_mesh_costs(r, c, layout))
         costs.append(c)
     return MeshPlan(layout=layout, stages=tuple(stages), costs=tuple(costs), schedule=schedule,
@@ -275,4 +325,4 @@ def predicted(plan: MeshPlan) -> Prediction:
 
 
 __all__ = ["SCHEDULES", "MeshCosts", "MeshPlan", "stage_names", "stage_profile", "stage_profiles", "tensor_profile",
-           "mesh_seconds", "with_mesh_costs", "search_mesh", "predicted"]
+           "mesh_seconds", "with_mesh_costs", "accumulation_bytes", "with_accumulation", "search_mesh", "predicted"]

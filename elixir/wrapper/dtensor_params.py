@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from elixir import distributed as edist
+
 
 class TensorParallelError(ValueError):
     """A model's DTensor parameters do not fit the run's mesh."""
@@ -101,8 +103,14 @@ class TensorParallelParams:
 
 def _expose(entries: list[tuple[str, TPParam]]):
     def hook(module: nn.Module, args) -> None:
-        for attr, t in entries:
-            module.__dict__[attr] = t.as_dtensor()
+        # This hook runs before the step hook that gathers the module's chunks, so a sharded chunk
+        # may still be released here. from_local only views the local parameter (a view of the
+        # chunk's payload, whose storage the gather refills in place), so the view is made without
+        # the released parameter's guard: through the guard it would read as an access and gather
+        # the chunk pinned to the end of backward (every chunk held at once, the plan's rCache exceeded).
+        with torch._C.DisableTorchFunctionSubclass():
+            for attr, t in entries:
+                module.__dict__[attr] = t.as_dtensor()
     return hook
 
 
@@ -147,5 +155,6 @@ def localize(module: nn.Module, tp_mesh: Any, tp_size: int) -> Optional[TensorPa
             )
         return None
     aliases = {n: found[id(p)] for n, p in every_name if id(p) in found}
+    edist.name_backward_failures("tensor-parallel backward")  # DTensor's backward collectives, bare loss.backward()
     return TensorParallelParams({id(t.param): t for t in found.values()}, owners, aliases)
 
