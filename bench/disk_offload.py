@@ -247,7 +247,6 @@ def _print_breakdown(r: dict) -> None:
     for col in ("phase", "read", "written", "s", "waiting s", "GB/s", "share of step"):
         table.add_column(col, justify="right", no_wrap=True)
     for row in r["rows"]:
-        moved = row["read"] + row["written"]
         table.add_row(row["phase"], f"{row['read'] / 1e9:.2f} GB", f"{row['written'] / 1e9:.2f} GB", f"{row['s']:.2f}",
                       f"{row['wait_s']:.2f}", _rate(row),
                       f"{row['s'] / r['step_s']:.0%}")

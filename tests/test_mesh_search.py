@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
+from elixir import plan_cli as cli
 from elixir.hardware import load_profile
 from elixir.plan import MeshLayout
 from elixir.plan.tensor_plans import local_shapes, style_plan
-from elixir import plan_cli as cli
 from elixir.search.mesh_profile import search_mesh, stage_names, stage_profiles, tensor_profile
 from elixir.search.optimal import search_profile
 from elixir.search.step_profile import profile_from_module
