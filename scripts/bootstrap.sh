@@ -15,34 +15,21 @@ fi
 VPY="$VENV/bin/python"
 pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
 
-stamp="$VENV/.elixir-installed-$EXTRAS"
-install=0
-if [ ! -f "$stamp" ] || [ "$ROOT/setup.py" -nt "$stamp" ] || [ -n "$(find "$ROOT/csrc" -newer "$stamp" -print -quit)" ]; then
-  install=1
-  echo "[elixir] installing elixir[$EXTRAS] (editable, builds the native extension)" >&2
-  pip_q setuptools wheel pybind11
-  # The native extension compiles (on every core) while pip fetches and unpacks torch and the other
-  # dependencies; the editable install then skips it (ELIXIR_NO_NATIVE) and finds it in the tree.
-  log="$VENV/elixir-native-build.log"
-  (cd "$ROOT" && "$VPY" setup.py build_ext --inplace >"$log" 2>&1) &
-  native=$!
-fi
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   # The pinned CPU wheel: an unpinned `torch` would pull a multi-GB CUDA build.
   echo "[elixir] installing torch==2.13.0 (CPU)" >&2
   pip_q "torch==2.13.0"
 fi
-if [ "$install" = 1 ]; then
+stamp="$VENV/.elixir-installed-$EXTRAS"
+if [ ! -f "$stamp" ] || [ "$ROOT/setup.py" -nt "$stamp" ] || [ -n "$(find "$ROOT/csrc" -newer "$stamp" -print -quit)" ]; then
+  echo "[elixir] installing elixir[$EXTRAS] (editable, builds the native extension)" >&2
+  pip_q setuptools wheel pybind11
   # The distribution was called "elixir" before it took the free name elixir-train: an editable
   # install of this tree under the old name would shadow the new one, so it goes first.
   if "$VPY" -m pip show elixir 2>/dev/null | grep -qx "Editable project location: $ROOT"; then
     "$VPY" -m pip uninstall -q -y elixir
   fi
-  ELIXIR_NO_NATIVE=1 pip_q --no-build-isolation -e "$ROOT[$EXTRAS]"
-  if ! wait "$native"; then
-    echo "[elixir] the native extension did not build (elixir falls back to torch); its log: $log" >&2
-    tail -n 20 "$log" >&2
-  fi
+  pip_q --no-build-isolation -e "$ROOT[$EXTRAS]"
   touch "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
