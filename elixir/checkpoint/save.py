@@ -30,6 +30,7 @@ from elixir.optim.nvme import materialized
 from elixir.wrapper import lowbit_state
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer
+from elixir.wrapper.state_dict import warn_dequantised
 
 
 def save(
@@ -46,7 +47,10 @@ def save(
     ``frozen=False`` leaves out the weights of the frozen chunks (an adapter-only checkpoint, as
     PEFT's ``save_pretrained`` writes: load the base weights first, e.g. with
     :func:`~elixir.checkpoint.load_pretrained`, then this); loading it leaves frozen weights as
-    they are."""
+    they are. Frozen chunks stored quantised (``MixedPrecisionPolicy(frozen="nf4")``) are written
+    dequantised to the compute dtype, with a warning naming the precision change; loading them
+    quantises them again (the same values to within the format's rounding, not bitwise the same
+    codes). ``frozen=False`` is the lossless save of such a run."""
     if not isinstance(model, ElixirModule):
         raise TypeError("checkpoint.save needs the ElixirModule")
     if optimizer is not None and optimizer.module is not model:
@@ -129,10 +133,17 @@ def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], ext
             if st:
                 # key order of this parameter's state (so loading rebuilds it identically)
                 scalars.setdefault(pname, {})["__order__"] = list(st.keys())
+        values: dict[int, torch.Tensor] = {}  # a quantised chunk's shard, dequantised once
         for fp in frozen_pieces(em, writers_only=True) if frozen else ():
             key = f"frozen/{fp.name}/{fp.start}"
             chunk = em.all_chunks[fp.chunk]
-            if chunk.spec.shard_on_disk:  # read in and copied (a disk shard is not resident)
+            if chunk.spec.frozen_format is not None:
+                if fp.chunk not in values:
+                    warn_dequantised(chunk, "the checkpoint")
+                    with chunk.shard_access(write=False) as shard:
+                        values = {fp.chunk: shard}
+                tensors[key] = values[fp.chunk][fp.lo : fp.hi].clone()
+            elif chunk.spec.shard_on_disk:  # read in and copied (a disk shard is not resident)
                 with chunk.shard_access(write=False) as shard:
                     tensors[key] = shard[fp.lo : fp.hi].clone()
             else:

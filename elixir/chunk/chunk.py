@@ -163,9 +163,13 @@ class Chunk:
         # transient chunk's worth of RSS that no prediction counted).
         h2d = self.spec.shard_on_host and dev.is_accelerator(self.spec.device)
         direct = h2d and edist.get_world_size(self.group) == 1
-        staging = torch.empty_like(self.shard, device=self.spec.device) if h2d and not direct else None
+        quantised = self.storage.codec is not None  # dequantised into the payload (synchronously)
+        staging = torch.empty_like(self.shard, device=self.spec.device) if h2d and not (direct or quantised) else None
         with streams.issue(streams.gather) as ready:
-            if direct:
+            if quantised:
+                self.storage.decode_gather(self.comm)
+                self._work = None
+            elif direct:
                 self.payload.copy_(self.shard, non_blocking=dev.non_blocking_ok(self.shard, self.spec.device))
                 self._work = None
             else:

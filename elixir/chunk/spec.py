@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -45,6 +46,10 @@ class ChunkSpec(ShardedBy):
         kind: trainable, or frozen (weights only; the master and gradient fields are unused).
         master_dtype: dtype of the master the optimizer updates: fp32, or bf16 for the lossy
             master formats (:mod:`elixir.plan.state_format`).
+        frozen_format: a frozen chunk's shard stored quantised (``"nf4"`` or ``"int8"``,
+            :mod:`elixir.chunk.quant`) and dequantised into the payload at each gather; such a
+            chunk is always sharded (its payload is transient, even at world size 1). None: the
+            shard holds compute-dtype values.
     """
 
     index: int
@@ -61,6 +66,7 @@ class ChunkSpec(ShardedBy):
     pin_memory: bool = True
     kind: ChunkKind = ChunkKind.TRAINABLE
     master_dtype: torch.dtype = torch.float32
+    frozen_format: Optional[str] = None
 
     @property
     def frozen(self) -> bool:
@@ -76,6 +82,9 @@ class ChunkSpec(ShardedBy):
         object.__setattr__(self, "layout", MeshLayout.of(self.layout))
         object.__setattr__(self, "shard_placement", Placement(self.shard_placement) if self.sharded else Placement.DEVICE)
         object.__setattr__(self, "optim_placement", Placement.DEVICE if self.frozen else Placement(self.optim_placement))
+        if self.frozen_format is not None and not (self.frozen and self.sharding.params_sharded):
+            raise ValueError(f"chunk {self.index}: only a sharded frozen chunk is stored quantised "
+                             f"({self.frozen_format}); this one is {self.sharding.value}{' frozen' if self.frozen else ''}")
         problem = placement_problem(self.sharding, self.shard_placement, self.optim_placement, frozen=self.frozen)
         if problem:
             raise ValueError(f"chunk {self.index}: {problem}")

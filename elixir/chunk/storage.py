@@ -10,6 +10,11 @@
   host memory, or in an offload file (read in only while used: :meth:`shard_access`); for a chunk
   whose parameters are whole but whose state is split (ZeRO-1/2) it is this rank's slice *of the
   payload* (a view);
+  A frozen chunk with a ``frozen_format`` keeps its shard quantised (:mod:`elixir.chunk.quant`):
+  one ``uint8`` buffer of codes and scales, dequantised into the payload by each gather
+  (:meth:`ChunkStorage.decode_gather`) and, for a reader or writer of values
+  (:meth:`ChunkStorage.shard_access`: loads, state dicts, checkpoints), into a transient
+  compute-dtype copy, quantised again after a write;
 - ``master``: the fp32 slice the optimizer updates: the very tensor ``shard`` is when the compute
   dtype is fp32 and both live in the same place (:func:`master_is_shard`), else a copy on the
   device, in host memory, or in an offload file (staged by :mod:`elixir.offload`).
@@ -24,6 +29,7 @@ import torch
 
 from elixir import device as dev
 from elixir.chunk.accounting import MemoryLedger
+from elixir.chunk.quant import FrozenCodec
 from elixir.chunk.spec import ChunkSpec
 from elixir.plan import Placement
 from elixir.plan.footprint import element_bytes, master_shares_shard
@@ -66,6 +72,10 @@ class ChunkStorage:
         self.shard: Optional[torch.Tensor] = None
         self.master: Optional[torch.Tensor] = None
         self.shard_store: Any = None  # the DiskStore holding the shard (spec.shard_on_disk), set by its owner
+        fmt = spec.frozen_format
+        self.codec = FrozenCodec(fmt, spec.shard_numel, spec.dtype) if fmt is not None else None
+        # bytes of this rank's shard: compute-dtype values, or the quantised buffer
+        self.shard_bytes = self.codec.nbytes if self.codec is not None else nbytes(spec.shard_numel, spec.dtype)
 
     def init_from(self, flat: torch.Tensor) -> torch.Tensor:
         """Build payload, shard and master from the full flat values ``flat`` (``capacity``
@@ -78,12 +88,15 @@ class ChunkStorage:
                           f"chunk {spec.index}")
         self.payload = flat.to(device=spec.device, dtype=spec.dtype, copy=True)
         src = flat[lo : lo + n]
+        dtype = spec.dtype
+        if self.codec is not None:  # quantised where the values are, then moved as bytes
+            src, dtype = self.codec.encode(self.payload[lo : lo + n]), torch.uint8
         if spec.shard_on_disk:  # plain (resizable) host memory: the store frees it once written
-            self.shard = src.to(device="cpu", dtype=spec.dtype, copy=True)
-            self.ledger.alloc(spec.shard_category, "host", nbytes(n, spec.dtype))
+            self.shard = src.to(device="cpu", dtype=dtype, copy=True)
+            self.ledger.alloc(spec.shard_category, "host", self.shard_bytes)
         elif spec.sharded:
-            self.shard = _copy_of(src, spec.dtype, spec.shard_placement, spec)
-            self.ledger.alloc(spec.shard_category, location(spec.shard_placement), nbytes(n, spec.dtype))
+            self.shard = _copy_of(src, dtype, spec.shard_placement, spec)
+            self.ledger.alloc(spec.shard_category, location(spec.shard_placement), self.shard_bytes)
         else:  # parameters whole: the payload is always resident, this rank's shard a view of it
             self.shard = self.payload[lo : lo + n] if spec.state_sharded else self.payload
         if spec.frozen:
@@ -143,8 +156,40 @@ class ChunkStorage:
 
     @contextlib.contextmanager
     def shard_access(self, write: bool) -> Iterator[torch.Tensor]:
-        """The compute shard, resident for the block: a disk shard is read in and, with ``write``,
-        written back after (else dropped); other shards are resident already."""
+        """The compute shard's values, resident for the block: a disk shard is read in and, with
+        ``write``, written back after (else dropped); other shards are resident already. A
+        quantised shard yields its values dequantised (a transient compute-dtype copy), quantised
+        again after the block with ``write``."""
+        if self.codec is None:
+            with self.stored_shard(write) as shard:
+                yield shard
+            return
+        with self.stored_shard(write) as packed:
+            values = self.codec.decode(packed)
+            yield values
+            if write:
+                self.codec.encode(values, out=packed)
+
+    def decode_gather(self, comm: Any) -> None:
+        """Gather a quantised shard into the payload: the shard's bytes (brought to the device
+        when they live in host memory), all-gathered as bytes at world size > 1 (a quarter of
+        bf16's traffic for NF4), dequantised rank by rank into the payload."""
+        src, spec, codec = self.shard, self.spec, self.codec
+        if spec.shard_on_host and dev.is_accelerator(spec.device):
+            src = src.to(spec.device, non_blocking=dev.non_blocking_ok(src, spec.device), copy=True)
+        if spec.shard_world == 1:
+            codec.decode(src, out=self.payload)
+            return
+        every = torch.empty(spec.shard_world * codec.nbytes, dtype=torch.uint8, device=spec.device)
+        comm.all_gather(every, src)
+        n, b = spec.shard_numel, codec.nbytes
+        for r in range(spec.shard_world):
+            codec.decode(every[r * b : (r + 1) * b], out=self.payload[r * n : (r + 1) * n])
+
+    @contextlib.contextmanager
+    def stored_shard(self, write: bool) -> Iterator[torch.Tensor]:
+        """The shard as stored (a quantised one's bytes), resident for the block (see
+        :meth:`shard_access`)."""
         if not self.spec.shard_on_disk:
             yield self.shard
             return

@@ -118,11 +118,14 @@ def master_shares_shard(dtype: Union[torch.dtype, str], master_dtype: Union[torc
     return shard is optim and optim is not Placement.DISK and _same_dtype(dtype, master_dtype)
 
 
-def resident_sharding(sharding: Sharding, shard: Placement, world: int) -> Sharding:
+def resident_sharding(sharding: Sharding, shard: Placement, world: int, quantised: bool = False) -> Sharding:
     """The sharding a chunk runs with on ``world`` ranks: at world size 1 a device shard is the
     whole chunk, kept resident like a replicated chunk (gathering would only copy it), and so is
     a ZeRO-1/2 chunk's state; a sharded chunk whose shard lives off the device still goes through
-    the rCache (a copy into a block to gather, a copy out to reduce)."""
+    the rCache (a copy into a block to gather, a copy out to reduce). A ``quantised`` frozen
+    chunk is always sharded: its shard is codes, dequantised into a block at each use."""
+    if quantised:
+        return Sharding.SHARDED
     if world == 1 and not (sharding is Sharding.SHARDED and shard is not Placement.DEVICE):
         return Sharding.REPLICATED
     return sharding
@@ -190,12 +193,14 @@ class Collectives:
 
 
 @functools.cache  # a handful of distinct arguments, asked per priced candidate
-def collectives(sharding: Sharding, world: int, shard: Placement = Placement.DEVICE, frozen: bool = False) -> Collectives:
+def collectives(sharding: Sharding, world: int, shard: Placement = Placement.DEVICE, frozen: bool = False,
+                quantised: bool = False) -> Collectives:
     """The collectives of a chunk of ``sharding`` on ``world`` ranks with its shard kept ``shard``
-    (a frozen chunk is gathered like any sharded chunk and never reduced). At world size 1 a
+    (a frozen chunk is gathered like any sharded chunk and never reduced; a ``quantised`` frozen
+    one is gathered, and dequantised, at each use even at world size 1). At world size 1 a
     sharded chunk with an off-device shard still gathers (a copy into a block) and, trainable,
     reduces (a copy out) through the same calls."""
-    sharding = resident_sharding(sharding, shard, world)
+    sharding = resident_sharding(sharding, shard, world, quantised and frozen)
     if sharding.params_sharded:
         return Collectives(True, None if frozen else "reduce_scatter", False)
     if world == 1 or frozen:

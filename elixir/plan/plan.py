@@ -35,7 +35,7 @@ import torch
 
 from elixir.fileio import atomic_write_json, read_json, require_version
 from elixir.plan.mesh import MeshLayout
-from elixir.plan.state_format import check_state_formats
+from elixir.plan.state_format import check_frozen_format, check_state_formats
 
 PLAN_FORMAT_VERSION = 1
 """The version of the plan's JSON format that `SearchResult.save` writes and `load` reads."""
@@ -305,6 +305,9 @@ class SearchResult:
         master_format, moments_format: the optimizer-state formats the plan was searched with
             (:mod:`elixir.plan.state_format`), or None when the plan records none: the runtime then
             takes the formats of the ``MixedPrecisionPolicy`` it is given.
+        frozen_format: the format the frozen chunks' shards were priced in (``"nf4"``, ``"int8"``,
+            :mod:`elixir.chunk.quant`), or None when the plan records none: the runtime then takes
+            the policy's ``frozen``.
     """
 
     chunks: tuple[ChunkPlan, ...]
@@ -322,6 +325,7 @@ class SearchResult:
     layout: Optional[MeshLayout] = None
     master_format: Optional[str] = None
     moments_format: Optional[str] = None
+    frozen_format: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.layout is None:
@@ -337,6 +341,7 @@ class SearchResult:
             raise ValueError("a plan records both master_format and moments_format, or neither")
         if self.master_format is not None:
             check_state_formats(self.master_format, self.moments_format, where="plan")
+        check_frozen_format(self.frozen_format, where="plan")
 
     # ---- derived views (pure functions of the data) ----
 
@@ -406,6 +411,7 @@ class SearchResult:
             "fused_step": self.fused_step,
             **({} if self.master_format is None else
                {"master_format": self.master_format, "moments_format": self.moments_format}),
+            **({} if self.frozen_format is None else {"frozen_format": self.frozen_format}),
         }
 
     @classmethod
@@ -428,6 +434,7 @@ class SearchResult:
             fused_step=bool(d.get("fused_step", False)),
             master_format=d.get("master_format"),
             moments_format=d.get("moments_format"),
+            frozen_format=d.get("frozen_format"),
             layout=MeshLayout.from_json(d["layout"]) if "layout" in d else None,  # plans before layouts: data parallel
         )
 

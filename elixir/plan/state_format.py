@@ -15,13 +15,29 @@ moments int8    both as 8-bit codes, one fp32 scale per block of
                 :data:`QUANT_BLOCK` elements each                          2 + 8/256
 ==============  =========================================================  ==============
 
+Frozen chunks (the weights an adapter fine-tune does not train, e.g. a LoRA base) may be stored
+quantised (``frozen``) and dequantised to the compute dtype at each gather (:mod:`elixir.chunk.quant`):
+
+==============  =========================================================  ==============
+format          what is kept                                               bytes/element
+==============  =========================================================  ==============
+frozen None     the compute-dtype values (the default)                     2 (bf16), 4
+frozen nf4      QLoRA's NF4 (torchao's layout): 4-bit codes, blocks of     0.5 + 1/64
+                :data:`NF4_BLOCK`; the block absmax double-quantised to    + e/16384
+                int8 in groups of :data:`NF4_SCALER_BLOCK` blocks
+frozen int8     8-bit linear codes, one fp32 absmax per block of           1 + 4/64
+                :data:`INT8_BLOCK` elements
+==============  =========================================================  ==============
+
 This is the one table of those names and sizes: the policy (:mod:`elixir.wrapper.policies`),
-the plan, the kernels (:mod:`elixir.optim.lowbit`) and the search's cost model read it.
+the plan, the kernels (:mod:`elixir.optim.lowbit`, :mod:`elixir.chunk.quant`) and the search's cost
+model read it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -31,6 +47,15 @@ MASTER_FORMATS = ("fp32", "bf16-sr", "bf16-kahan")
 MOMENT_FORMATS = ("fp32", "bf16", "int8")
 #: Elements per quantisation block of ``int8`` moments (one fp32 absmax scale each).
 QUANT_BLOCK = 256
+
+#: Formats a frozen chunk may be stored in (None: the compute dtype itself).
+FROZEN_FORMATS = (None, "nf4", "int8")
+#: Elements per NF4 block (one absmax each), as QLoRA and torchao's ``NF4Tensor``.
+NF4_BLOCK = 64
+#: NF4 blocks per group of the absmax's double quantisation (one scale factor each).
+NF4_SCALER_BLOCK = 256
+#: Elements per int8 block (one fp32 absmax each).
+INT8_BLOCK = 64
 
 _MASTER_BYTES = {"fp32": 4.0, "bf16-sr": 2.0, "bf16-kahan": 4.0}
 _MOMENT_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 8.0 / QUANT_BLOCK}
@@ -70,3 +95,32 @@ def disk_state_bytes(master: str, moments: str) -> int:
 def is_lossy(master: str, moments: str) -> bool:
     """Whether either format is below fp32."""
     return (master, moments) != ("fp32", "fp32")
+
+
+def check_frozen_format(frozen: object, where: str = "MixedPrecisionPolicy") -> None:
+    """Refuse an unknown frozen-weight format, naming the allowed values."""
+    if frozen not in FROZEN_FORMATS:
+        raise ValueError(f"{where}.frozen must be one of {', '.join(map(repr, FROZEN_FORMATS))}, got {frozen!r}")
+
+
+def frozen_shard_bytes(frozen: Optional[str], numel: int, elem: int) -> int:
+    """Bytes a frozen shard of ``numel`` elements takes in format ``frozen`` for a compute dtype
+    of ``elem`` bytes: the packed buffer :mod:`elixir.chunk.quant` writes (codes, scales and their
+    padding to whole blocks), or ``numel * elem`` unquantised. The one rule the runtime books by
+    and the search prices by."""
+    check_frozen_format(frozen, "frozen_shard_bytes")
+    if frozen is None:
+        return numel * elem
+    blocks = -(-numel // (NF4_BLOCK if frozen == "nf4" else INT8_BLOCK))
+    if frozen == "int8":
+        return blocks * (INT8_BLOCK + 4)
+    groups = -(-blocks // NF4_SCALER_BLOCK)
+    # the group factors and the mean (compute dtype), then 32 code bytes and one scaler byte per block
+    return (groups + 1) * elem + blocks * (NF4_BLOCK // 2 + 1)
+
+
+def frozen_element_bytes(frozen: Optional[str], elem: int) -> float:
+    """Bytes per element of a large frozen shard in format ``frozen`` (the table above): 0.5157
+    for NF4 with bf16 compute, 1.0625 for int8, ``elem`` unquantised."""
+    n = NF4_BLOCK * NF4_SCALER_BLOCK * 64
+    return frozen_shard_bytes(frozen, n, elem) / n

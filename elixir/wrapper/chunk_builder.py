@@ -59,6 +59,7 @@ class Runtime:
     grad_dtype: torch.dtype
     device: torch.device
     state_formats: tuple[str, str] = ("fp32", "fp32")  # (master, moments), issue 33
+    frozen_format: Optional[str] = None  # frozen chunks' shards quantised ("nf4", "int8"), issue 33
 
 
 def own_version_param(view: torch.Tensor, requires_grad: bool) -> nn.Parameter:
@@ -163,7 +164,9 @@ class ChunkBuilder:
         rt = self.rt
         # At world size 1 a device shard is the whole chunk: kept resident like a replicated chunk
         # (the footprint rule, which the cost model prices by)
-        sharding = resident_sharding(cp.sharding, cp.shard_placement, rt.mesh.shard_world)
+        # A quantised frozen chunk is always sharded: dequantised into an rCache block per use
+        quantised = kind is ChunkKind.FROZEN and rt.frozen_format is not None
+        sharding = resident_sharding(cp.sharding, cp.shard_placement, rt.mesh.shard_world, quantised)
         return ChunkSpec(
             kind=kind,
             index=ci,
@@ -179,6 +182,7 @@ class ChunkBuilder:
             optim_placement=cp.optim_placement,  # and where a frozen chunk has no master
             pin_memory=bool(self.plan.info.get("pin_memory", True)),
             master_dtype=master_torch_dtype(rt.state_formats[0]),
+            frozen_format=rt.frozen_format if quantised else None,
         )
 
     def _build_one(self, ci: int, cp: Any, kind: ChunkKind, staging: torch.Tensor, named: dict, sync: bool) -> Chunk:

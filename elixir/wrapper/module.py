@@ -52,7 +52,8 @@ from elixir.wrapper.materialize import Materializer, agreed_seed, has_meta_tenso
 from elixir.wrapper.memory_report import MemoryAccounts, memory_report
 from elixir.wrapper.mesh import require_runnable, resolve_mesh, tp_mesh
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
-from elixir.wrapper.policies import MixedPrecisionPolicy, OffloadPolicy, module_policies, state_formats
+from elixir.wrapper.policies import (MixedPrecisionPolicy, OffloadPolicy, frozen_format, module_policies, rcache_blocks,
+                                     state_formats)
 from elixir.wrapper.released import AccessGathers, install_release_guards
 from elixir.wrapper.state_dict import full_grads, full_state_dict, load_full_state_dict
 from elixir.wrapper.step_hooks import StepHooks
@@ -234,7 +235,7 @@ class ElixirModule(nn.Module):
         self.ledger = MemoryLedger(memory_limit)
         self.streams = dev.SideStreams(self.device)  # gather / reduce / copy streams of every chunk
         self.grad_buffers = GradBufferPool(enabled=self.host_memory.pool_grad_buffers)
-        self.cache = BlockCache(search_result.cache_blocks, strict=strict_cache)
+        self.cache = BlockCache(rcache_blocks(search_result, frozen_format(mp_policy, search_result)), strict=strict_cache)
         self.offload_dir = offload_policy.offload_dir
         self.offload_direct = offload_policy.direct
         self.materializer: Optional[Materializer] = None
@@ -253,8 +254,8 @@ class ElixirModule(nn.Module):
         named = dict(self.module.named_parameters())
         if sync and self.world_size > 1:
             broadcast_non_chunked(self.module, self.plan, named, self.group)
-        rt = Runtime(self.mesh, self.ledger, self.streams, self.grad_buffers, self.dtype, self.reduce_dtype,
-                     self.grad_dtype, self.device, self.state_formats)
+        rt = Runtime(self.mesh, self.ledger, self.streams, self.grad_buffers, self.dtype, self.reduce_dtype, self.grad_dtype,
+                     self.device, self.state_formats, frozen_format(self.mp_policy, self.plan))
         built = ChunkBuilder(self.module, self.plan, rt, self.offload_policy, self.materializer).build(named, sync)
         # trainable chunks (index = position), then frozen ones (index = len(chunks) + position),
         # and the parameters in them (the frozen map's indices are global): see BuiltChunks

@@ -19,7 +19,8 @@ from typing import Any, Optional
 import torch
 
 from elixir.optim.loss_scaler import LossScalePolicy
-from elixir.plan.state_format import MASTER_FORMATS, MOMENT_FORMATS, check_state_formats, is_lossy
+from elixir.plan.state_format import (FROZEN_FORMATS, MASTER_FORMATS, MOMENT_FORMATS, check_frozen_format,
+                                      check_state_formats, is_lossy)
 
 CHUNK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -57,6 +58,11 @@ class MixedPrecisionPolicy:
             compensation buffer). Lossy formats need CPUAdam/HybridAdam (:mod:`elixir.optim.lowbit`).
         moments: format of Adam's moments: ``"fp32"`` (default), ``"bf16"`` or ``"int8"``
             (blockwise 8-bit codes with one fp32 scale per block).
+        frozen: format the frozen chunks (an adapter fine-tune's base weights) are stored in:
+            None (default: the compute dtype), ``"nf4"`` (QLoRA's 4-bit NormalFloat in torchao's
+            layout, about 0.52 B/param) or ``"int8"`` (blockwise 8-bit, 1.06 B/param); each
+            gather dequantises into the compute dtype (:mod:`elixir.chunk.quant`). Lossy: a state
+            dict or checkpoint of the frozen weights holds their dequantised values.
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -65,9 +71,11 @@ class MixedPrecisionPolicy:
     output_dtype: Optional[torch.dtype] = None
     master: str = "fp32"
     moments: str = "fp32"
+    frozen: Optional[str] = None
 
     def __post_init__(self) -> None:
         check_state_formats(self.master, self.moments)
+        check_frozen_format(self.frozen)
         _check_dtype("param_dtype", self.param_dtype, optional=False)
         for name in ("reduce_dtype", "grad_dtype", "output_dtype"):
             _check_dtype(name, getattr(self, name), optional=True)
@@ -164,6 +172,28 @@ def state_formats(mp_policy: MixedPrecisionPolicy, plan: Any) -> tuple[str, str]
     return recorded
 
 
+def frozen_format(mp_policy: MixedPrecisionPolicy, plan: Any) -> Optional[str]:
+    """The format a run stores its frozen chunks in: the plan's (its memory figures count it),
+    else the policy's ``frozen``. A policy asking for another format than the plan's raises."""
+    recorded = getattr(plan, "frozen_format", None)
+    if recorded is None:
+        return mp_policy.frozen
+    if mp_policy.frozen not in (None, recorded):
+        raise ValueError(
+            f"the plan was searched with frozen={recorded!r} but the MixedPrecisionPolicy asks for frozen="
+            f"{mp_policy.frozen!r}: search again with the policy's format, or leave frozen=None to take the plan's"
+        )
+    return recorded
+
+
+def rcache_blocks(plan: Any, frozen: Optional[str]) -> int:
+    """The rCache blocks a run keeps: the plan's, and at least two when its frozen chunks are
+    quantised (they are dequantised into a block per use, even where a plan searched without the
+    format kept them whole: a layer may straddle two chunks)."""
+    blocks = int(plan.cache_blocks)
+    return max(blocks, 2) if frozen is not None and plan.frozen_chunks else blocks
+
+
 _SCALE_DEFAULTS = LossScalePolicy()
 SCALE_KEYWORDS = ("initial_scale", "min_scale", "max_scale", "growth_factor", "backoff_factor", "growth_interval",
                   "hysteresis")
@@ -186,4 +216,4 @@ def loss_scale_policy(policy: Optional[LossScalePolicy], **keywords: float) -> L
     return LossScalePolicy(**keywords)
 
 
-__all__ = ["LossScalePolicy", "MixedPrecisionPolicy", "MASTER_FORMATS", "MOMENT_FORMATS", "check_state_formats", "OffloadPolicy", "module_policies", "loss_scale_policy", "state_formats"]
+__all__ = ["LossScalePolicy", "MixedPrecisionPolicy", "MASTER_FORMATS", "MOMENT_FORMATS", "FROZEN_FORMATS", "check_state_formats", "OffloadPolicy", "module_policies", "loss_scale_policy", "state_formats", "frozen_format", "rcache_blocks"]

@@ -9,6 +9,7 @@ publishes ZeRO-1/2 chunks' slices into their whole payloads.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -65,8 +66,22 @@ def chunk_values(em: ChunkedModel, chunk) -> torch.Tensor:
     return _gathered(em, chunk, torch.float32, read, chunk.spec.master_on_disk, chunk.spec.state_sharded)
 
 
+def warn_dequantised(chunk, what: str) -> None:
+    """Warn that ``what`` holds a quantised frozen chunk's values dequantised: a precision change
+    (the values the model computes with, not the original weights; loading them quantises again)."""
+    fmt, dtype = chunk.spec.frozen_format, str(chunk.spec.dtype).removeprefix("torch.")
+    warnings.warn(
+        f"elixir: {what} holds the frozen weights dequantised from {fmt} to {dtype} (a precision change: they are "
+        f"the values the model computes with, not the original weights, and loading them quantises to {fmt} "
+        "again). To save only what training changed, pass frozen=False to checkpoint.save; the base stays the "
+        "pretrained checkpoint it was loaded from", stacklevel=3)
+
+
 def frozen_values(em: ChunkedModel, chunk) -> torch.Tensor:
-    """The full values of the frozen ``chunk``, in its dtype, on CPU (one all-gather)."""
+    """The full values of the frozen ``chunk``, in its dtype, on CPU (one all-gather); a quantised
+    chunk's values dequantised (with :func:`warn_dequantised`'s warning)."""
+    if chunk.spec.frozen_format is not None:
+        warn_dequantised(chunk, "a state dict")
 
     def read() -> torch.Tensor:
         with chunk.shard_access(write=False) as shard:  # a disk shard: read in for the gather
