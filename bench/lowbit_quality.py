@@ -10,9 +10,16 @@ and the final validation loss of each is compared with the reference's (the issu
 1%; the table says which is not and by how much). Bytes per parameter of optimizer state are
 measured from the runtime's storage.
 
+Then the QLoRA comparison (issue 33 item 3): the reference run's trained model is the base of a
+LoRA fine-tune (PEFT, rank 8 on every attention and MLP projection) on another stretch of the
+corpus, with bf16 compute, once on a bf16 base and once on an NF4 base
+(``MixedPrecisionPolicy(frozen="nf4")``), same seeds; the bar is the NF4 run's validation loss
+within 2% of the bf16 run's. Bytes per frozen parameter are the runtime ledger's.
+
     python bench/lowbit_quality.py                 # GPT-2 124M, 500 steps (long: hours on 2 cores)
     python bench/lowbit_quality.py --quick         # a 2-layer GPT-2, 30 steps: proves the script runs
     python bench/lowbit_quality.py --steps 200 --layers 4 --hidden 256 --markdown
+    python bench/lowbit_quality.py --quick --only-qlora    # the QLoRA comparison alone
 """
 
 from __future__ import annotations
@@ -63,17 +70,14 @@ def state_bytes_per_param(em: ElixirModule, eo: ElixirOptimizer) -> float:
     return master / chunk_numel + state / stepped
 
 
-def run(args, corpus, master: str, moments: str) -> dict:
-    model = build(args)
-    plan = minimum_waste_search(model, 1)
-    em = ElixirModule(model, plan, mp_policy=MixedPrecisionPolicy(master=master, moments=moments))
-    eo = ElixirOptimizer(em, CPUAdam(list(em.parameters()), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)))
+def train_and_validate(args, corpus, em: ElixirModule, eo: ElixirOptimizer, steps: int, lr: float, seed: int) -> dict:
+    """``steps`` steps on the training split (batches drawn with ``seed``, linear warmup to
+    ``lr``), then the mean loss over the validation batches."""
     t0 = time.perf_counter()
-    for step in range(args.steps):
-        x, y = sample_batch(corpus.train, args.batch, args.seq, step, seed=args.seed)
-        lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup))
+    for step in range(steps):
+        x, y = sample_batch(corpus.train, args.batch, args.seq, step, seed=seed)
         for g in eo.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * min(1.0, (step + 1) / max(1, args.warmup))
         lm_loss(em, x, y).backward()
         eo.step()
         eo.zero_grad()
@@ -81,8 +85,52 @@ def run(args, corpus, master: str, moments: str) -> dict:
     with torch.no_grad():
         losses = [lm_loss(em, x, y).item() for x, y in eval_batches(corpus.val, args.batch, args.seq, args.val_batches)]
     em.train()
-    return {"val_loss": sum(losses) / len(losses), "seconds": time.perf_counter() - t0,
-            "bytes_per_param": state_bytes_per_param(em, eo)}
+    return {"val_loss": sum(losses) / len(losses), "seconds": time.perf_counter() - t0}
+
+
+def run(args, corpus, master: str, moments: str, keep: bool = False) -> dict:
+    model = build(args)
+    plan = minimum_waste_search(model, 1)
+    em = ElixirModule(model, plan, mp_policy=MixedPrecisionPolicy(master=master, moments=moments))
+    eo = ElixirOptimizer(em, CPUAdam(list(em.parameters()), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)))
+    out = train_and_validate(args, corpus, em, eo, args.steps, args.lr, args.seed)
+    out["bytes_per_param"] = state_bytes_per_param(em, eo)
+    if keep:  # the trained weights: the QLoRA comparison's base
+        out["state_dict"] = em.state_dict()
+    return out
+
+
+def qlora_run(args, corpus, base: dict, frozen) -> dict:
+    """LoRA on ``base`` (bf16 compute) with the frozen weights stored ``frozen`` (None: bf16)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build(args)
+    model.load_state_dict(base)
+    torch.manual_seed(args.seed + 1)
+    model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0,
+                                             target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True))
+    em = ElixirModule(model, minimum_waste_search(model, 1),
+                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, frozen=frozen))
+    trainable = [p for p in em.parameters() if p.requires_grad]
+    eo = ElixirOptimizer(em, CPUAdam(trainable, lr=args.lora_lr, weight_decay=0.0, betas=(0.9, 0.95)))
+    out = train_and_validate(args, corpus, em, eo, args.lora_steps, args.lora_lr, args.seed + 1)
+    frozen_numel = sum(p.numel() for p in em.parameters() if not p.requires_grad)
+    out["frozen_bytes_per_param"] = em.ledger.bytes("frozen_shard") / frozen_numel
+    return out
+
+
+def qlora_table(args, corpus, base: dict, n: int) -> None:
+    runs = {name: qlora_run(args, corpus, base, fmt) for name, fmt in (("LoRA, bf16 base", None), ("LoRA, NF4 base", "nf4"))}
+    ref = runs["LoRA, bf16 base"]["val_loss"]
+    print(f"\n{'QLoRA comparison':26s} {'val loss':>9s} {'vs bf16':>8s} {'B/frozen':>8s}  within {args.qlora_tolerance:.0%}?")
+    for name, r in runs.items():
+        rel = r["val_loss"] / ref - 1
+        verdict = "yes" if abs(rel) <= args.qlora_tolerance else f"NO ({rel:+.2%})"
+        print(f"{name:26s} {r['val_loss']:9.4f} {rel:+8.2%} {r['frozen_bytes_per_param']:8.3f}  {verdict}  "
+              f"({r['seconds']:.0f} s)")
+        if args.markdown:
+            print(f"| {datetime.date.today().isoformat()} | {n / 1e6:.0f}M | {args.lora_steps} | {name} | "
+                  f"{r['val_loss']:.4f} | {rel:+.2%} | {r['frozen_bytes_per_param']:.3f} |")
 
 
 def main() -> None:
@@ -100,17 +148,23 @@ def main() -> None:
     ap.add_argument("--tolerance", type=float, default=0.01, help="relative validation-loss bar (the issue's 1%%)")
     ap.add_argument("--quick", action="store_true", help="a 2-layer, 64-wide GPT-2 for 30 steps (seconds)")
     ap.add_argument("--markdown", action="store_true", help="print rows for docs/benchmarks.md")
+    ap.add_argument("--lora-steps", type=int, default=200, help="steps of the QLoRA comparison's fine-tunes")
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--lora-lr", type=float, default=1e-3)
+    ap.add_argument("--qlora-tolerance", type=float, default=0.02, help="NF4 vs bf16 base bar (the issue's 2%%)")
+    ap.add_argument("--only-qlora", action="store_true", help="train the fp32 base, then the QLoRA comparison only")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.layers, args.hidden, args.heads, args.seq, args.batch = 30, 2, 64, 2, 64, 4
         args.warmup, args.val_batches, args.lr = 5, 2, 3e-3
+        args.lora_steps, args.lora_lr = 30, 3e-3
     corpus = load_corpus(max_bytes=2_000_000 if args.quick else 20_000_000)
     n = sum(p.numel() for p in build(args).parameters())
     print(f"GPT-2 {n / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}), {args.steps} steps, "
           f"batch {args.batch} x {args.seq} bytes, {torch.get_num_threads()} threads")
     results = {}
-    for name, master, moments in CONFIGS:
-        results[name] = run(args, corpus, master, moments)
+    for name, master, moments in CONFIGS[:1] if args.only_qlora else CONFIGS:
+        results[name] = run(args, corpus, master, moments, keep=name == CONFIGS[0][0])
         r = results[name]
         print(f"  {name:26s} val loss {r['val_loss']:.4f}  {r['bytes_per_param']:.2f} B/param  {r['seconds']:.0f} s", flush=True)
     ref = results[CONFIGS[0][0]]["val_loss"]
@@ -122,6 +176,7 @@ def main() -> None:
         if args.markdown:
             print(f"| {datetime.date.today().isoformat()} | {n / 1e6:.0f}M | {args.steps} | {name} | {r['val_loss']:.4f} "
                   f"| {rel:+.2%} | {r['bytes_per_param']:.2f} |")
+    qlora_table(args, corpus, results[CONFIGS[0][0]]["state_dict"], n)
 
 
 if __name__ == "__main__":

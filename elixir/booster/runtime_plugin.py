@@ -23,7 +23,7 @@ from elixir.booster.mesh_wrap import (
 )
 from elixir.booster.plugin import Plugin
 from elixir.parallel import tensor_parallel
-from elixir.plan.state_format import check_state_formats
+from elixir.plan.state_format import check_frozen_format, check_state_formats
 from elixir.search import SearchResult
 from elixir.wrapper import ElixirModule, ElixirOptimizer, LossScalePolicy
 from elixir.wrapper.policies import SCALE_KEYWORDS, MixedPrecisionPolicy, loss_scale_policy
@@ -94,6 +94,8 @@ class ElixirRuntimePlugin(Plugin):
         # optimizer-state formats (MixedPrecisionPolicy.master / .moments), checked now
         self.state_formats = (options.pop("master", "fp32"), options.pop("moments", "fp32"))
         check_state_formats(*self.state_formats, where=type(self).__name__)
+        self.frozen_format = options.pop("frozen", None)  # MixedPrecisionPolicy.frozen (a quantised base)
+        check_frozen_format(self.frozen_format, where=type(self).__name__)
         check_compat(type(self).__name__, options, compat)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
@@ -118,7 +120,7 @@ class ElixirRuntimePlugin(Plugin):
             mp = MixedPrecisionPolicy(
                 param_dtype=self.dtype, reduce_dtype=torch.float32 if self.reduce_always_fp32 else None,
                 output_dtype=torch.float32 if output_fp32 else None, master=self.state_formats[0],
-                moments=self.state_formats[1],
+                moments=self.state_formats[1], frozen=self.frozen_format,
             )
             model = ElixirModule(
                 model, self.make_plan(model), mp_policy=mp, prefetch=self.max_prefetch > 0,

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from elixir.plan import SearchResult
-from elixir.plan.state_format import check_state_formats
+from elixir.plan.state_format import check_frozen_format, check_state_formats
 from elixir.search.placement_policy import PlanArg, SearchArg, check_plan_args, make_plan
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 from elixir.wrapper.policies import SCALE_KEYWORDS, LossScalePolicy, MixedPrecisionPolicy, loss_scale_policy
@@ -32,6 +32,8 @@ class ElixirOptions:
         verbose: print the search's report on the main process.
         master, moments: the optimizer-state formats (``MixedPrecisionPolicy.master`` and
             ``.moments``: low-precision state, docs/optimizer.md); fp32 by default.
+        frozen: the frozen weights' format (``MixedPrecisionPolicy.frozen``: ``"nf4"``, ``"int8"``
+            for a quantised adapter base); None by default.
     """
 
     placement_policy: str = "cuda"
@@ -43,9 +45,11 @@ class ElixirOptions:
     verbose: bool = False
     master: str = "fp32"
     moments: str = "fp32"
+    frozen: Optional[str] = None
 
     def __post_init__(self) -> None:
         check_state_formats(self.master, self.moments, where="elixir")
+        check_frozen_format(self.frozen, where="elixir")
         check_plan_args(self.plan, self.search, self.placement_policy)
         unknown = sorted(set(self.loss_scale) - set(SCALE_KEYWORDS))
         if unknown:
@@ -67,7 +71,7 @@ class ElixirOptions:
     def wrap(self, model: nn.Module, plan: SearchResult, dtype: torch.dtype, output_fp32: bool,
              init_seed: Optional[int] = None) -> ElixirModule:
         mp = MixedPrecisionPolicy(param_dtype=dtype, output_dtype=torch.float32 if output_fp32 else None,
-                                  master=self.master, moments=self.moments)
+                                  master=self.master, moments=self.moments, frozen=self.frozen)
         return ElixirModule(model, plan, prefetch=self.prefetch, mp_policy=mp, offload_dir=self.offload_dir,
                             init_seed=init_seed)
 

@@ -99,6 +99,7 @@ class ElixirTrainer(Trainer):
         loss_scale: keyword arguments of ``ElixirOptimizer``'s dynamic loss scale (fp16 only).
         verbose: print the plan on rank 0.
         master, moments: optimizer-state formats (``MixedPrecisionPolicy.master``/``.moments``).
+        frozen: the frozen weights' format (``MixedPrecisionPolicy.frozen``: ``"nf4"``, ``"int8"``).
     """
 
     def __init__(
@@ -113,10 +114,11 @@ class ElixirTrainer(Trainer):
         verbose: bool = False,
         master: str = "fp32",
         moments: str = "fp32",
+        frozen: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         self.options = ElixirOptions(placement_policy, plan, search, prefetch, offload_dir, loss_scale or {}, verbose,
-                                     master, moments)
+                                     master, moments, frozen)
         self.elixir_module: Optional[ElixirModule] = None
         self.elixir_optimizer: Optional[ElixirOptimizer] = None
         super().__init__(*args, **kwargs)

@@ -153,7 +153,7 @@ def held_bytes(params: int, state: int, dtype: Union[torch.dtype, str], shard: P
 
 
 def state_floor_bytes(numel: int, frozen: int, dtype: Union[torch.dtype, str], world: int, kept_grad: int,
-                      opt_bytes: int, disk: int = 0) -> int:
+                      opt_bytes: int, disk: int = 0, frozen_elem: Optional[float] = None) -> int:
     """The least memory (device and host together) per rank that ``numel`` trainable and
     ``frozen`` frozen elements hold between uses, whatever their chunks and placements, with
     ``disk`` bytes of disk per rank to offload to.
@@ -164,15 +164,18 @@ def state_floor_bytes(numel: int, frozen: int, dtype: Union[torch.dtype, str], w
     :func:`disk_bytes_per_element` there); a frozen element ``1 / world`` of its value, or nothing
     on disk. As many elements go to disk as it could hold (each sort on its own: a floor). The
     search's memory floor (``search/bounds.py``) and the refusal before tracing
-    (``plan/budgets.py``) are both this rule."""
+    (``plan/budgets.py``) are both this rule. ``frozen_elem``: a frozen element's bytes when the
+    frozen chunks are quantised (``plan/state_format.py:frozen_element_bytes``; default the
+    compute dtype's)."""
     elem = element_bytes(dtype)
+    fe = elem if frozen_elem is None else frozen_elem
     full = sum(held_bytes(1, 1, dtype, Placement.DEVICE, Placement.DEVICE, kept_grad, opt_bytes))
-    state = (numel * full + frozen * elem) / world
+    state = (numel * full + frozen * fe) / world
     if disk > 0:
         disk_elem = disk_bytes_per_element(opt_bytes)
         per_disk = (full - kept_grad) / world  # memory an element on disk frees
         on_disk = min(numel, -(-disk * world // max(1, disk_elem)))
-        state -= on_disk * per_disk + min(frozen, -(-disk * world // max(1, elem))) * elem / world
+        state -= on_disk * per_disk + min(frozen, -(-disk * world // max(1e-9, fe))) * fe / world
     return max(0, int(state))
 
 @dataclass(frozen=True)

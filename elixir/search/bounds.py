@@ -151,7 +151,7 @@ def memory_floor(profile: StepProfile, st: Setting, disk: int = 0) -> tuple[int,
     ctx = _context(profile)  # the parameters the search packs into chunks
     numel = sum(ctx.sh_numel) + sum(k for _, k in ctx.shared)
     frozen = sum(k for _, k in ctx.frozen)
-    state = state_floor_bytes(numel, frozen, st.dtype, st.world, st.kept_grad, st.opt_bytes, disk)
+    state = state_floor_bytes(numel, frozen, st.dtype, st.world, st.kept_grad, st.opt_bytes, disk, st.frozen_elem)
     return dev, int(st.process_bytes) + dev + state
 
 

@@ -93,6 +93,7 @@ from elixir.plan.footprint import (  # the one footprint rule, shared with the r
     held_bytes,
     resident_sharding,
 )
+from elixir.plan import state_format
 from elixir.plan.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
 from elixir.search.minimum_waste import ALIGN  # both searches align shards alike
 from elixir.search.simulator import AccessTrace, simulate
@@ -468,8 +469,12 @@ class Setting:
     # what step_extra_bytes(streams_from_disk=True) says for trainable disk chunks, none for frozen ones
     heap_slack_bytes: int = 0
     fused_step: bool = False  # the fused backward-and-step (no persistent shard gradients)
+    # frozen chunks' shards quantised ("nf4", "int8": plan/state_format.py's sizes), dequantised
+    # into an rCache block at each use, even at world size 1 (footprint.resident_sharding)
+    frozen_format: Optional[str] = None
 
     def __post_init__(self) -> None:
+        state_format.check_frozen_format(self.frozen_format, "Setting")
         if element_bytes(self.dtype) != self.elem:
             raise ValueError(f"Setting: elem={self.elem} is not the element size of dtype {self.dtype!r} "
                              f"({element_bytes(self.dtype)}); pass the compute dtype's")
@@ -483,6 +488,15 @@ class Setting:
     def disk_elem(self) -> int:
         """Bytes per shard element a disk chunk keeps on disk (and stages in host memory)."""
         return disk_bytes_per_element(self.opt_bytes)
+
+    @property
+    def frozen_elem(self) -> float:
+        """Bytes per element of a frozen shard (the compute dtype's, or its quantised format's)."""
+        return state_format.frozen_element_bytes(self.frozen_format, self.elem)
+
+    def frozen_shard(self, layout: Layout) -> int:
+        """Bytes of one rank's shard of one frozen chunk of ``layout`` (as the runtime books it)."""
+        return state_format.frozen_shard_bytes(self.frozen_format, layout.frozen_chunk_size // self.world, self.elem)
 
     @property
     def kept_grad(self) -> int:
@@ -1131,9 +1145,10 @@ def _place_with(sc: _PlaceScan, rwhere: Placement, fwhere: Placement) -> Optiona
     else:  # on disk: one frozen shard staged at a time, while gathered
         if not sc.allow_disk or sc.fbytes > disk_budget:
             return None
-        rh += layout.frozen_chunk_size // st.world * st.elem
-    if sc.solo and layout.n_frozen and (fwhere is not Placement.DEVICE) != (sc.blocks > 0) and sc.n == 0:
-        return None  # at world size 1 blocks serve host shards only
+        rh += st.frozen_shard(layout)
+    gathered = fwhere is not Placement.DEVICE or st.frozen_format is not None
+    if sc.solo and layout.n_frozen and gathered != (sc.blocks > 0) and sc.n == 0:
+        return None  # at world size 1 blocks serve host (or quantised) shards only
     dev_free = dev_budget - sc.base_dev - rd
     host_free = host_budget - rh - st.process_bytes - (sc.base_dev + rd if sc.unified else 0)
     if dev_free < 0 or host_free < 0:
@@ -1185,8 +1200,9 @@ def _scan_counts(sc: _PlaceScan, fwhere: Placement, dev_free: int,
     ok &= z <= n - y
     ok &= z * cb[DK][2] <= sc.budgets[2]
     if sc.solo:  # blocks only for host shards: none iff every shard is on the device
-        ok &= (x == n) if sc.blocks == 0 else ((x < n) | (fwhere is not Placement.DEVICE))
-        if fwhere is not Placement.DEVICE and sc.blocks == 0:
+        gathered = layout.n_frozen > 0 and (fwhere is not Placement.DEVICE or st.frozen_format is not None)
+        ok &= (x == n) if sc.blocks == 0 else ((x < n) | gathered)
+        if gathered and sc.blocks == 0:  # a host or quantised frozen shard is gathered into a block
             ok &= False
     return y, x, z, ok
 
@@ -1385,7 +1401,7 @@ def _priced_parts(layout: Layout, st: Setting, placements: tuple, kinds: tuple, 
     g_own, g_frozen, g = g[n:n_sh], g[n_sh:], g[:n]
     # the runtime's rule (footprint.resident_sharding): at world size 1 a device shard is kept
     # whole and resident, never gathered; an off-device one still goes through the rCache
-    if not collectives(Sharding.SHARDED, st.world, frozen_where, frozen=True).gathers_per_use:
+    if not collectives(Sharding.SHARDED, st.world, frozen_where, frozen=True, quantised=st.frozen_format is not None).gathers_per_use:
         g_frozen = np.zeros_like(g_frozen)
     if solo and n:
         g = np.where(solo_gathered, g, 0)
@@ -1394,7 +1410,7 @@ def _priced_parts(layout: Layout, st: Setting, placements: tuple, kinds: tuple, 
         layout=layout, st=st, placements=placements, kinds=kinds, kind_counts=counts, zero=zero, rwhere=rwhere,
         frozen_where=frozen_where, n=n, solo=solo,
         g=g, g_own=g_own, g_frozen=g_frozen, host_shard=host_shard, disk_shard=disk_shard, shard=shard,
-        fshard=layout.frozen_chunk_size // st.world * st.elem,
+        fshard=st.frozen_shard(layout),
         h2d=st.hardware.h2d_time(shard * st.elem, st.pin) if n else 0.0,
         kinds_on_disk=sum(m for k, m in counts if k.on_disk), zero_on_disk=any(k.on_disk for k in zero),
     )
@@ -1542,8 +1558,9 @@ def _memory_terms(profile: StepProfile, p: _Priced, fixed: dict, dev_var: int, h
 
 def frozen_shard_bytes(layout: Layout, st: Setting) -> int:
     """Bytes of this rank's frozen-chunk shards: all a frozen chunk keeps between uses (its
-    compute-dtype weights, ``chunk_size / world`` elements; no gradient, master or state)."""
-    return layout.n_frozen * (layout.frozen_chunk_size // st.world) * st.elem
+    weights, ``chunk_size / world`` elements, in the compute dtype or quantised; no gradient,
+    master or state)."""
+    return layout.n_frozen * st.frozen_shard(layout)
 
 
 def simulate_layout(layout: Layout, blocks: int) -> np.ndarray:

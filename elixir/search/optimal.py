@@ -199,6 +199,7 @@ class SearchRequest:
     process_bytes: int = 0
     body_sharding: str = "mixed"
     heap_slack_bytes: int = 0
+    frozen_format: Optional[str] = None  # frozen chunks quantised: "nf4", "int8" (plan/state_format.py)
 
     def __post_init__(self) -> None:
         optimizer_state_bytes(self.optimizer_type)  # raises naming the known optimizers
@@ -214,6 +215,7 @@ class SearchRequest:
             hardware=_rank_share(hw, hw.ranks_per_node(self.world)), dtype=prof.dtype, grad_elem=element_bytes(self.grad_dtype),
             fused_step=self.fused_step, process_bytes=int(self.process_bytes),
             heap_slack_bytes=min(int(self.heap_slack_bytes), int(self.process_bytes)),
+            frozen_format=self.frozen_format,
         )
 
 
@@ -557,7 +559,8 @@ def _summary(ev: Evaluation) -> str:
 
 
 def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: Layout, info: dict,
-                     grad_dtype: str = "float32", fused_step: bool = False) -> SearchResult:
+                     grad_dtype: str = "float32", fused_step: bool = False,
+                     frozen_format: Optional[str] = None) -> SearchResult:
     shapes = dict(profile.params)
     chunks = []
     for names, cap, pl in zip(layout.chunks, layout.capacities, ev.placements):
@@ -583,6 +586,7 @@ def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: L
         chunks=tuple(chunks), world_size=world, cache_blocks=blocks, prefetch_depth=ev.prefetch_depth,
         frozen_params=tuple(n for n in profile.frozen if n not in in_frozen), frozen_chunks=frozen, param_order=tuple(tuple(sorted(s)) for s in profile.steps) if traced else None,
         search="optimal", prediction=pred, info=info, grad_dtype=grad_dtype, fused_step=fused_step,
+        frozen_format=frozen_format if frozen else None,
     )
 
 
@@ -607,6 +611,7 @@ def search_profile(
     process_bytes: int = 0,
     body_sharding: str = "mixed",
     heap_slack_bytes: int = 0,
+    frozen: Optional[str] = None,
 ) -> SearchResult:
     """The search proper, on a ready :class:`StepProfile` (``optimal_search`` traces, then calls this).
 
@@ -633,6 +638,10 @@ def search_profile(
     ``body_sharding``: ``"mixed"`` (default) lets each body chunk be sharded (ZeRO-3) or ZeRO-1/2;
     ``"sharded"`` or ``"zero"`` keep them all one way (to compare a mixed plan with the pure ones
     on the same budget).
+
+    ``frozen``: the frozen chunks' format (``MixedPrecisionPolicy.frozen``: ``"nf4"``, ``"int8"``;
+    None: the compute dtype), priced at its bytes (:func:`~elixir.plan.state_format.frozen_shard_bytes`)
+    and dequantised into an rCache block at each use; the plan records it.
     """
     t0 = time.perf_counter()
     mesh = MeshLayout.of(world)
@@ -644,13 +653,14 @@ def search_profile(
     rd = None if reduce_dtype is None else dtype_name(reduce_dtype)
     g0 = "float32" if grad_dtype is None else dtype_name(grad_dtype)
     s = _Searcher(SearchRequest(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, g0, bool(fused_step),
-                                process_bytes, body_sharding, heap_slack_bytes))
+                                process_bytes, body_sharding, heap_slack_bytes, frozen))
     s, found = _search_leanest(s, grad_dtype, fused_step)
     best = found[0]
     layout = s.layout_of(best)
     runners = _runner_ups(found[1], 5)
     info = _search_info(s, found, layout, runners, t0, hw_why, rpn)
-    result = to_search_result(profile, world, best, layout, info, grad_dtype=s.grad_dtype, fused_step=s.fused_step)
+    result = to_search_result(profile, world, best, layout, info, grad_dtype=s.grad_dtype, fused_step=s.fused_step,
+                              frozen_format=frozen)
     if verbose:
         why = _explain(s, best)
         print_report(result, runners, console, why)
@@ -828,7 +838,7 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     if result.frozen_chunks:
         fc = result.frozen_chunks
         t.add_row("frozen chunks (weights only)", f"{len(fc)} x {fc[0].chunk_size:,} elements, shards on "
-                                                  f"{fc[0].shard_placement.value}")
+                                                  f"{fc[0].shard_placement.value}, stored {result.frozen_format or fc[0].dtype}")
     t.add_row("shard gradients / fused backward-and-step", f"{result.grad_dtype} / {'yes' if result.fused_step else 'no'}")
     b = info["budgets"]
     u = info["usable_after_margins"]
@@ -899,6 +909,7 @@ def optimal_search(
     fused_step: Optional[bool] = None,
     process_bytes: Optional[int] = None,
     body_sharding: str = "mixed",
+    frozen: Optional[str] = None,
 ) -> SearchResult:
     """Plan ``model`` for ``group_size`` ranks: the lowest predicted step time that fits.
 
@@ -932,6 +943,8 @@ def optimal_search(
         body_sharding: ``"mixed"`` (default): each body chunk may be sharded (ZeRO-3) or
             ZeRO-1/2 (parameters whole, optimizer state split), chunk by chunk; ``"sharded"`` /
             ``"zero"``: all of them one way (the pure plans, to compare on the same budget).
+        frozen: the format the frozen chunks will be stored in (``MixedPrecisionPolicy.frozen``:
+            ``"nf4"``, ``"int8"``, None); priced at its bytes and recorded in the plan.
 
     Raises:
         DoesNotFitError: nothing fits; the message names the smallest changes that would.
@@ -948,7 +961,7 @@ def optimal_search(
         disk=disk, optimizer_type=optimizer_type, overlap=overlap, policy=policy, reduce_dtype=reduce_dtype,
         verbose=verbose, grad_dtype=grad_dtype, fused_step=fused_step,
         process_bytes=_process_bytes(model, hw, profile.activation_bytes) if process_bytes is None else int(process_bytes),
-        body_sharding=body_sharding,
+        body_sharding=body_sharding, frozen=frozen,
         heap_slack_bytes=activation_heap_slack(hw, profile.activation_bytes) if process_bytes is None else 0,
     )
 

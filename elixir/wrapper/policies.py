@@ -187,11 +187,12 @@ def frozen_format(mp_policy: MixedPrecisionPolicy, plan: Any) -> Optional[str]:
 
 
 def rcache_blocks(plan: Any, frozen: Optional[str]) -> int:
-    """The rCache blocks a run keeps: the plan's, and at least two when its frozen chunks are
-    quantised (they are dequantised into a block per use, even where a plan searched without the
-    format kept them whole: a layer may straddle two chunks)."""
+    """The rCache blocks a run keeps: the plan's; at least two when its frozen chunks are
+    quantised but the plan was not searched for it (they are dequantised into a block per use,
+    where such a plan may have kept them whole, with no block: a layer may straddle two chunks)."""
     blocks = int(plan.cache_blocks)
-    return max(blocks, 2) if frozen is not None and plan.frozen_chunks else blocks
+    unplanned = frozen is not None and plan.frozen_chunks and getattr(plan, "frozen_format", None) is None
+    return max(blocks, 2) if unplanned else blocks
 
 
 _SCALE_DEFAULTS = LossScalePolicy()

@@ -115,9 +115,10 @@ class ElixirStrategy(ParallelStrategy):
         pretrained_submodule: Optional[str] = None,
         master: str = "fp32",
         moments: str = "fp32",
+        frozen: Optional[str] = None,
     ) -> None:
         self.options = ElixirOptions(placement_policy, plan, search, prefetch, offload_dir, loss_scale or {}, verbose,
-                                     master, moments)
+                                     master, moments, frozen)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
