@@ -1,6 +1,7 @@
-"""Dequantising a frozen NF4 / int8 shard to the compute dtype: elixir's torch path
-(:mod:`elixir.chunk.quant`) against torchao's ``NF4Tensor.get_original_weight`` on the same codes,
-interleaved round by round so other processes' noise hits both alike. Also: a plain ``copy_`` of
+"""Dequantising a frozen NF4 / int8 shard to the compute dtype: elixir's native kernel
+(csrc/nf4.cpp) and its torch path (:mod:`elixir.chunk.quant`) against torchao's
+``NF4Tensor.get_original_weight`` on the same codes, interleaved round by round so other
+processes' noise hits them alike. Also: a plain ``copy_`` of
 the output's bytes (what an unquantised bf16 shard costs to gather on one rank), and quantising.
 
     python bench/nf4_dequant.py                    # 16M elements, bf16, 7 rounds
@@ -39,14 +40,18 @@ def main() -> None:
     n, dt = int(a.numel) // 16384 * 16384, getattr(torch, a.dtype)
     torch.manual_seed(0)
     x = (torch.randn(n) * 0.02).to(dt)
-    nf4, i8 = FrozenCodec("nf4", n, dt), FrozenCodec("int8", n, dt)
+    nf4, i8, nf4_torch = FrozenCodec("nf4", n, dt), FrozenCodec("int8", n, dt), FrozenCodec("nf4", n, dt)
+    nf4_torch.use_native = False
     t0 = time.perf_counter()
     buf = nf4.encode(x)
     t_enc = time.perf_counter() - t0
     buf8 = i8.encode(x)
     out = torch.empty(n, dtype=dt)
+    if nf4.native_kernel(x.device) is None:
+        print("native extension not built (or no nf4_decode): the 'elixir nf4' row is the torch path")
     paths: dict[str, Callable[[], object]] = {
         "elixir nf4": lambda: nf4.decode(buf, out),
+        "elixir nf4 (torch path)": lambda: nf4_torch.decode(buf, out),
         "elixir int8": lambda: i8.decode(buf8, out),
         "copy_ (unquantised)": lambda: out.copy_(x),
     }
@@ -54,7 +59,7 @@ def main() -> None:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
         ref = to_nf4(x)
-        if not torch.equal(ref.get_original_weight(), nf4.decode(buf)):
+        if not torch.equal(ref.get_original_weight(), nf4.decode(buf)) or not torch.equal(nf4_torch.decode(buf), nf4.decode(buf)):
             raise SystemExit("torchao and elixir decode differently: the comparison is void")
         paths["torchao get_original_weight"] = ref.get_original_weight
     except ImportError:

@@ -7,4 +7,5 @@ PYBIND11_MODULE(_C, m) {
   elixir::register_cpu_adam(m);
   elixir::register_cache_sim(m);
   elixir::register_aio(m);
+  elixir::register_nf4(m);
 }

@@ -8,4 +8,5 @@ void register_cpu_features(pybind11::module_& m);
 void register_cpu_adam(pybind11::module_& m);
 void register_cache_sim(pybind11::module_& m);
 void register_aio(pybind11::module_& m);
+void register_nf4(pybind11::module_& m);
 }  // namespace elixir

@@ -90,6 +90,26 @@ def test_nf4_codes_are_the_nearest_level_and_zero_blocks_stay_zero(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_nf4_dequantiser_is_the_torch_path_bit_for_bit(dtype):
+    """csrc/nf4.cpp on every SIMD level this CPU runs against the torch path (use_native=False),
+    on a length with several threads' worth of blocks and a partial last block."""
+    from elixir._native import get_native
+
+    native = get_native()
+    if native is None or not hasattr(native, "nf4_decode"):
+        pytest.skip("the native extension is not built")
+    n = 64 * 3000 + 40
+    codec = FrozenCodec("nf4", n, dtype)
+    buf = codec.encode(_values(n, dtype, seed=3))
+    codec.use_native = False
+    want = codec.decode(buf)
+    codec.use_native = True
+    levels = {native.nf4_kernel_level(s) for s in ("scalar", "avx2", "avx512")}
+    for simd in ("scalar", "avx2", "avx512"):
+        assert torch.equal(codec.decode(buf, simd=simd), want), (simd, levels)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int8_is_its_definition(dtype):
     n = 64 * 50 + 5
     x = _values(n, dtype, seed=2)

@@ -20,12 +20,15 @@ the group factors and the mean (compute dtype) then the codes then the scaler co
 fp32 absmaxes then the codes. One flat buffer is what the shard stores, pins, stages on disk and
 copies to the device, unchanged from an unquantised shard's handling.
 
-Dequantising is the hot path (every gather of a frozen chunk). It runs in torch, in pieces of
-:data:`PIECE` elements (bounded temporaries, cache-resident): a 256-entry table maps each code byte
-to its two levels at once, then one multiply by the block scales. Measured on the 2-core CPU box
-(bench/nf4_dequant.py, 16M elements, bf16 out, load ~2): this path 0.33 ns/element against
-torchao's ``NF4Tensor.get_original_weight`` at 3.9 ns/element (12x); the figures, and why no
-native kernel is kept, are in docs/benchmarks.md.
+Dequantising is the hot path (every gather of a frozen chunk). NF4 on a CPU in fp32 or bf16 runs
+the native kernel (``csrc/nf4.cpp``: raw buffers, AVX-512 / AVX2 / scalar chosen at run time, bit
+for bit the torch path); elsewhere (a GPU, no extension) torch, in pieces of :data:`PIECE`
+elements: a 256-entry table maps each code byte to its two levels at once, then one multiply by
+the block scales. Measured on the 2-core CPU box (``bench/nf4_dequant.py``, 16M elements to bf16,
+2 threads, median of 7 rounds, load 1.96, 2026-11-28): native 0.123 ns/element (as fast as a
+bf16 ``copy_``, 0.124), the torch path 0.89, torchao's ``NF4Tensor.get_original_weight`` 5.33
+(43x the native kernel's time); int8 (torch) 0.28. The native kernel is kept; torchao's format
+is kept, its kernel is not (slower on CPU, and it needs the whole tensor as one NF4Tensor).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from elixir._native import get_native
 from elixir.plan.footprint import element_bytes
 from elixir.plan.state_format import INT8_BLOCK, NF4_BLOCK, NF4_SCALER_BLOCK, check_frozen_format, frozen_shard_bytes
 
@@ -81,6 +85,8 @@ class FrozenCodec:
         self.groups = -(-self.blocks // NF4_SCALER_BLOCK)
         self.nbytes = frozen_shard_bytes(fmt, self.numel, self.elem)
         self._tables: dict = {}
+        # NF4 on a CPU in fp32/bf16: the native kernel (csrc/nf4.cpp) when built, else torch
+        self.use_native = True
 
     # ---- the buffer's regions ----------------------------------------------------------------
 
@@ -153,17 +159,31 @@ class FrozenCodec:
         per_block = r["factors"].repeat_interleave(NF4_SCALER_BLOCK)[: self.blocks]
         return (r["scalers"] / per_block).to(self.dtype) + r["mean"]
 
+    def native_kernel(self, device: torch.device) -> Optional[object]:
+        """The extension whose ``nf4_decode`` decodes this shard on ``device``, or None (torch)."""
+        native = get_native() if self.use_native and self.fmt == "nf4" and device.type == "cpu" else None
+        ok = native is not None and hasattr(native, "nf4_decode") and self.dtype in (torch.float32, torch.bfloat16)
+        return native if ok else None
+
     @torch.no_grad()
-    def decode(self, buf: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decode(self, buf: torch.Tensor, out: Optional[torch.Tensor] = None, simd: str = "") -> torch.Tensor:
         """Dequantise ``buf`` into ``out`` (``numel`` elements of the compute dtype, a new tensor
-        on ``buf``'s device when None); returns it."""
+        on ``buf``'s device when None); returns it. ``simd`` forces a native variant (tests)."""
         out = torch.empty(self.numel, dtype=self.dtype, device=buf.device) if out is None else out
-        if out.numel() != self.numel or out.dtype != self.dtype:
-            raise ValueError(f"decode into {self.numel} elements of {self.dtype}, got {out.numel()} of {out.dtype}")
-        scales = self.block_scales(buf)
+        if out.numel() != self.numel or out.dtype != self.dtype or not out.is_contiguous():
+            raise ValueError(f"decode into {self.numel} contiguous elements of {self.dtype}, got {out.numel()} of "
+                             f"{out.dtype}")
+        scales = self.block_scales(buf).contiguous()
         codes = self.regions(buf)["codes"]
         full = self.numel // self.block * self.block
-        for lo in range(0, full, PIECE):  # whole blocks straight into out
+        native = self.native_kernel(buf.device)
+        if native is not None:  # whole blocks: one call, threads split them
+            levels = self._tables.get("native")
+            if levels is None:
+                levels = self._tables["native"] = _levels(self.dtype, torch.device("cpu")).float()
+            native.nf4_decode(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), levels.data_ptr(),
+                              full // self.block, self.dtype == torch.bfloat16, torch.get_num_threads(), simd)
+        for lo in range(0, full if native is None else 0, PIECE):  # whole blocks straight into out
             hi = min(lo + PIECE, full)
             self._decode_blocks(codes, scales, lo, hi, out[lo:hi])
         if full < self.numel:  # the last, partial block: through a block of its own
