@@ -290,3 +290,28 @@ def test_load_pretrained_quantises_the_base_as_it_streams(tmp_path):
         sd = em.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in expected.items())
     assert em.ledger.bytes("frozen_shard") == booked  # the shards stay quantised, nothing else kept
+
+
+def test_quantised_shards_on_the_host_and_on_disk_train_alike():
+    """The quantised buffer is placed, pinned, staged from disk and copied like any frozen shard:
+    the same losses with the frozen shards on the device, the host and disk; on disk nothing of
+    them stays resident."""
+    import dataclasses
+
+    from elixir.plan import Placement
+
+    case, runs = _lora_case(), {}
+    for where in (Placement.DEVICE, Placement.HOST, Placement.DISK):
+        model = case.build()
+        plan = minimum_waste_search(model, 1)
+        optim = Placement.DISK if where is Placement.DISK else Placement.DEVICE  # a disk shard's plan names disk
+        frozen = tuple(dataclasses.replace(c, sharding=True, shard_placement=where, optim_placement=optim)
+                       for c in plan.frozen_chunks)
+        em = ElixirModule(model, dataclasses.replace(plan, frozen_chunks=frozen, cache_blocks=2),
+                          mp_policy=MixedPrecisionPolicy(frozen="nf4"))
+        opt = ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]))
+        runs[where] = (train_wrapped(case, em, opt, steps=STEPS, batch_size=BATCH).losses, em.memory_report())
+    assert runs[Placement.DEVICE][0] == runs[Placement.HOST][0] == runs[Placement.DISK][0]
+    booked = runs[Placement.DEVICE][1]["frozen_shard_bytes"]
+    assert booked > 0 and runs[Placement.HOST][1]["frozen_shard_host_bytes"] == booked
+    assert runs[Placement.DISK][1]["frozen_shard_bytes"] == 0
