@@ -196,10 +196,8 @@ class FrozenCodec:
         """Elements ``[lo, hi)`` (whole blocks) into ``out``."""
         b0, b1 = lo // self.block, hi // self.block
         s = scales[b0:b1]
-        if self.fmt == "int8":
-            torch.mul(codes[lo:hi].view(b1 - b0, self.block), s[:, None], out=out.view(b1 - b0, self.block)) \
-                if self.dtype == torch.float32 else \
-                out.view(b1 - b0, self.block).copy_(codes[lo:hi].view(b1 - b0, self.block) * s[:, None])
+        if self.fmt == "int8":  # the product in fp32, then cast to the compute dtype
+            out.view(b1 - b0, self.block).copy_(codes[lo:hi].view(b1 - b0, self.block) * s[:, None])
             return
         key = (codes.device, self.dtype)
         pairs = self._tables.get(key)
