@@ -39,7 +39,13 @@ import torch
 
 from elixir._native import get_native
 from elixir.plan.footprint import element_bytes
-from elixir.plan.state_format import INT8_BLOCK, NF4_BLOCK, NF4_SCALER_BLOCK, check_frozen_format, frozen_shard_bytes
+from elixir.plan.state_format import (
+    INT8_BLOCK,
+    NF4_BLOCK,
+    NF4_SCALER_BLOCK,
+    check_frozen_format,
+    frozen_shard_bytes,
+)
 
 #: The 16 NF4 levels (QLoRA's normal-float code, as torchao writes them).
 NF4_LEVELS = (-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609, 0.2461, 0.3379,

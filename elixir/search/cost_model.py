@@ -78,7 +78,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from elixir.hardware.profile import HardwareProfile
-from elixir.plan import MeshLayout, Placement, Sharding
+from elixir.plan import MeshLayout, Placement, Sharding, state_format
 from elixir.plan.budgets import MemoryPolicy, unified_memory  # noqa: F401 - the budgets' margins and pools, re-exported here
 from elixir.plan.footprint import (  # the one footprint rule, shared with the runtime
     CONSTRUCTION_STAGING,
@@ -93,7 +93,6 @@ from elixir.plan.footprint import (  # the one footprint rule, shared with the r
     held_bytes,
     resident_sharding,
 )
-from elixir.plan import state_format
 from elixir.plan.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
 from elixir.search.minimum_waste import ALIGN  # both searches align shards alike
 from elixir.search.simulator import AccessTrace, simulate

@@ -52,8 +52,14 @@ from elixir.wrapper.materialize import Materializer, agreed_seed, has_meta_tenso
 from elixir.wrapper.memory_report import MemoryAccounts, memory_report
 from elixir.wrapper.mesh import require_runnable, resolve_mesh, tp_mesh
 from elixir.wrapper.plan_check import PlanLike, agree_on_plan, as_plan, validate_plan
-from elixir.wrapper.policies import (MixedPrecisionPolicy, OffloadPolicy, frozen_format, module_policies, rcache_blocks,
-                                     state_formats)
+from elixir.wrapper.policies import (
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    frozen_format,
+    module_policies,
+    rcache_blocks,
+    state_formats,
+)
 from elixir.wrapper.released import AccessGathers, install_release_guards
 from elixir.wrapper.state_dict import full_grads, full_state_dict, load_full_state_dict
 from elixir.wrapper.step_hooks import StepHooks

@@ -19,8 +19,14 @@ from typing import Any, Optional
 import torch
 
 from elixir.optim.loss_scaler import LossScalePolicy
-from elixir.plan.state_format import (FROZEN_FORMATS, MASTER_FORMATS, MOMENT_FORMATS, check_frozen_format,
-                                      check_state_formats, is_lossy)
+from elixir.plan.state_format import (
+    FROZEN_FORMATS,
+    MASTER_FORMATS,
+    MOMENT_FORMATS,
+    check_frozen_format,
+    check_state_formats,
+    is_lossy,
+)
 
 CHUNK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
