@@ -21,8 +21,6 @@ the plan, the kernels (:mod:`elixir.optim.lowbit`) and the search's cost model r
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 #: Formats of the master copy.
@@ -62,9 +60,21 @@ def moment_bytes(moments: str) -> float:
     return _MOMENT_BYTES[moments]
 
 
+def moment_scale_bytes(moments: str) -> float:
+    """Bytes per element of the moments' block scales (``int8``: two fp32 absmax per block of
+    :data:`QUANT_BLOCK`; 0 otherwise). A disk chunk keeps them in host memory: they are not one
+    value per element, so the offload file binds only the codes
+    (:func:`elixir.offload.state_binding.is_elementwise`)."""
+    check_state_formats("fp32", moments)
+    return 8.0 / QUANT_BLOCK if moments == "int8" else 0.0
+
+
 def disk_state_bytes(master: str, moments: str) -> int:
-    """Bytes per element a disk-placed chunk keeps in its offload file: master and moments, rounded up."""
-    return int(math.ceil(master_bytes(master) + moment_bytes(moments)))
+    """Bytes per element a disk-placed chunk keeps in its offload file: its master (Kahan's buffer
+    included) and its moments' per-element codes, each at its own width (fp32/fp32 12, bf16-sr/int8
+    4); the int8 block scales stay in host memory (:func:`moment_scale_bytes`). Exact: the file is
+    reserved at this size (``offload/for_plan.py``) and the bytes a disk step writes back are it."""
+    return int(master_bytes(master) + moment_bytes(moments) - moment_scale_bytes(moments))
 
 
 def is_lossy(master: str, moments: str) -> bool:
