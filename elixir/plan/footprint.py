@@ -27,7 +27,9 @@ master    the optimizer placement                      ``state * 4``, 0 when it 
                                                        shard itself
 gradient  the optimizer placement (host for disk)      ``state * g``
 state     the optimizer placement                      ``state * k``
-disk      master and state, when placed on disk        ``state * (4 + k)``
+disk      master and state, when placed on disk        ``state * (4 + k)``; low-precision
+                                                       state at its own width
+                                                       (:func:`disk_bytes_per_element`)
 ========= ============================================ ================================
 
 Transient bytes (a gathered payload, gradient buffers, disk staging) are counted where they

@@ -15,6 +15,9 @@ moments int8    both as 8-bit codes, one fp32 scale per block of
                 :data:`QUANT_BLOCK` elements each                          2 + 8/256
 ==============  =========================================================  ==============
 
+A disk-placed chunk's offload file holds the master and the moments' per-element codes; int8's
+block scales stay in host memory (:func:`disk_state_bytes`: bf16-sr with int8 moments 4 B/element).
+
 This is the one table of those names and sizes: the policy (:mod:`elixir.wrapper.policies`),
 the plan, the kernels (:mod:`elixir.optim.lowbit`) and the search's cost model read it.
 """
