@@ -303,6 +303,8 @@ def test_checkpoint_across_formats(tmp_path):
     m, v = L.decode_moments(whole, "int8")
     part = scalar_state(reader, pieces, index.optimizer["scalars"][e.name], e.name, e.start + 1, e.end, keep_codes=True)
     assert torch.equal(part["exp_avg"], m[1:]) and torch.equal(part["exp_avg_sq"], v[1:]) and "exp_avg_absmax" not in part
+    full = checkpoint.consolidate(str(tmp_path / "ck"))["optimizer"]["state"]  # whole tensors: decoded
+    assert all(st["exp_avg"].dtype == torch.float32 and "exp_avg_absmax" not in st for st in full.values())
     em3, eo3 = _wrapped("fp32", "fp32")
     with pytest.warns(UserWarning, match="master='bf16-sr', moments='int8' is converted to master='fp32', moments='fp32'"):
         checkpoint.load(str(tmp_path / "ck"), em3, eo3)
