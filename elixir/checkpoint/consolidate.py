@@ -40,7 +40,9 @@ def consolidate(path: str) -> dict[str, Any]:
     shapes = index.model["params"]
     for name, shape in shapes.items():
         numel = int(torch.Size(shape).numel())
-        model[name] = reader.assemble(pieces.get(("param", name), []), 0, numel, torch.float32, f"parameter {name}").view(shape)
+        found = pieces.get(("param", name), [])
+        saved = dtype_of(found[0].dtype) if found else torch.float32  # fp32, or a bf16 master (issue 33): widened exactly
+        model[name] = reader.assemble(found, 0, numel, saved, f"parameter {name}").float().view(shape)
     for name, shape in index.model.get("frozen", {}).items():  # frozen chunks' weights, in their saved dtype
         found = pieces.get(("frozen", name), [])
         numel = int(torch.Size(shape).numel())

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from elixir import distributed as edist
-from elixir.checkpoint import atomic, layout
+from elixir.checkpoint import atomic, layout, quantised
 from elixir.checkpoint.errors import CheckpointError, agree
 from elixir.checkpoint.format import Reader, dtype_of
 from elixir.checkpoint.index import Index, decode
@@ -124,12 +124,19 @@ def load_extra(root: str, index: Index) -> Any:
         raise CheckpointError(f"extra.pt is unreadable: {e}") from None
 
 
-def scalar_state(reader: Reader, pieces: dict, scalars: dict, pname: str, start: int, end: int) -> dict:
-    """One parameter's optimizer state over ``[start, end)`` of it, in the saved key order."""
+def scalar_state(reader: Reader, pieces: dict, scalars: dict, pname: str, start: int, end: int,
+                 keep_codes: bool = False) -> dict:
+    """One parameter's optimizer state over ``[start, end)`` of it, in the saved key order. 8-bit
+    moments come as saved (codes and block scales) when ``keep_codes`` and the range is a saved
+    piece's, else as the fp32 values they decode to (:mod:`elixir.checkpoint.quantised`)."""
     st = {}
+    q = quantised.read_moments(reader, pieces, pname, start, end, keep_codes) if quantised.is_quantised(pieces, pname) else None
     for k in scalars["__order__"]:
         if k in scalars:
             st[k] = decode(scalars[k])
+        elif q is not None and k in quantised.QUANT_KEYS:
+            if k in q:
+                st[k] = q[k]
         else:
             found = pieces.get((k, pname), [])
             if not found:
@@ -173,7 +180,7 @@ def _prepare_sharded(root: str, index: Index, em: ElixirModule, eo: Optional[Eli
             pname, start, end = layout.frag_range(em, f)
             sc = scalars.get(pname)
             if sc:
-                new_state.append((f, scalar_state(reader, pieces, sc, pname, start, end)))
+                new_state.append((f, scalar_state(reader, pieces, sc, pname, start, end, keep_codes=True)))
         opt = {"state": new_state, "groups": groups}
     return {"values": values, "frozen": frozen, "module": module_vals, "opt": opt, "scaler": index.loss_scaler,
             "extra": load_extra(root, index)}

@@ -113,7 +113,7 @@ def save_mesh(path: str, model: MeshModel, optimizer: Optional[MeshOptimizer] = 
             try:
                 sub = os.path.join(stage.tmp, part_name(em))
                 os.makedirs(sub, exist_ok=True)
-                error = write_sharded(sub, em, eo) or error
+                error = write_sharded(sub, em, eo, codes=False) or error  # 8-bit moments as fp32: tp cuts re-slice them
             except Exception as e:  # CheckpointError from the part's own agreement, or this rank's failure
                 error = error or f"writing part {part_name(em)} failed: {type(e).__name__}: {e}"
         metas = agree(None, world, error, mine)

@@ -26,6 +26,7 @@ from elixir.checkpoint.layout import (
 from elixir.fileio import fsync_file
 from elixir.offload.pipeline import disk_mapped
 from elixir.offload.state_binding import is_elementwise
+from elixir.optim import lowbit
 from elixir.optim.nvme import materialized
 from elixir.wrapper import lowbit_state
 from elixir.wrapper.module import ElixirModule
@@ -66,15 +67,16 @@ def save(
 
 
 def write_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any = None,
-                  frozen: bool = True) -> Optional[str]:
+                  frozen: bool = True, codes: bool = True) -> Optional[str]:
     """Write ``em``'s sharded checkpoint into the directory ``tmp`` (each rank its file, rank 0 of
-    ``em.group`` the index); returns rank 0's error, if any. Collective over ``em.group``."""
+    ``em.group`` the index); returns rank 0's error, if any. Collective over ``em.group``.
+    ``codes``: 8-bit moments as their codes and block scales (False: as the fp32 they decode to)."""
     states = eo.fragment_states if eo is not None else None
     # disk-placed masters and state: mapped from the file; moments the inner optimizer keeps on
     # its own disk (nvme_offload_fraction): read back for the save
     nvme = materialized(eo.optim) if eo is not None else contextlib.nullcontext()
     with disk_mapped(em.disk_store, states) as mapped, nvme:
-        return _save_sharded(tmp, em, eo, extra, mapped, frozen)
+        return _save_sharded(tmp, em, eo, extra, mapped, frozen, codes)
 
 
 def _check_extra(obj: Any, where: str = "extra") -> None:
@@ -103,7 +105,7 @@ def _save_torch(obj: Any, path: str) -> int:
 
 
 def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], extra: Any,
-                  mapped: dict[int, torch.Tensor], frozen: bool = True) -> Optional[str]:
+                  mapped: dict[int, torch.Tensor], frozen: bool = True, codes: bool = True) -> Optional[str]:
     """Write this rank's file; rank 0 also the index. Returns rank 0's error, if any. ``mapped``:
     the masters of disk chunks, mapped from the offload file."""
     error = None
@@ -122,9 +124,11 @@ def _save_sharded(tmp: str, em: ElixirModule, eo: Optional[ElixirOptimizer], ext
             master = mapped.get(f.chunk, em.chunks[f.chunk].master)
             tensors[key] = master[f.lo : f.hi]  # written from the master's memory
             entries.append(Entry("param", pname, key, tensor_files.dtype_name(master.dtype), fname, start, end))
-            st = lowbit_state.export_state(eo, state.get(f.tensor), f.hi - f.lo) or {}
+            # each format as it is (8-bit moments as codes and scales: checkpoint/quantised.py), or with
+            # codes=False (a mesh checkpoint, whose reader reassembles tensor-parallel cuts) decoded to fp32
+            st = (state.get(f.tensor) if codes else lowbit_state.export_state(eo, state.get(f.tensor), f.hi - f.lo)) or {}
             for k, v in st.items():
-                if is_elementwise(v, f.hi - f.lo):
+                if is_elementwise(v, f.hi - f.lo) or k in lowbit.SCALE_KEYS:
                     skey = f"state/{k}/{pname}/{start}"
                     tensors[skey] = v.detach().reshape(-1)
                     entries.append(Entry("state", pname, skey, tensor_files.dtype_name(v.dtype), fname, start, end, state_key=k))

@@ -27,7 +27,9 @@ master    the optimizer placement                      ``state * 4``, 0 when it 
                                                        shard itself
 gradient  the optimizer placement (host for disk)      ``state * g``
 state     the optimizer placement                      ``state * k``
-disk      master and state, when placed on disk        ``state * (4 + k)``
+disk      master and state, when placed on disk        ``state * (4 + k)``; low-precision
+                                                       state at its own width
+                                                       (:func:`disk_bytes_per_element`)
 ========= ============================================ ================================
 
 Transient bytes (a gathered payload, gradient buffers, disk staging) are counted where they
@@ -44,6 +46,7 @@ from typing import Optional, Union
 import torch
 
 from elixir.plan.plan import Placement, Sharding, dtype_name
+from elixir.plan.state_format import disk_state_bytes, is_lossy
 
 MASTER_BYTES = 4
 """Bytes of the fp32 master copy of one element."""
@@ -99,10 +102,16 @@ def optimizer_state_bytes(optimizer: str) -> int:
         raise ValueError(f"optimizer_type {optimizer!r} not known; use one of {sorted(OPTIMIZER_STATE_BYTES)}") from None
 
 
-def disk_bytes_per_element(optimizer_state_bytes: int = ADAM_STATE_BYTES) -> int:
+def disk_bytes_per_element(optimizer_state_bytes: int = ADAM_STATE_BYTES,
+                           formats: tuple[str, str] = ("fp32", "fp32")) -> int:
     """Bytes per shard element that a chunk whose optimizer placement is :attr:`Placement.DISK`
-    keeps on disk: its fp32 master and the optimizer's elementwise state (Adam's by default).
-    The one rule for the cost model's disk bytes and staging, and the offload file's reservation."""
+    keeps on disk: its fp32 master and the optimizer's elementwise state (Adam's by default), or,
+    with low-precision Adam state (``formats``: master and moments, issue 33), each at its own width
+    (:func:`~elixir.plan.state_format.disk_state_bytes`: bf16-sr with int8 moments 4, their block
+    scales in host memory). The one rule for the cost model's disk bytes and staging, and the
+    offload file's reservation."""
+    if is_lossy(*formats):
+        return disk_state_bytes(*formats)
     return MASTER_BYTES + optimizer_state_bytes
 
 

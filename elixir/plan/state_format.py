@@ -29,6 +29,9 @@ frozen int8     8-bit linear codes, one fp32 absmax per block of           1 + 4
                 :data:`INT8_BLOCK` elements
 ==============  =========================================================  ==============
 
+A disk-placed chunk's offload file holds the master and the moments' per-element codes; int8's
+block scales stay in host memory (:func:`disk_state_bytes`: bf16-sr with int8 moments 4 B/element).
+
 This is the one table of those names and sizes: the policy (:mod:`elixir.wrapper.policies`),
 the plan, the kernels (:mod:`elixir.optim.lowbit`, :mod:`elixir.chunk.quant`) and the search's cost
 model read it.
@@ -36,7 +39,6 @@ model read it.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -87,9 +89,21 @@ def moment_bytes(moments: str) -> float:
     return _MOMENT_BYTES[moments]
 
 
+def moment_scale_bytes(moments: str) -> float:
+    """Bytes per element of the moments' block scales (``int8``: two fp32 absmax per block of
+    :data:`QUANT_BLOCK`; 0 otherwise). A disk chunk keeps them in host memory: they are not one
+    value per element, so the offload file binds only the codes
+    (:func:`elixir.offload.state_binding.is_elementwise`)."""
+    check_state_formats("fp32", moments)
+    return 8.0 / QUANT_BLOCK if moments == "int8" else 0.0
+
+
 def disk_state_bytes(master: str, moments: str) -> int:
-    """Bytes per element a disk-placed chunk keeps in its offload file: master and moments, rounded up."""
-    return int(math.ceil(master_bytes(master) + moment_bytes(moments)))
+    """Bytes per element a disk-placed chunk keeps in its offload file: its master (Kahan's buffer
+    included) and its moments' per-element codes, each at its own width (fp32/fp32 12, bf16-sr/int8
+    4); the int8 block scales stay in host memory (:func:`moment_scale_bytes`). Exact: the file is
+    reserved at this size (``offload/for_plan.py``) and the bytes a disk step writes back are it."""
+    return int(master_bytes(master) + moment_bytes(moments) - moment_scale_bytes(moments))
 
 
 def is_lossy(master: str, moments: str) -> bool:

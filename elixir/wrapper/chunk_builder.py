@@ -22,8 +22,8 @@ from elixir.offload.derived import DerivedShards
 from elixir.offload.for_plan import StoreSite, shard_store_for_plan, store_for_plan
 from elixir.offload.store import DiskStore
 from elixir.plan import Placement
-from elixir.plan.footprint import element_bytes, resident_sharding
-from elixir.plan.state_format import disk_state_bytes, master_torch_dtype
+from elixir.plan.footprint import disk_bytes_per_element, element_bytes, resident_sharding
+from elixir.plan.state_format import master_torch_dtype
 from elixir.wrapper.materialize import Materializer, assign
 from elixir.wrapper.mesh import RunMesh
 from elixir.wrapper.param_map import ParamMap, ParamSlot
@@ -155,7 +155,7 @@ class ChunkBuilder:
         plan, rt, out = self.plan, self.rt, self.out
         m = rt.mesh
         site = StoreSite(rt.ledger, m.shard_rank, m.shard_world, m.shard_group, self.offload.offload_dir, self.offload.direct)
-        out.disk_store = store_for_plan(plan, site, disk_state_bytes(*rt.state_formats))
+        out.disk_store = store_for_plan(plan, site, disk_bytes_per_element(formats=rt.state_formats))
         out.shard_store = shard_store_for_plan(plan, site, element_bytes(rt.dtype))
         if out.disk_store is not None and any(cp.sharded and cp.shard_placement is Placement.DISK for cp in plan.chunks):
             out.derived_shards = DerivedShards(out.disk_store, rt.ledger)

@@ -7,9 +7,10 @@ format, so host memory and the offload file (disk chunks bind every elementwise 
 a flat of its own dtype, :mod:`elixir.offload.state_binding`) hold the state at its own size.
 
 State dicts and checkpoints hold each fragment's state as it is (bf16 moments and the Kahan
-buffer in bf16), except 8-bit moments: their block scales follow the fragment's cut, which another
-layout does not share, so they are written as the fp32 values they decode to (exactly). The format
-is recorded beside them; loading into another format converts, with a warning naming the change.
+buffer in bf16). 8-bit moments: sharded checkpoints hold their codes and block scales as they are
+(:mod:`elixir.checkpoint.quantised`, which decodes them for another layout); state dicts and mesh
+checkpoints, which other layouts cut anew, the fp32 values they decode to (exactly). The format is
+recorded beside them; loading into another format converts, with a warning naming the change.
 """
 
 from __future__ import annotations
