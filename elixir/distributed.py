@@ -312,12 +312,19 @@ def engine_collectives(what: str = "a collective of torch's engines") -> Iterato
     try:
         with _python_free_tls():
             yield
-    except CollectiveFailed:
-        raise
     except RuntimeError as e:
-        if not is_initialized() or not is_backend_failure(e):
+        failure = _named_backend_failure(what, e)
+        if failure is None:
             raise
-        raise _failed(what, e) from e
+        raise failure from e
+
+
+def _named_backend_failure(what: str, e: RuntimeError) -> Optional[CollectiveFailed]:
+    """The :class:`CollectiveFailed` naming ``what`` to raise for ``e``; None where ``e`` passes
+    through unchanged (elixir's own CollectiveFailed, no process group, not a peer's death)."""
+    if isinstance(e, CollectiveFailed) or not is_initialized() or not is_backend_failure(e):
+        return None
+    return _failed(what, e)
 
 
 _backward_named = False
@@ -341,12 +348,11 @@ def name_backward_failures(what: str) -> None:
     def backward(*args, **kwargs):
         try:
             return inner(*args, **kwargs)
-        except CollectiveFailed:
-            raise
         except RuntimeError as e:
-            if not is_initialized() or not is_backend_failure(e):
+            failure = _named_backend_failure(what, e)
+            if failure is None:
                 raise
-            raise _failed(what, e) from e
+            raise failure from e
 
     torch.autograd.backward = backward
 
