@@ -34,6 +34,8 @@ import time
 
 from rss_cap import tree_rss  # bench/rss_cap.py: the RSS cap step_time.py enforces too
 
+from elixir.plan.state_format import MASTER_FORMATS, MOMENT_FORMATS
+
 SYSTEMS = {
     "a": "torch fp32 AdamW",
     "b": "torch bf16 autocast",
@@ -52,6 +54,7 @@ LADDER = [(1024, 8), (1536, 12), (1792, 14), (2048, 16), (2048, 22), (2304, 22),
           (6144, 44), (6656, 52), (7168, 56), (8192, 60)]  # 165M .. 48.8B, about 1.2-1.4x per rung
 TINY = [(64, 1), (64, 2), (128, 2), (128, 4)]
 GIB = 2**30
+FP32_STATE = ("fp32", "fp32")  # (master, moments): MixedPrecisionPolicy's defaults
 
 
 def llama_config(hidden: int, layers: int, vocab: int = 32000):
@@ -263,7 +266,7 @@ def _build_deepspeed(cfg, offload: str):
     return engine, ("deepspeed", where)
 
 
-def _build(system: str, cfg, offload: str, mem_cap: int):
+def _build(system: str, cfg, offload: str, mem_cap: int, formats: tuple[str, str] = FP32_STATE):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -291,38 +294,62 @@ def _build(system: str, cfg, offload: str, mem_cap: int):
     if system == "d":
         return _build_deepspeed(cfg, offload)
     if system == "e":
-        from elixir.optim import HybridAdam
-        from elixir.search import optimal_search
-        from elixir.wrapper import ElixirModule, ElixirOptimizer
-
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg).train()
-        batch = {"input_ids": torch.zeros(1, 256, dtype=torch.long)}
-
-        def step_fn(m, b):
-            loss = m(input_ids=b["input_ids"], labels=b["input_ids"]).loss
-            loss.backward()
-            return loss
-
-        free = shutil.disk_usage(offload).free
-        # bf16 chunks with fp32 masters (mixed precision, as (b) computes); on a CPU box device and
-        # host are one pool, so the cap budgets both; the search may put any chunk's state on disk,
-        # all the free space but its own margin (MemoryPolicy.disk_margin)
-        plan = optimal_search(model, 1, unified_dtype=torch.bfloat16, optimizer_type="HybridAdam", inp=batch,
-                              step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap, disk=free)
-        kinds: dict[str, int] = {}
-        for c in plan.chunks:
-            key = f"{'shard' if c.sharded else 'repl'}:{c.shard_placement.value}/opt:{c.optim_placement.value}"
-            kinds[key] = kinds.get(key, 0) + 1
-        print(json.dumps({"note": f"plan: {plan.chunk_size:,} el/chunk, {kinds}, grads {plan.grad_dtype}, "
-                                  f"fused step {plan.fused_step}, predicted peak "
-                                  f"{(plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes) / GIB:.2f} GiB "
-                                  f"(+{plan.prediction.peak_disk_bytes / GIB:.1f} GiB disk), step "
-                                  f"{plan.prediction.step_time_s:.1f} s"}), flush=True)
-        _print_predicted_peak(plan)
-        em = ElixirModule(model, plan, dtype=torch.bfloat16, offload_dir=offload)
-        return em, ElixirOptimizer(em, HybridAdam(em.parameters(), lr=1e-4))
+        return _build_elixir(cfg, offload, mem_cap, formats)
     raise ValueError(system)
+
+
+def _search_disk_budget(free: int, formats: tuple[str, str]) -> int:
+    """The disk budget to give ``optimal_search`` for state in ``formats``. The search prices a disk
+    chunk at fp32 state (``footprint.disk_bytes_per_element()``: it does not take the formats yet,
+    issue 33 item 4) while the runtime writes each format at its own width
+    (``disk_bytes_per_element(formats=...)``); scaling the free space by the ratio of the two makes
+    its disk check the one the run will face. Its host figures stay priced at fp32 state (staging
+    and HK masters): an over-prediction, not a miss. Drop this once the search takes the formats."""
+    from elixir.plan import disk_bytes_per_element
+
+    return free * disk_bytes_per_element() // disk_bytes_per_element(formats=formats)
+
+
+def _build_elixir(cfg, offload: str, mem_cap: int, formats: tuple[str, str]):
+    """System (e): built on meta, ``optimal_search`` places every chunk (disk included); bf16
+    chunks, HybridAdam, the optimizer state in ``formats`` (master, moments)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from elixir.optim import HybridAdam
+    from elixir.search import optimal_search
+    from elixir.wrapper import ElixirModule, ElixirOptimizer
+    from elixir.wrapper.policies import MixedPrecisionPolicy
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg).train()
+    batch = {"input_ids": torch.zeros(1, 256, dtype=torch.long)}
+
+    def step_fn(m, b):
+        loss = m(input_ids=b["input_ids"], labels=b["input_ids"]).loss
+        loss.backward()
+        return loss
+
+    disk = _search_disk_budget(shutil.disk_usage(offload).free, formats)
+    # bf16 chunks with fp32 masters (mixed precision, as (b) computes) unless --master/--moments ask
+    # for low-precision state; on a CPU box device and host are one pool, so the cap budgets both;
+    # the search may put any chunk's state on disk, all the free space but its own margin
+    # (MemoryPolicy.disk_margin)
+    plan = optimal_search(model, 1, unified_dtype=torch.bfloat16, optimizer_type="HybridAdam", inp=batch,
+                          step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap, disk=disk)
+    kinds: dict[str, int] = {}
+    for c in plan.chunks:
+        key = f"{'shard' if c.sharded else 'repl'}:{c.shard_placement.value}/opt:{c.optim_placement.value}"
+        kinds[key] = kinds.get(key, 0) + 1
+    print(json.dumps({"note": f"plan: {plan.chunk_size:,} el/chunk, {kinds}, grads {plan.grad_dtype}, "
+                              f"fused step {plan.fused_step}, state {_formats_label(formats)}, predicted peak "
+                              f"{(plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes) / GIB:.2f} GiB "
+                              f"(+{plan.prediction.peak_disk_bytes / GIB:.1f} GiB disk at fp32 state), step "
+                              f"{plan.prediction.step_time_s:.1f} s"}), flush=True)
+    _print_predicted_peak(plan)
+    em = ElixirModule(model, plan, offload_dir=offload,
+                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, master=formats[0], moments=formats[1]))
+    return em, ElixirOptimizer(em, HybridAdam(em.parameters(), lr=1e-4))
 
 
 def _print_predicted_peak(plan) -> None:
@@ -331,12 +358,13 @@ def _print_predicted_peak(plan) -> None:
     print(json.dumps({"predicted_peak": plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes}), flush=True)
 
 
-def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: int, offload: str, mem_cap: int) -> dict:
+def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: int, offload: str, mem_cap: int,
+          formats: tuple[str, str] = FP32_STATE) -> dict:
     import torch
 
     torch.manual_seed(0)
     cfg = llama_config(hidden, layers, vocab)
-    model, opt = _build(system, cfg, offload, mem_cap)
+    model, opt = _build(system, cfg, offload, mem_cap, formats)
     build_peak, step_peaks = _vm_hwm(), []  # where the peak comes from: the build or which step
     ids = torch.randint(0, vocab, (1, seq))
     losses, times, io = [], [], []
@@ -391,16 +419,27 @@ def _drop_build_locks(since: float) -> None:
             os.remove(os.path.join(dirpath, "lock"))
 
 
-def _disk_need(rung: tuple[int, int], vocab: int, system: str = "e") -> int:
-    """The most offload space a rung can take: elixir (e) keeps the fp32 master and Adam moments
-    (12 B/param; a chunk whose shard is on disk too derives it from the master, so no compute-dtype
-    copy; its search checks the exact need, padding included, against the free disk less its own
-    margin); the other systems 16 B/param;
+def _formats_label(formats: tuple[str, str]) -> str:
+    """``master/moments`` and the bytes per parameter they keep on disk (the footprint rule)."""
+    from elixir.plan import disk_bytes_per_element
+
+    return f"{formats[0]}/{formats[1]}, {disk_bytes_per_element(formats=formats)} B/param on disk"
+
+
+def _disk_need(rung: tuple[int, int], vocab: int, system: str = "e", formats: tuple[str, str] = FP32_STATE) -> int:
+    """The most offload space a rung can take: elixir (e) keeps the master and Adam moments in
+    ``formats``, at the footprint rule's bytes (``disk_bytes_per_element``: fp32/fp32 12 B/param,
+    bf16-sr/int8 4; a chunk whose shard is on disk too derives it from the master, so no
+    compute-dtype copy; its search checks the exact need, padding included, against the free disk
+    less its own margin); the other systems 16 B/param;
     DeepSpeed (d) also swaps fp32 gradients out (measured: 18.0 B/param of swap files); LoRA's
     elixir (h) only its frozen bf16 weights, in chunks padded to the largest frozen tensor (the
     search planned 2.6 B/param at 20.3B)."""
-    per_param = {"d": 18, "h": 3, "e": 12}.get(system, 16)
-    return per_param * n_params(*rung, vocab)
+    if system == "e":
+        from elixir.plan import disk_bytes_per_element
+
+        return disk_bytes_per_element(formats=formats) * n_params(*rung, vocab)
+    return {"d": 18, "h": 3}.get(system, 16) * n_params(*rung, vocab)
 
 
 # glibc raises its mmap threshold to the size of each large block freed (up to 32 MB), after which
@@ -413,14 +452,14 @@ DEEPSPEED_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 def run_trial(args, system: str, rung: tuple[int, int]) -> dict:
     free = shutil.disk_usage(args.offload_dir).free
-    need = _disk_need(rung, args.vocab, system)
+    need = _disk_need(rung, args.vocab, system, _formats(args))
     if system in OFFLOADS_TO_DISK and free < need:
         return {"ok": False, "peak_rss": 0, "reason": f"not run: {args.offload_dir} has {free / GIB:.1f} GiB free, "
                 f"the rung may need {need / GIB:.1f} GiB of offload space"}
     offload = tempfile.mkdtemp(prefix=f"capacity-{system}-", dir=args.offload_dir)
     cmd = [sys.executable, os.path.abspath(__file__), "--trial", system, "--rung", f"{rung[0]}x{rung[1]}",
            "--vocab", str(args.vocab), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--trial-dir", offload, "--mem-cap", str(args.mem_cap)]
+           "--trial-dir", offload, "--mem-cap", str(args.mem_cap), "--master", args.master, "--moments", args.moments]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                **(DEEPSPEED_MALLOC_ENV if system == "d" else {}))
@@ -504,6 +543,10 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per trial")
     p.add_argument("--rungs", help="bisect over these ladder indices only (comma-separated, e.g. 2,3,4), "
                    "to bound a system you already know roughly; default: the whole ladder")
+    p.add_argument("--master", default="fp32", choices=MASTER_FORMATS,
+                   help="elixir (e)'s master format (MixedPrecisionPolicy.master; default fp32)")
+    p.add_argument("--moments", default="fp32", choices=MOMENT_FORMATS,
+                   help="elixir (e)'s Adam moment format (MixedPrecisionPolicy.moments; default fp32)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--log-dir", default=None, help="each trial's stdout/stderr (default: a new temporary directory)")
     p.add_argument("--trial", help=argparse.SUPPRESS)
@@ -514,7 +557,8 @@ def main() -> None:
         args.mem_cap = 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     if args.trial:
         h, layers = (int(x) for x in args.rung.split("x"))
-        r = trial(args.trial, h, layers, args.vocab, args.seq, args.steps, args.trial_dir, int(args.mem_cap * GIB))
+        r = trial(args.trial, h, layers, args.vocab, args.seq, args.steps, args.trial_dir, int(args.mem_cap * GIB),
+                  _formats(args))
         print(json.dumps(r), flush=True)
         return
     ladder = TINY if args.tiny else LADDER
@@ -530,7 +574,7 @@ def main() -> None:
         args.vocab = min(args.vocab, 512)
     free = shutil.disk_usage(args.offload_dir).free
     to_disk = set(args.systems.split(",")) & OFFLOADS_TO_DISK
-    need = max((_disk_need(ladder[0], args.vocab, s) for s in to_disk), default=0)
+    need = max((_disk_need(ladder[0], args.vocab, s, _formats(args)) for s in to_disk), default=0)
     if to_disk and free < need:
         sys.exit(f"capacity: {args.offload_dir} has {free / GIB:.1f} GiB free; the smallest rung needs up to "
                  f"{need / GIB:.1f} GiB of offload space. Free some, pass --offload-dir elsewhere, or use --tiny.")
@@ -542,6 +586,10 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({s: r for s, r in results.items()}, f, indent=2, default=str)
+
+
+def _formats(args) -> tuple[str, str]:
+    return args.master, args.moments
 
 
 def _count(n: int) -> str:
@@ -559,13 +607,16 @@ def _report(results: dict, args) -> None:
     for s, r in results.items():
         b, f = r["best"], r["first_fail"]
         why = (f or {}).get("reason", "the ladder's top") if f else "the ladder's top"
+        # elixir's row names its state formats and their bytes on disk per parameter (the rule)
+        name = SYSTEMS[s] + (f", state {_formats_label(_formats(args))}" if s == "e" else "")
         if b is None:
-            t.add_row(SYSTEMS[s], "none", "", "", "", "", "", "", why)
+            t.add_row(name, "none", "", "", "", "", "", "", why)
             continue
         h, layers = b["rung"]
-        t.add_row(SYSTEMS[s], f"h{h} L{layers}", _count(n_params(h, layers, args.vocab)), f"{b['step_s']:.2f}",
+        params = n_params(h, layers, args.vocab)
+        t.add_row(name, f"h{h} L{layers}", _count(params), f"{b['step_s']:.2f}",
                   f"{b['peak_rss'] / GIB:.2f} GiB", _against_prediction(b), f"{b['read_per_step'] / GIB:.2f} GiB",
-                  f"{b['written_per_step'] / GIB:.2f} GiB", why)
+                  f"{b['written_per_step'] / GIB:.2f} GiB ({b['written_per_step'] / params:.2f} B/param)", why)
     console = Console(width=max(140, Console().width))
     console.print(t)
     for s, r in results.items():
