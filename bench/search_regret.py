@@ -24,6 +24,10 @@ median of its timed steps, its spread the range of the per-repeat medians.
     python bench/search_regret.py --quick                 # 3 workloads, about 15 minutes
     python bench/search_regret.py --json out/regret.json  # the full grid (under an hour, quiet box)
     python bench/search_regret.py --smoke                 # one tiny workload, seconds (the test)
+    python bench/search_regret.py --merge a.json b.json --json all.json  # one table from slices
+
+The grid can run in slices (``--only NAME --json NAME.json`` per workload, each alone on the
+box); ``--merge`` then joins the slices' workloads into one summary and table.
 
 Run it alone on a quiet box: step times on 2 cores move with any other load. The JSON holds
 ``{"workloads": [{"name", "regret", "prediction_error", "plans": [...]}, ...]}``.
@@ -72,7 +76,9 @@ GRID = (
     Workload("82M-comm", 768, 6, 50257, 1, 8),
     Workload("82M-mid", 768, 6, 50257, 2, 128),
     Workload("82M-tight", 768, 6, 50257, 2, 128, budget_gib=1.6),
-    Workload("82M-disk", 768, 6, 50257, 2, 128, budget_gib=0.9, disk_gib=4.0),
+    # disk needed: the state outweighs the activations (an 82M model at 2 x 128 cannot: its
+    # activations and the process leave no room a disk tier would free)
+    Workload("124M-disk", 768, 12, 50257, 1, 32, budget_gib=1.8, disk_gib=4.0),
     Workload("124M-mid", 768, 12, 50257, 2, 64),
     Workload("124M-tight", 768, 12, 50257, 2, 64, budget_gib=2.0),
     Workload("354M-comm", 1024, 24, 50257, 1, 8),
@@ -325,7 +331,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--hardware", default=None, help="hardware profile (default: the search's own rule)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--merge", nargs="*", default=None, help="join these result files (slices of the grid)")
     a = ap.parse_args(argv)
+    if a.merge:
+        return _merge(a.merge, a.json)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks inherit it: no config chatter per launch
     from elixir.hardware import choose_default_profile, load_profile
 
@@ -339,18 +348,49 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{w.budget_gib or 'box'} GiB, disk {w.disk_gib} GiB", flush=True)
         results.append(run_workload(w, a.world, hw, 1 if a.smoke else a.steps, a.warmup, repeats,
                                     lambda s: print(s, flush=True)))
-    out = {"hardware": hw.name, "world": a.world, "load_average": os.getloadavg(), "wall_s": time.perf_counter() - t0,
+    out = {"hardware": hw.name, "world": a.world, **_provenance(), "load_average": os.getloadavg(), "wall_s": time.perf_counter() - t0,
            "summary": summary(results), "workloads": results}
+    _report(out, a.json)
+    return 0
+
+
+def _provenance() -> dict:
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"commit": commit, "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
+def _report(out: dict, path: Optional[str]) -> None:
     print(f"\n{'workload':<14} {'regret':>7} {'best':>10} {'pred err':>9} {'search s':>9}")
-    for r in results:
+    for r in out["workloads"]:
         reg = "-" if r["regret"] is None else f"{r['regret']:.3f}"
         err = "-" if r["prediction_error"] is None else f"{r['prediction_error']:+.2f}"
         print(f"{r['name']:<14} {reg:>7} {r.get('best_plan') or '-':>10} {err:>9} {r['search_s']:>9.2f}")
     print(json.dumps(out["summary"]), f"load average {out['load_average']}")
-    if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(out, f, indent=1, default=str)
+
+
+def _merge(paths: list[str], out_path: Optional[str]) -> int:
+    """One summary from slices of the grid; each slice keeps its own hardware, load and wall time."""
+    slices = [json.load(open(p)) for p in paths]
+    hardware = {s["hardware"] for s in slices}
+    if len(hardware) > 1:
+        raise SystemExit(f"the slices used different hardware profiles {sorted(hardware)}: re-run them with one")
+    results = [w for s in slices for w in s["workloads"]]
+    out = {"hardware": hardware.pop(), "world": slices[0]["world"], "wall_s": sum(s["wall_s"] for s in slices),
+           "load_average": max(s["load_average"][0] for s in slices), "summary": summary(results),
+           "slices": [{"file": os.path.basename(p), "load_average": s["load_average"], "wall_s": s["wall_s"],
+                       "workloads": [w["name"] for w in s["workloads"]]} for p, s in zip(paths, slices)],
+           "workloads": results}
+    _report(out, out_path)
     return 0
 
 
