@@ -13,8 +13,9 @@ and times every plan that fits the budget, each in fresh ranks, several repeats:
 - ``tier-up`` / ``tier-down``: the search's offloaded chunks one placement tier up (disk -> host
   -> device) / its device-placed sharded chunks one tier down.
 
-An alternative whose predicted peak is over the budget is not timed (the runtime's ledger would
-refuse it), and one that raises while running is reported as such. Each plan's step time is the
+An alternative whose predicted bytes break the budgets the search kept to (device, host, disk,
+after the same margins; on a CPU box device and host share the host budget) is not timed: it
+could win only with memory the search did not have. One that raises while running is reported as such. Each plan's step time is the
 median of its timed steps, its spread the range of the per-repeat medians.
 
 - **regret**: the search's plan's time over the best time measured, 1.0 when the search's plan
@@ -214,8 +215,8 @@ def _same_plan(a, b) -> bool:
             and a.prefetch_depth == b.prefetch_depth and a.to_json()["frozen_chunks"] == b.to_json()["frozen_chunks"])
 
 
-def predicted(plan, profile, world: int, hw) -> Optional[tuple[float, int]]:
-    """(step seconds, peak device+host bytes) the cost model gives ``plan``."""
+def predicted(plan, profile, world: int, hw) -> tuple[float, int, int, int]:
+    """(step seconds, peak device, host and disk bytes) the cost model gives ``plan``."""
     from elixir.plan import MeshLayout
     from elixir.search.cost_model import Setting, evaluate_plan
 
@@ -223,7 +224,25 @@ def predicted(plan, profile, world: int, hw) -> Optional[tuple[float, int]]:
     st = Setting(layout=MeshLayout.data_parallel(world), elem=e, reduce_elem=e, opt_bytes=8,
                  hardware=hw.per_rank(hw.ranks_per_node(world)), dtype=profile.dtype)
     ev = evaluate_plan(profile, plan, st)
-    return float(ev.step_time), int(ev.device_bytes)
+    return float(ev.step_time), int(ev.device_bytes), int(ev.host_bytes), int(ev.disk_bytes)
+
+
+def over_budget(pred: tuple[float, int, int, int], budgets: dict, hw) -> Optional[str]:
+    """Why a plan's predicted bytes break the budgets the search kept to (after the same margins;
+    on a CPU box device and host bytes share the host budget), or None. An alternative that the
+    search could not have picked is not a fair rival: it would win with memory the search did not have."""
+    from elixir.plan.budgets import MemoryPolicy, unified_memory
+
+    box = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    dev, host, disk = MemoryPolicy().usable(budgets["device_memory"], budgets.get("host_memory") or box, budgets["disk"])
+    _, d, h, k = pred
+    if d > dev:
+        return "over budget (predicted device bytes)"
+    if h > host or (unified_memory(hw) and d + h > host):
+        return "over budget (predicted host bytes)"
+    if k > disk:
+        return "over budget (predicted disk bytes)"
+    return None
 
 
 # ---- timing ----------------------------------------------------------------------------------
@@ -272,19 +291,26 @@ def run_workload(w: Workload, world: int, hw, steps: int, warmup: int, repeats: 
         return {"name": w.name, "workload": dataclasses.asdict(w), "search_s": 0.0, "plans": [],
                 "status": f"refused: {str(e).splitlines()[0]}", "regret": None, "best_plan": None, "prediction_error": None}
     plans, profile = found["plans"], found["profile"]
-    budget = _budgets(w, world)["device_memory"]
+    budgets = _budgets(w, world)
+    budget = budgets["device_memory"]
     rows = []
     for name, plan in plans.items():
         row: dict[str, Any] = {"plan": name}
         if isinstance(plan, str):  # did not fit, or is the search's own plan
             rows.append({**row, "status": plan})
             continue
-        pred = ((plan.prediction.step_time_s, plan.prediction.peak_device_bytes) if plan.prediction
-                else predicted(plan, profile, world, hw))
-        row.update(predicted_s=pred[0], predicted_peak_bytes=pred[1],
+        pred = predicted(plan, profile, world, hw)
+        if plan.prediction:  # the search's own figure for the time (the same model, its own setting)
+            pred = (plan.prediction.step_time_s,) + pred[1:]
+        row.update(predicted_s=pred[0], predicted_peak_bytes=pred[1], predicted_host_bytes=pred[2],
+                   predicted_disk_bytes=pred[3],
                    placements=plan.info.get("chunk_shardings") or plan.sharding_counts, cache_blocks=plan.cache_blocks)
-        if name != "search" and pred[1] > budget:
-            rows.append({**row, "status": "over budget (predicted)"})
+        # the search's own plans (its pick, its runner-ups, its pure ZeRO-3 and ZeRO-1/2 answers)
+        # fit its budgets by construction; the others are checked
+        searched = name in ("search", "zero3", "zero12") or name.startswith("runner-up")
+        why = None if searched else over_budget(pred, budgets, hw)
+        if why:
+            rows.append({**row, "status": why})
             continue
         try:
             row.update(time_plan(w, plan, world, steps, warmup, repeats, budget if w.budget_gib else None), status="ok")
