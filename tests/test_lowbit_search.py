@@ -1,0 +1,111 @@
+"""The search prices the optimizer state's formats (issue 33 item 4).
+
+- a budget the fp32 state does not fit but a leaner format does is refused unless the policy
+  allows lossy state (``allow_lossy_state``); allowed, the search takes the least lossy format
+  that fits, and the plan records it (and the runtime runs it without being told);
+- a low-precision plan's predicted peak holds what the runtime has live at once (its ledger, the
+  optimizer state and the traced activations) within the tolerance of the disk plans' test
+  (``tests/test_disk_plan_memory.py``: at least it, at most 10% above);
+- with the default formats the plan is the one made without them.
+
+The budgets come from the search's own refusals (the least memory each format needs), not from
+figures written here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elixir.hardware import load_profile
+from elixir.optim import CPUAdam
+from elixir.plan.budgets import DoesNotFitError
+from elixir.search import optimal_search
+from elixir.testing.zoo import ZOO, build_model
+from elixir.wrapper import ElixirModule, ElixirOptimizer, MixedPrecisionPolicy
+from tests.ledger_cases import live_peak
+
+MODEL = "llama"
+BATCH = 4
+
+
+def _search(budget: int, **kw):
+    """The plan of the zoo's tiny LLaMA in bf16 at world size 1 for ``budget`` bytes of the CPU
+    box's one memory pool, no disk, and only elixir's own bytes (no process term)."""
+    case = ZOO[MODEL]
+    return optimal_search(build_model(MODEL), 1, torch.bfloat16, hardware=load_profile("cpu-box"), host_memory=budget,
+                          device_memory=budget, inp=case.make_batch(BATCH, 0), step_fn=case.step_fn, process_bytes=0,
+                          **kw)
+
+
+def _least(master: str, moments: str) -> int:
+    """The least budget a plan in these formats fits (the search's refusal says it)."""
+    with pytest.raises(DoesNotFitError) as e:
+        _search(1 << 16, master=master, moments=moments)
+    return e.value.needs["memory"]
+
+
+@pytest.fixture(scope="module")
+def least() -> dict[tuple[str, str], int]:
+    return {f: _least(*f) for f in (("fp32", "fp32"), ("fp32", "int8"), ("bf16-sr", "int8"))}
+
+
+@pytest.mark.parametrize("leaner", [("fp32", "int8"), ("bf16-sr", "int8")])
+def test_lossy_state_only_where_the_policy_allows_it(least, leaner):
+    """Between what ``leaner`` needs and what the next richer format needs, only ``leaner`` fits:
+    refused as asked (fp32), taken with ``allow_lossy_state``, and recorded."""
+    richer = ("fp32", "fp32") if leaner == ("fp32", "int8") else ("fp32", "int8")
+    assert least[("bf16-sr", "int8")] < least[("fp32", "int8")] < least[("fp32", "fp32")], least
+    budget = (least[leaner] + least[richer]) // 2
+    with pytest.raises(DoesNotFitError):
+        _search(budget)
+    with pytest.raises(DoesNotFitError):
+        _search(budget, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    plan = _search(budget, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, allow_lossy_state=True))
+    assert (plan.master_format, plan.moments_format) == leaner
+    assert plan.info["state_formats"]["why"].startswith("allow_lossy_state: fp32/fp32 does not fit")
+    assert plan.to_json()["master_format"] == leaner[0] and plan.to_json()["moments_format"] == leaner[1]
+    # what fits as asked stays as asked, recorded (the search was allowed to change it)
+    roomy = _search(least[("fp32", "fp32")] * 2, allow_lossy_state=True)
+    assert (roomy.master_format, roomy.moments_format) == ("fp32", "fp32")
+
+
+def test_default_formats_plan_as_without_them(least):
+    """fp32 state asked for (loose, or by a default policy) is the plan made without formats:
+    the same JSON but the search's own time, no formats recorded."""
+    budget = least[("fp32", "fp32")] * 2
+    plain = _search(budget).to_json()
+    plain["info"].pop("search_time_s")
+    for kw in (dict(master="fp32", moments="fp32"), dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))):
+        again = _search(budget, **kw).to_json()
+        again["info"].pop("search_time_s")
+        assert again == plain, kw
+    assert "master_format" not in plain and "state_formats" not in plain["info"]
+
+
+@pytest.mark.parametrize("formats", [("fp32", "fp32"), ("bf16-sr", "int8"), ("bf16-kahan", "bf16")])
+def test_predicted_peak_holds_the_runtime_in_each_format(least, formats):
+    """The plan's predicted peak (device and host: one pool) against what the runtime has live at
+    once over two steps in those formats, world size 1 (the fp32 plan is the control)."""
+    plan = _search(least[("fp32", "fp32")] * 2, master=formats[0], moments=formats[1])
+    case = ZOO[MODEL]
+    em = ElixirModule(build_model(MODEL), plan, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    assert em.state_formats == formats
+    eo = ElixirOptimizer(em, CPUAdam(list(em.parameters()), lr=1e-3))
+
+    def step(i: int) -> None:
+        eo.zero_grad()
+        case.loss(em, case.make_batch(BATCH, i)).backward()
+        eo.step()
+
+    prof_steps = _traced_activations()
+    live = live_peak(em, step, prof_steps, resident_state=True)
+    predicted = plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes
+    assert live <= predicted <= 1.1 * live, (formats, live, predicted, plan.info["predicted_memory"])
+
+
+def _traced_activations():
+    from elixir.search.step_profile import profile_step
+
+    case = ZOO[MODEL]
+    return profile_step(build_model(MODEL), case.make_batch(BATCH, 0), case.step_fn, torch.bfloat16).step_activations
