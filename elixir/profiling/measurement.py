@@ -212,6 +212,8 @@ def measure_optimizer(n_params: int, device: torch.device, repeats: int) -> tupl
     return n_params / t, impl
 
 
+#: Least rounds per format in :func:`measure_optimizer_formats` (a step is tens of ms: cheap).
+FORMAT_ROUNDS = 9
 #: The low-precision state formats ``hwprofile`` times (every (master, moments) pair but fp32/fp32).
 LOWBIT_FORMATS = tuple((m, v) for m in MASTER_FORMATS for v in MOMENT_FORMATS if (m, v) != ("fp32", "fp32"))
 
@@ -222,8 +224,9 @@ def measure_optimizer_formats(n_params: int, device: torch.device, repeats: int,
     step's on ``device`` (:attr:`~elixir.hardware.HardwareProfile.optimizer_format_ratio`): one
     flat of ``n_params``, fp32 gradients, the fp32 step of :func:`measure_optimizer` against
     ``HybridAdam(master=..., moments=...)`` (the native kernel on a CPU, its torch path on an
-    accelerator), both warmed up, then timed back to back in at least 3 rounds, alternating which
-    goes first; the median of the per-round ratios (a drift in the load hits both alike)."""
+    accelerator), both warmed up, then timed back to back in at least :data:`FORMAT_ROUNDS`
+    rounds, alternating which goes first; the median of the per-round ratios (a drift in the load
+    hits both alike). Gradients are fp32 (the master's dtype on a torch without ``grad_dtype``)."""
     fp32, _ = _fp32_adam(n_params, device)
     sync = _sync(device)
     out = {}
@@ -235,7 +238,7 @@ def measure_optimizer_formats(n_params: int, device: torch.device, repeats: int,
         p.grad = torch.full((n_params,), 1e-3, dtype=gdt, device=device)
         low = HybridAdam([p], lr=1e-3, master=master, moments=moments)
         ratios = []
-        for r in range(max(3, repeats) + 1):
+        for r in range(max(FORMAT_ROUNDS, repeats) + 1):
             pair = [_once(o.step, sync) for o in ((fp32, low) if r % 2 else (low, fp32))]
             if r:  # the first round is the warm-up (state allocated, pages faulted in)
                 ratios.append(pair[1] / pair[0] if r % 2 else pair[0] / pair[1])
