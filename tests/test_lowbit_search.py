@@ -126,3 +126,24 @@ def test_predicted_peak_holds_the_runtime_in_each_format(least, fp32_run, format
     slack = 8 * (len(list(build_model(MODEL).parameters())) + 1)  # int8 scales: one more block per tensor at most
     assert abs((predicted - live) - (fp32_predicted - fp32_live)) <= slack, (formats, predicted, live, fp32_run)
     assert predicted < fp32_predicted and live < fp32_live  # fewer bytes, as priced
+
+
+def test_elixir_plan_takes_the_formats_and_reports_them(tmp_path, capsys):
+    """``elixir plan --master/--moments`` price and record the formats, and the report names them
+    for the trainable chunks; the flags are refused with --tp/--pp, whose search prices fp32 state."""
+    import json
+
+    from elixir import cli
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128,
+                               "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}))
+    out_plan = tmp_path / "plan.json"
+    args = ["plan", str(cfg), "--seq", "16", "--world-size", "1", "--hardware", "cpu-box"]
+    assert cli.main([*args, "--master", "bf16-sr", "--moments", "int8", "--out", str(out_plan)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "master bf16-sr, moments int8 (4.03 B/param)" in out, out
+    saved = json.loads(out_plan.read_text())
+    assert (saved["master_format"], saved["moments_format"]) == ("bf16-sr", "int8")
+    assert cli.main([*args, "--tp", "2", "--world-size", "2", "--moments", "int8"]) == 2
+    assert "price the data-parallel search only" in " ".join(capsys.readouterr().out.split())

@@ -773,17 +773,19 @@ def _search_formats(s: _Searcher, grad_dtype: Optional[torch.dtype], fused_step:
     state on disk wins, else the fastest plan found. The searcher, its result and why those formats."""
     asked = s.request.formats
     label = "/".join(asked)
+    # only Adam's state has the formats (another optimizer's plan keeps its own, as asked)
+    ladder = leaner_formats(*asked) if s.request.optimizer_type.lower() in LOSSY_OPTIMIZERS else []
     try:
         s0, f0 = _search_leanest(s, grad_dtype, fused_step)
     except DoesNotFitError as e:
-        if not allow_lossy or not leaner_formats(*asked):
+        if not allow_lossy or not ladder:
             raise
         tried, error, short = [], e, "does not fit"
     else:
         if not allow_lossy or not _state_on_disk(f0[0]):
             return s0, f0, f"as asked ({label})" + ("" if not allow_lossy else ": fits without optimizer state on disk")
         tried, error, short = [(s0, f0)], None, "keeps optimizer state on disk"
-    for fmt in leaner_formats(*asked):
+    for fmt in ladder:
         try:
             sx, fx = _search_leanest(s.sibling(formats=fmt), grad_dtype, fused_step)
         except DoesNotFitError as e:
