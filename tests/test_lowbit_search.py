@@ -147,3 +147,13 @@ def test_elixir_plan_takes_the_formats_and_reports_them(tmp_path, capsys):
     assert (saved["master_format"], saved["moments_format"]) == ("bf16-sr", "int8")
     assert cli.main([*args, "--tp", "2", "--world-size", "2", "--moments", "int8"]) == 2
     assert "price the data-parallel search only" in " ".join(capsys.readouterr().out.split())
+
+
+def test_front_ends_search_in_their_formats():
+    """An integration's (and GeminiPlugin's) ``search="optimal"`` prices and records the formats it
+    trains with."""
+    from elixir.integrations.options import ElixirOptions
+
+    opts = ElixirOptions(search="optimal", master="bf16-sr", moments="int8")
+    plan = opts.make_plan(build_model(MODEL), 1, torch.bfloat16, main=False)
+    assert (plan.master_format, plan.moments_format) == ("bf16-sr", "int8")
