@@ -154,7 +154,8 @@ class HardwareProfile:
             path on an accelerator), so that the step's time in a format is the fp32 rate, shared
             and calibrated as :meth:`per_rank` says, times this ratio. A format or place not
             measured (profiles written before issue 33, reference profiles) is priced at the fp32
-            rate (ratio 1), and ``source`` says so.
+            rate (ratio 1): the shipped reference profiles' ``source`` says so, and
+            ``elixir hwprofile --show`` says so for any profile without the field.
         matmul_flops: dense matmul throughput per dtype name (``"float32"``, ``"bfloat16"``, ...).
         train_flops: per dtype, the training throughput (FLOP/s) of a reference transformer stack
             against the FLOPs of one step (``6 * matmul weights * tokens``, as the cost model counts
