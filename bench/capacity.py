@@ -300,18 +300,6 @@ def _build(system: str, cfg, offload: str, mem_cap: int, formats: tuple[str, str
     raise ValueError(system)
 
 
-def _search_disk_budget(free: int, formats: tuple[str, str]) -> int:
-    """The disk budget to give ``optimal_search`` for state in ``formats``. The search prices a disk
-    chunk at fp32 state (``footprint.disk_bytes_per_element()``: it does not take the formats yet,
-    issue 33 item 4) while the runtime writes each format at its own width
-    (``disk_bytes_per_element(formats=...)``); scaling the free space by the ratio of the two makes
-    its disk check the one the run will face. Its host figures stay priced at fp32 state (staging
-    and HK masters): an over-prediction, not a miss. Drop this once the search takes the formats."""
-    from elixir.plan import disk_bytes_per_element
-
-    return free * disk_bytes_per_element() // disk_bytes_per_element(formats=formats)
-
-
 def _build_elixir(cfg, offload: str, mem_cap: int, formats: tuple[str, str]):
     """System (e): built on meta, ``optimal_search`` places every chunk (disk included); bf16
     chunks, HybridAdam, the optimizer state in ``formats`` (master, moments)."""
@@ -332,13 +320,15 @@ def _build_elixir(cfg, offload: str, mem_cap: int, formats: tuple[str, str]):
         loss.backward()
         return loss
 
-    disk = _search_disk_budget(shutil.disk_usage(offload).free, formats)
+    disk = shutil.disk_usage(offload).free
     # bf16 chunks with fp32 masters (mixed precision, as (b) computes) unless --master/--moments ask
     # for low-precision state; on a CPU box device and host are one pool, so the cap budgets both;
     # the search may put any chunk's state on disk, all the free space but its own margin
-    # (MemoryPolicy.disk_margin)
+    # (MemoryPolicy.disk_margin); the search prices the state in `formats` (bytes on device, host
+    # and disk, and its Adam kernel's rate) and records them in the plan
     plan = optimal_search(model, 1, unified_dtype=torch.bfloat16, optimizer_type="HybridAdam", inp=batch,
-                          step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap, disk=disk)
+                          step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap, disk=disk,
+                          master=formats[0], moments=formats[1])
     kinds: dict[str, int] = {}
     for c in plan.chunks:
         key = f"{'shard' if c.sharded else 'repl'}:{c.shard_placement.value}/opt:{c.optim_placement.value}"
@@ -346,7 +336,7 @@ def _build_elixir(cfg, offload: str, mem_cap: int, formats: tuple[str, str]):
     print(json.dumps({"note": f"plan: {plan.chunk_size:,} el/chunk, {kinds}, grads {plan.grad_dtype}, "
                               f"fused step {plan.fused_step}, state {_formats_label(formats)}, predicted peak "
                               f"{(plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes) / GIB:.2f} GiB "
-                              f"(+{plan.prediction.peak_disk_bytes / GIB:.1f} GiB disk at fp32 state), step "
+                              f"(+{plan.prediction.peak_disk_bytes / GIB:.1f} GiB disk), step "
                               f"{plan.prediction.step_time_s:.1f} s"}), flush=True)
     _print_predicted_peak(plan)
     em = ElixirModule(model, plan, offload_dir=offload,

@@ -58,6 +58,11 @@ def render(profile, console=None) -> None:
         t.add_row(key, " ".join(gbs(b) for b in c.bytes_per_s), src.get(key, ""))
     for k, v in profile.optimizer_params_per_s.items():
         t.add_row(f"Adam on {k}", f"{v / 1e6:.0f} Mparam/s", profile.optimizer_impl.get(k, ""))
+    for k, ratios in profile.optimizer_format_ratio.items():
+        t.add_row(f"Adam state formats on {k} (time vs fp32)", ", ".join(f"{f} {r:.2f}x" for f, r in ratios.items()),
+                  src.get("optimizer_format_ratio", ""))
+    if not profile.optimizer_format_ratio:
+        t.add_row("Adam state formats (time vs fp32)", "not measured: priced at the fp32 rate", "")
     for k, v in profile.matmul_flops.items():
         t.add_row(f"matmul {k}", f"{v / 1e12:.3f} TFLOP/s", src.get("matmul_flops", ""))
     for k, c in profile.matmul_curve.items():

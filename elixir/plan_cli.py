@@ -33,6 +33,7 @@ from elixir.hardware.registry import (
 from elixir.plan import dtype_from_name
 from elixir.plan.budgets import budgets_for, untraced_refusal
 from elixir.plan.mesh import SCHEDULES
+from elixir.plan.state_format import FROZEN_FORMATS, MASTER_FORMATS, MOMENT_FORMATS, leaner_formats
 from elixir.tables import human_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -75,6 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="compute dtype")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every layer")
     parser.add_argument("--optimizer", default="Adam", help="Adam/AdamW (8 B/element of state) or SGD (4)")
+    fmt = parser.add_argument_group("state formats (MixedPrecisionPolicy's fields; docs/optimizer.md)")
+    fmt.add_argument("--master", default="fp32", choices=MASTER_FORMATS, help="format of the optimizer's master copy")
+    fmt.add_argument("--moments", default="fp32", choices=MOMENT_FORMATS, help="format of Adam's moments")
+    fmt.add_argument("--frozen", default=None, choices=[f for f in FROZEN_FORMATS if f],
+                     help="store frozen chunks (an adapter fine-tune's base) quantised")
+    fmt.add_argument("--allow-lossy-state", action="store_true",
+                     help="let the search choose leaner state formats (int8 moments, then a bf16-sr master) where "
+                          "these do not fit, or fit only with optimizer state on disk")
     parser.add_argument("--no-overlap", action="store_true", help="do not plan prefetching")
     parser.add_argument("--full-trace", action="store_true", help="trace the whole model (slower for deep models)")
     parser.add_argument("--out", default=None, help="write the plan JSON here (with --pp: one file per stage, "
@@ -133,6 +142,11 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"[red]--world-size {args.world_size} must be a multiple of --tp x --pp "
                       f"({args.tp} x {args.pp}); the rest is the data-parallel axis[/red]")
         return 2
+    if (args.tp > 1 or args.pp > 1) and ((args.master, args.moments, args.frozen) != ("fp32", "fp32", None)
+                                         or args.allow_lossy_state):
+        console.print("[red]--master/--moments/--frozen/--allow-lossy-state price the data-parallel search only; "
+                      "the --tp/--pp search prices fp32 state and unquantised weights (drop them, or --tp/--pp)[/red]")
+        return 2
     models.config_fields(args.model)  # an unknown name or a bad path fails here, before any profile is chosen
     hw, hw_why, warning = choose_hardware(args)
     console.print(f"hardware profile: {hw.name} ({hw_why})")
@@ -149,8 +163,11 @@ def main(args: argparse.Namespace) -> int:
     disk = None if args.disk is None else args.disk // rpn
     floor = models.parameter_floor(args.model) if args.tp == args.pp == 1 else None
     if floor:
+        # the leanest formats the search may turn to: a refusal here must be the search's too
+        formats = ([(args.master, args.moments)] + leaner_formats(args.master, args.moments))[
+            -1 if args.allow_lossy_state else 0]
         error = untraced_refusal(floor, dtype, args.world_size, hw, budgets_for(hw, rpn, device, host, disk),
-                                 args.optimizer)
+                                 args.optimizer, formats=formats)
         if error is not None:
             console.print(f"[red]{error}[/red]")
             return 1

@@ -25,8 +25,8 @@ from elixir.search import minimum_waste_search
 from elixir.search.cost_model import Setting, evaluate_plan
 from elixir.search.step_profile import profile_from_module, profile_step
 from elixir.testing.zoo import ZOO, build_model
-from elixir.tracer.hooks import install_step_hooks
 from elixir.wrapper import ElixirModule, ElixirOptimizer
+from tests.ledger_cases import live_peak
 
 MODEL = "llama"
 
@@ -92,37 +92,15 @@ def test_disk_plan_host_prediction_is_its_staging_not_staging_plus_construction(
 
 
 
-def _live_peak(em, eo, step_activations, steps: int = 2) -> int:
-    """The most bytes live at once over ``steps`` steps: at every allocation the runtime books,
-    what its own counts hold (the ledger: shards, masters, rCache, gradient buffers, shard
-    gradients; the staged optimizer state, which the disk store counts with the masters the ledger
-    books; the derived shards' read buffers), plus the traced activations of the step the model is
-    in (counted by the step hooks the tracer and runtime share: the runtime cannot count them)."""
-    peak, t = 0, -1
-    ledger, alloc = em.ledger, em.ledger.alloc
-
-    def on_step(*_):
-        nonlocal t
-        t = min(t + 1, len(step_activations) - 1)
-
-    def watch(*a, **k):
-        nonlocal peak
-        alloc(*a, **k)
-        state = (em.disk_store.staged_bytes - ledger.bytes("master", "host")) if em.disk_store is not None else 0
-        pieces = em.derived_shards.read_buffer_bytes if em.derived_shards is not None else 0
-        peak = max(peak, sum(ledger.current.values()) + max(0, state) + pieces + step_activations[max(t, 0)])
-
-    hooks = install_step_hooks(em.module, on_forward=on_step, on_backward=on_step)
-    ledger.alloc = watch
+def _train_step(em, eo):
+    """One training step of the module (batch 4 of the zoo's case, seeded by the step)."""
     case = ZOO[MODEL]
-    for step in range(steps):
-        t = -1
+
+    def step(i: int) -> None:
         eo.zero_grad()
-        case.loss(em, case.make_batch(4, step)).backward()
+        case.loss(em, case.make_batch(4, i)).backward()
         eo.step()
-    ledger.alloc = alloc
-    hooks.remove()
-    return peak
+    return step
 
 
 def test_all_disk_plan_prediction_is_what_is_live_at_once_not_every_term_at_its_peak(tmp_path):
@@ -145,7 +123,7 @@ def test_all_disk_plan_prediction_is_what_is_live_at_once_not_every_term_at_its_
         model = build_model(MODEL)
     em = ElixirModule(model, plan, dtype=torch.bfloat16, offload_dir=str(tmp_path))
     eo = ElixirOptimizer(em, CPUAdam(list(em.parameters()), lr=1e-3))
-    live = _live_peak(em, eo, prof.step_activations)
+    live = live_peak(em, _train_step(em, eo), prof.step_activations)
     for s in em.offload_stores:
         s.close()
     assert live <= predicted <= 1.1 * live, (live, predicted, summed, ev.memory)

@@ -117,6 +117,7 @@ class GeminiPlugin(ElixirRuntimePlugin):
             result = make_plan(
                 model, world, self.dtype, placement_policy=self.placement_policy, verbose=verbose,
                 fractions=self.fractions if self.placement_policy == "static" else None, pin_memory=self.pin_memory,
+                formats={"master": self.state_formats[0], "moments": self.state_formats[1], "frozen": self.frozen_format},
             )
         if self.max_prefetch:
             result = dataclasses.replace(result, prefetch_depth=self.max_prefetch)

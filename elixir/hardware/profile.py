@@ -146,6 +146,16 @@ class HardwareProfile:
         optimizer_params_per_s: fp32 Adam update throughput, keyed by where it runs
             (``"device"``, ``"host"``), in parameters per second for one rank.
         optimizer_impl: which implementation was timed, per key.
+        optimizer_format_ratio: per place (``"device"``, ``"host"``) and low-precision state format
+            (``"master/moments"``, e.g. ``"bf16-sr/int8"``, :mod:`elixir.plan.state_format`), the
+            seconds per parameter of the Adam step in that format over the fp32 step's, both timed
+            in one invocation of ``elixir hwprofile`` (interleaved rounds, fp32 gradients, the
+            implementation of ``optimizer_impl``: the native kernel on a CPU, HybridAdam's torch
+            path on an accelerator), so that the step's time in a format is the fp32 rate, shared
+            and calibrated as :meth:`per_rank` says, times this ratio. A format or place not
+            measured (profiles written before issue 33, reference profiles) is priced at the fp32
+            rate (ratio 1): the shipped reference profiles' ``source`` says so, and
+            ``elixir hwprofile --show`` says so for any profile without the field.
         matmul_flops: dense matmul throughput per dtype name (``"float32"``, ``"bfloat16"``, ...).
         train_flops: per dtype, the training throughput (FLOP/s) of a reference transformer stack
             against the FLOPs of one step (``6 * matmul weights * tokens``, as the cost model counts
@@ -241,6 +251,7 @@ class HardwareProfile:
     train_flops: dict[str, BandwidthCurve] = field(default_factory=dict)
     matmul_curve: dict[str, BandwidthCurve] = field(default_factory=dict)
     elementwise: Optional[BandwidthCurve] = None
+    optimizer_format_ratio: dict[str, dict[str, float]] = field(default_factory=dict)
     op_overhead_s: float = 0.0
     first_touch_bytes_per_s: float = 0.0
     step_untracked_bytes: int = 96 * MiB
@@ -378,14 +389,23 @@ class HardwareProfile:
     def d2h_time(self, nbytes: float, pinned: bool = True) -> float:
         return (self.d2h_pinned if pinned else self.d2h_pageable).time(nbytes)
 
-    def optimizer_time(self, params: float, where: str) -> float:
-        """Seconds for one fp32 Adam update of ``params`` elements on ``where`` ("device"/"host")."""
+    def optimizer_time(self, params: float, where: str, formats: tuple[str, str] = ("fp32", "fp32")) -> float:
+        """Seconds for one Adam update of ``params`` elements on ``where`` ("device"/"host") with
+        the state in ``formats`` (master, moments): the fp32 rate times the format's measured
+        :attr:`optimizer_format_ratio` (1 where not measured)."""
         if params <= 0:
             return 0.0
         rate = self.optimizer_params_per_s.get(where)
         if not rate:
             raise ValueError(f"hardware profile {self.name!r} has no optimizer throughput for {where!r}")
-        return params / rate
+        return params / rate * self.optimizer_ratio(where, formats)
+
+    def optimizer_ratio(self, where: str, formats: tuple[str, str]) -> float:
+        """The Adam step's seconds per parameter in ``formats`` over fp32's on ``where`` (see
+        :attr:`optimizer_format_ratio`; 1.0 for fp32 state, or a format the profile did not time)."""
+        if tuple(formats) == ("fp32", "fp32"):
+            return 1.0
+        return float(self.optimizer_format_ratio.get(where, {}).get("/".join(formats), 1.0))
 
     def compute_time(self, flops: float, dtype: str) -> float:
         """Seconds of forward/backward compute for a step of ``flops`` matmul FLOPs: from the

@@ -66,7 +66,8 @@ class ElixirOptions:
         """The plan for ``model`` (``main``: this process prints the report when verbose;
         ``accumulation``: the run accumulates gradients under ``no_sync``)."""
         return make_plan(model, world_size, dtype, self.plan, self.search, self.placement_policy,
-                         verbose=self.verbose and main, accumulation=accumulation)
+                         verbose=self.verbose and main, accumulation=accumulation,
+                         formats={"master": self.master, "moments": self.moments, "frozen": self.frozen})
 
     def wrap(self, model: nn.Module, plan: SearchResult, dtype: torch.dtype, output_fp32: bool,
              init_seed: Optional[int] = None) -> ElixirModule:

@@ -17,6 +17,7 @@ import torch
 
 from elixir.hardware.profile import HardwareProfile
 from elixir.plan.footprint import element_bytes, optimizer_state_bytes, state_floor_bytes
+from elixir.plan.state_format import FP32_STATE, is_lossy
 from elixir.tables import human_count
 
 INF = 1 << 62
@@ -112,7 +113,7 @@ def budget_head(budgets: Budgets, usable: tuple[int, int, int], unified: bool, w
 
 def untraced_refusal(numel: int, dtype: Union[torch.dtype, str], world: int, hw: HardwareProfile, budgets: Budgets,
                      optimizer_type: str = "Adam", policy: Optional[MemoryPolicy] = None,
-                     process_bytes: int = 0) -> Optional[DoesNotFitError]:
+                     process_bytes: int = 0, formats: tuple[str, str] = FP32_STATE) -> Optional[DoesNotFitError]:
     """The refusal the search would give, decided before tracing; None when it cannot be decided so.
 
     ``numel`` is at most the step's trainable parameters (e.g. :func:`elixir.models.parameter_floor`
@@ -130,7 +131,7 @@ def untraced_refusal(numel: int, dtype: Union[torch.dtype, str], world: int, hw:
     pool = host if unified else dev + host
 
     def need(w: int, d: int) -> int:
-        return int(process_bytes) + state_floor_bytes(numel, 0, dtype, w, 0, opt, d)
+        return int(process_bytes) + state_floor_bytes(numel, 0, dtype, w, 0, opt, d, formats=formats)
 
     total = need(world, disk)
     if total <= pool and process_bytes <= host:
@@ -158,10 +159,12 @@ def untraced_refusal(numel: int, dtype: Union[torch.dtype, str], world: int, hw:
     options.sort()
     elem = element_bytes(dtype)
     master = state_floor_bytes(1, 0, dtype, 1, 0, opt) - elem - opt
+    state = (f"{master} B of fp32 master and {opt} B of optimizer state" if not is_lossy(*formats) else
+             f"the optimizer state in {formats[0]}/{formats[1]} (plan/state_format.py's bytes)")
     head = (budget_head(budgets, usable, unified, world)
             + f"; the parameters alone need at least {fmt_bytes(total)} per rank ({human_count(numel)} trainable"
-            f" parameters over {world} rank(s) at {elem} B of value, {master} B of fp32 master and {opt} B of"
-            " optimizer state each, before any activation: refused before tracing)")
+            f" parameters over {world} rank(s) at {elem} B of value, {state} each, before any activation: refused"
+            " before tracing)")
     suggestions = [t for _, t in options]
     head += ". Any plan needs one of these changes, at the least (only the trace can say what is enough):\n  - " + "\n  - ".join(suggestions)
     return DoesNotFitError(head, suggestions, needs)

@@ -32,6 +32,12 @@ disk      master and state, when placed on disk        ``state * (4 + k)``; low-
                                                        (:func:`disk_bytes_per_element`)
 ========= ============================================ ================================
 
+With low-precision Adam state (``formats``: master and moments, :mod:`elixir.plan.state_format`,
+issue 33) the master is its format's dtype (a bf16 master, with bf16 compute, is the shard itself),
+``k`` is the moments at their width plus Kahan's buffer (:func:`optimizer_state_nbytes`: int8's
+block scales by whole blocks), and a disk chunk keeps :func:`disk_bytes_per_element` on disk and
+int8's block scales in host memory. The search prices by these and the runtime books by them.
+
 Transient bytes (a gathered payload, gradient buffers, disk staging) are counted where they
 happen: :data:`DISK_STAGING`, :data:`DISK_SHARD_STAGING` and :data:`CONSTRUCTION_STAGING` say how
 many chunks' worth the runtime stages at once.
@@ -46,7 +52,15 @@ from typing import Optional, Union
 import torch
 
 from elixir.plan.plan import Placement, Sharding, dtype_name
-from elixir.plan.state_format import disk_state_bytes, is_lossy
+from elixir.plan.state_format import (
+    FP32_STATE,
+    QUANT_BLOCK,
+    compensation_bytes,
+    disk_state_bytes,
+    is_lossy,
+    master_dtype_name,
+    moment_nbytes,
+)
 
 MASTER_BYTES = 4
 """Bytes of the fp32 master copy of one element."""
@@ -140,29 +154,49 @@ def resident_sharding(sharding: Sharding, shard: Placement, world: int, quantise
     return sharding
 
 
+def optimizer_state_nbytes(state: int, opt_bytes: int, formats: tuple[str, str] = FP32_STATE) -> int:
+    """Bytes of the optimizer state (not the master) of ``state`` elements of one flat kept in
+    memory: ``opt_bytes`` each, or with low-precision Adam state (``formats``) the moments in
+    their format (int8's block scales by whole blocks) and Kahan's compensation buffer."""
+    if not is_lossy(*formats):
+        return state * opt_bytes
+    return moment_nbytes(formats[1], state) + state * compensation_bytes(formats[0])
+
+
 def held_bytes(params: int, state: int, dtype: Union[torch.dtype, str], shard: Placement, optim: Placement,
-               grad_bytes: int, opt_bytes: int, master_dtype: Union[torch.dtype, str] = "float32") -> tuple[int, int, int]:
+               grad_bytes: int, opt_bytes: int, master_dtype: Union[torch.dtype, str] = "float32",
+               formats: tuple[str, str] = FP32_STATE) -> tuple[int, int, int]:
     """(device, host, disk) bytes one chunk holds between uses on one rank (see the module doc's
     table): ``params`` compute-dtype elements of parameters kept ``shard`` (0 for a replicated
     chunk's payload when counted apart), ``state`` elements of master, kept gradient
     (``grad_bytes`` each, 0 with the fused step) and optimizer state (``opt_bytes`` each) kept
-    ``optim``. A shard on disk holds nothing here: it is derived from the disk master at each read."""
+    ``optim``. A shard on disk holds nothing here: it is derived from the disk master at each read.
+
+    With low-precision Adam state (``formats``: master and moments, issue 33; ``opt_bytes`` is then
+    Adam's) the master is the format's dtype (a bf16 master is the bf16 compute shard itself, as
+    an fp32 one is an fp32 shard), the state is :func:`optimizer_state_nbytes`, and a disk chunk
+    keeps :func:`disk_bytes_per_element` on disk and its int8 block scales in host memory."""
     where = {Placement.DEVICE: 0, Placement.HOST: 1, Placement.DISK: 2}
     out = [0, 0, 0]
     if shard is not Placement.DISK:
         out[where[shard]] += params * element_bytes(dtype)
+    if is_lossy(*formats):
+        master_dtype = master_dtype_name(formats[0])
     if optim is Placement.DISK:
-        out[1] += state * grad_bytes  # the gradient waits in host memory for the streamed step
-        out[2] += state * disk_bytes_per_element(opt_bytes)
+        # the gradient waits in host memory for the streamed step, beside int8's block scales
+        scales = moment_nbytes(formats[1], state) - 2 * state if formats[1] == "int8" else 0
+        out[1] += state * grad_bytes + scales
+        out[2] += state * disk_bytes_per_element(opt_bytes, formats)
     else:
         master = 0 if master_shares_shard(dtype, master_dtype, shard, optim) else element_bytes(master_dtype)
-        out[where[optim]] += state * (master + grad_bytes + opt_bytes)
+        out[where[optim]] += state * (master + grad_bytes) + optimizer_state_nbytes(state, opt_bytes, formats)
     return out[0], out[1], out[2]
 
 
 
 def state_floor_bytes(numel: int, frozen: int, dtype: Union[torch.dtype, str], world: int, kept_grad: int,
-                      opt_bytes: int, disk: int = 0, frozen_elem: Optional[float] = None) -> int:
+                      opt_bytes: int, disk: int = 0, frozen_elem: Optional[float] = None,
+                      formats: tuple[str, str] = FP32_STATE) -> int:
     """The least memory (device and host together) per rank that ``numel`` trainable and
     ``frozen`` frozen elements hold between uses, whatever their chunks and placements, with
     ``disk`` bytes of disk per rank to offload to.
@@ -175,14 +209,17 @@ def state_floor_bytes(numel: int, frozen: int, dtype: Union[torch.dtype, str], w
     search's memory floor (``search/bounds.py``) and the refusal before tracing
     (``plan/budgets.py``) are both this rule. ``frozen_elem``: a frozen element's bytes when the
     frozen chunks are quantised (``plan/state_format.py:frozen_element_bytes``; default the
-    compute dtype's)."""
+    compute dtype's). ``formats``: the optimizer state's (master, moments), at their bytes per
+    element (int8's block scales spread over the block's elements)."""
     elem = element_bytes(dtype)
     fe = elem if frozen_elem is None else frozen_elem
-    full = sum(held_bytes(1, 1, dtype, Placement.DEVICE, Placement.DEVICE, kept_grad, opt_bytes))
+    n = QUANT_BLOCK  # whole blocks: the per-element rate of int8's scales, exactly
+    full = sum(held_bytes(n, n, dtype, Placement.DEVICE, Placement.DEVICE, kept_grad, opt_bytes, formats=formats)) / n
     state = (numel * full + frozen * fe) / world
     if disk > 0:
-        disk_elem = disk_bytes_per_element(opt_bytes)
-        per_disk = (full - kept_grad) / world  # memory an element on disk frees
+        disk_elem = disk_bytes_per_element(opt_bytes, formats)
+        kept = held_bytes(0, n, dtype, Placement.DEVICE, Placement.DISK, kept_grad, opt_bytes, formats=formats)[1] / n
+        per_disk = (full - kept) / world  # memory an element on disk frees
         on_disk = min(numel, -(-disk * world // max(1, disk_elem)))
         state -= on_disk * per_disk + min(frozen, -(-disk * world // max(1e-9, fe))) * fe / world
     return max(0, int(state))

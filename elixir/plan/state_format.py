@@ -43,6 +43,8 @@ from typing import Optional
 
 import torch
 
+#: The exact formats (fp32 master, fp32 moments): the default, and what a plan that records none keeps.
+FP32_STATE = ("fp32", "fp32")
 #: Formats of the master copy.
 MASTER_FORMATS = ("fp32", "bf16-sr", "bf16-kahan")
 #: Formats of Adam's moments.
@@ -96,6 +98,41 @@ def moment_scale_bytes(moments: str) -> float:
     (:func:`elixir.offload.state_binding.is_elementwise`)."""
     check_state_formats("fp32", moments)
     return 8.0 / QUANT_BLOCK if moments == "int8" else 0.0
+
+
+def moment_nbytes(moments: str, n: int) -> int:
+    """Bytes of Adam's two moments for ``n`` elements in format ``moments``, int8's block scales
+    counted by whole blocks (two fp32 absmax per started block of :data:`QUANT_BLOCK`)."""
+    check_state_formats("fp32", moments)
+    if moments == "int8":
+        return 2 * n + 8 * -(-n // QUANT_BLOCK)
+    return int(_MOMENT_BYTES[moments]) * n
+
+
+def master_dtype_name(master: str) -> str:
+    """The plan's name of the master's dtype in format ``master``: ``"float32"`` or ``"bfloat16"``."""
+    return "float32" if master_torch_dtype(master) == torch.float32 else "bfloat16"
+
+
+def compensation_bytes(master: str) -> int:
+    """Bytes per element of the master's Kahan compensation buffer (``bf16-kahan``: 2; else 0),
+    kept with the optimizer state (the master itself is the master dtype's bytes)."""
+    return int(master_bytes(master)) - (4 if master == "fp32" else 2)
+
+
+def leaner_formats(master: str, moments: str) -> list[tuple[str, str]]:
+    """The formats a search allowed lossy state (``MixedPrecisionPolicy.allow_lossy_state``) may
+    turn to from ``(master, moments)``, least lossy first, each fewer bytes than the one before:
+    the moments to ``int8`` (8 -> 2.03 B, the master kept), then the master to ``bf16-sr`` too
+    (4 -> 2 B). The search never turns to ``bf16`` moments (twice ``int8``'s bytes) nor to
+    ``bf16-kahan`` (as many bytes as an fp32 master); a user may ask for either."""
+    check_state_formats(master, moments)
+    out = []
+    if moments != "int8":
+        out.append((master, "int8"))
+    if master != "bf16-sr":
+        out.append(("bf16-sr", "int8"))
+    return out
 
 
 def disk_state_bytes(master: str, moments: str) -> int:

@@ -27,7 +27,8 @@ from elixir import distributed as edist
 from elixir.hardware.profile import STEP_MEMORY_FIELDS, BandwidthCurve, HardwareProfile, MiB
 from elixir.launch import run_distributed
 from elixir.lowp_gemm import widened_gemms
-from elixir.optim import CPUAdam
+from elixir.optim import CPUAdam, HybridAdam
+from elixir.plan.state_format import MASTER_FORMATS, MOMENT_FORMATS, master_torch_dtype
 
 # ---------------------------------------------------------------------------------------------
 # measurement
@@ -87,6 +88,15 @@ def _median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None])
         times.append(time.perf_counter() - t0)
     times.sort()
     return max(times[(len(times) - 1) // 2], 1e-9)  # lower median
+
+
+def _once(fn: Callable[[], None], sync: Callable[[], None]) -> float:
+    """Seconds of one call of ``fn``, the device synchronised before and after."""
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return max(time.perf_counter() - t0, 1e-9)
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -177,28 +187,64 @@ def _collectives_worker(sizes: tuple[int, ...], repeats: int) -> dict:
     return measure_collectives(sizes, repeats)
 
 
-def measure_optimizer(n_params: int, device: torch.device, repeats: int) -> tuple[float, str]:
-    """fp32 Adam update throughput (params/s) on ``device``: elixir's native CPU Adam on CPU when
-    present, otherwise torch's fused AdamW (or foreach where fused is unavailable)."""
+def _fp32_adam(n_params: int, device: torch.device) -> tuple[torch.optim.Optimizer, str]:
+    """An fp32 Adam over one flat of ``n_params`` on ``device`` with its gradient set, and its
+    name: elixir's native CPU Adam on CPU when present, otherwise torch's fused AdamW (or
+    foreach where fused is unavailable)."""
     p = torch.zeros(n_params, dtype=torch.float32, device=device, requires_grad=True)
     p.grad = torch.full_like(p, 1e-3)
-    opt = None
-    impl = ""
     if device.type == "cpu":
         try:  # the native kernel, where it is available
-            opt = CPUAdam([p], lr=1e-3)
-            impl = "elixir.optim.CPUAdam"
+            return CPUAdam([p], lr=1e-3), "elixir.optim.CPUAdam"
         except Exception:
-            opt = None
-    if opt is None:
-        try:
-            opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-            impl = "torch.optim.AdamW(fused=True)"
-        except (RuntimeError, TypeError):
-            opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
-            impl = "torch.optim.AdamW(foreach=True)"
+            pass
+    try:
+        return torch.optim.AdamW([p], lr=1e-3, fused=True), "torch.optim.AdamW(fused=True)"
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW([p], lr=1e-3, foreach=True), "torch.optim.AdamW(foreach=True)"
+
+
+def measure_optimizer(n_params: int, device: torch.device, repeats: int) -> tuple[float, str]:
+    """fp32 Adam update throughput (params/s) on ``device`` (the implementation :func:`_fp32_adam`
+    chooses, named in the result)."""
+    opt, impl = _fp32_adam(n_params, device)
     t = _median_time(opt.step, repeats, _sync(device))
     return n_params / t, impl
+
+
+#: Least rounds per format in :func:`measure_optimizer_formats` (a step is tens of ms: cheap).
+FORMAT_ROUNDS = 9
+#: The low-precision state formats ``hwprofile`` times (every (master, moments) pair but fp32/fp32).
+LOWBIT_FORMATS = tuple((m, v) for m in MASTER_FORMATS for v in MOMENT_FORMATS if (m, v) != ("fp32", "fp32"))
+
+
+def measure_optimizer_formats(n_params: int, device: torch.device, repeats: int,
+                              formats: tuple[tuple[str, str], ...] = LOWBIT_FORMATS) -> dict[str, float]:
+    """Per state format ``"master/moments"``, the Adam step's seconds per parameter over the fp32
+    step's on ``device`` (:attr:`~elixir.hardware.HardwareProfile.optimizer_format_ratio`): one
+    flat of ``n_params``, fp32 gradients, the fp32 step of :func:`measure_optimizer` against
+    ``HybridAdam(master=..., moments=...)`` (the native kernel on a CPU, its torch path on an
+    accelerator), both warmed up, then timed back to back in at least :data:`FORMAT_ROUNDS`
+    rounds, alternating which goes first; the median of the per-round ratios (a drift in the load
+    hits both alike). Gradients are fp32 (the master's dtype on a torch without ``grad_dtype``)."""
+    fp32, _ = _fp32_adam(n_params, device)
+    sync = _sync(device)
+    out = {}
+    for master, moments in formats:
+        p = torch.zeros(n_params, dtype=master_torch_dtype(master), device=device, requires_grad=True)
+        gdt = p.dtype
+        if p.dtype != torch.float32 and hasattr(p, "grad_dtype"):  # torch >= 2.10
+            p.grad_dtype, gdt = None, torch.float32  # fp32 gradients into a bf16 master, as the runtime's shards
+        p.grad = torch.full((n_params,), 1e-3, dtype=gdt, device=device)
+        low = HybridAdam([p], lr=1e-3, master=master, moments=moments)
+        ratios = []
+        for r in range(max(FORMAT_ROUNDS, repeats) + 1):
+            pair = [_once(o.step, sync) for o in ((fp32, low) if r % 2 else (low, fp32))]
+            if r:  # the first round is the warm-up (state allocated, pages faulted in)
+                ratios.append(pair[1] / pair[0] if r % 2 else pair[0] / pair[1])
+        out[f"{master}/{moments}"] = sorted(ratios)[(len(ratios) - 1) // 2]
+        del low, p
+    return out
 
 
 def measure_matmul(n: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
@@ -486,7 +532,13 @@ def _measure_optimizers(o: MeasureOptions, d: torch.device, src: dict[str, str],
     else:
         opt_rate["device"], opt_impl["device"] = measure_optimizer(o.optimizer_params, d, o.repeats)
     src["optimizer_params_per_s"] = f"measured: fp32 Adam over {o.optimizer_params} params ({opt_impl})"
-    return dict(optimizer_params_per_s=opt_rate, optimizer_impl=opt_impl)
+    say("optimizer state formats")
+    ratio = {"host": measure_optimizer_formats(o.optimizer_params, torch.device("cpu"), o.repeats)}
+    ratio["device"] = ratio["host"] if d.type == "cpu" else measure_optimizer_formats(o.optimizer_params, d, o.repeats)
+    src["optimizer_format_ratio"] = (f"measured: each low-precision state format's Adam step over the fp32 one's, "
+                                     f"{o.optimizer_params} params, fp32 gradients, interleaved rounds "
+                                     "(profiling.measurement.measure_optimizer_formats)")
+    return dict(optimizer_params_per_s=opt_rate, optimizer_impl=opt_impl, optimizer_format_ratio=ratio)
 
 
 def _measure_compute(o: MeasureOptions, d: torch.device, src: dict[str, str],

@@ -112,7 +112,7 @@ def optimizer_floor(st: Setting, layout: Layout, n: int) -> float:
     shard = layout.chunk_size // st.world if n else 0
     repl = sum(layout.replicated_capacities)
     t = min(replicated_optimizer_time(st, repl, w) for w in (Placement.DEVICE, Placement.HOST)) if repl else 0.0
-    t += sum(st.hardware.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
+    t += sum(st.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
     zt: dict[int, float] = {}  # by capacity: the ZeRO chunks of a layout share one
     t += sum(zt[c] if c in zt else zt.setdefault(c, zero_chunk_optimizer_time(st, c, Placement.DEVICE))
              for c in layout.zero_capacities)
@@ -151,7 +151,8 @@ def memory_floor(profile: StepProfile, st: Setting, disk: int = 0) -> tuple[int,
     ctx = _context(profile)  # the parameters the search packs into chunks
     numel = sum(ctx.sh_numel) + sum(k for _, k in ctx.shared)
     frozen = sum(k for _, k in ctx.frozen)
-    state = state_floor_bytes(numel, frozen, st.dtype, st.world, st.kept_grad, st.opt_bytes, disk, st.frozen_elem)
+    state = state_floor_bytes(numel, frozen, st.dtype, st.world, st.kept_grad, st.opt_bytes, disk, st.frozen_elem,
+                              st.formats)
     return dev, int(st.process_bytes) + dev + state
 
 

@@ -75,7 +75,8 @@ def plan(args: argparse.Namespace, console: Console, hw, hw_why: str, dtype: tor
         result = search_profile(
             profile, args.world_size, hardware=hw, device_memory=device, host_memory=host, disk=disk,
             optimizer_type=args.optimizer, overlap=not args.no_overlap, verbose=True, console=console,
-            ranks_per_node=rpn, hardware_choice=hw_why,
+            ranks_per_node=rpn, hardware_choice=hw_why, frozen=args.frozen, master=args.master,
+            moments=args.moments, allow_lossy_state=args.allow_lossy_state,
         )
     except DoesNotFitError as e:
         console.print(f"[red]{e}[/red]")

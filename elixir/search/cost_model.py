@@ -471,9 +471,14 @@ class Setting:
     # frozen chunks' shards quantised ("nf4", "int8": plan/state_format.py's sizes), dequantised
     # into an rCache block at each use, even at world size 1 (footprint.resident_sharding)
     frozen_format: Optional[str] = None
+    # the optimizer state's formats (plan/state_format.py, issue 33): each priced at its bytes
+    # (footprint.held_bytes) and its Adam kernel's measured rate (HardwareProfile.optimizer_time)
+    master_format: str = "fp32"
+    moments_format: str = "fp32"
 
     def __post_init__(self) -> None:
         state_format.check_frozen_format(self.frozen_format, "Setting")
+        state_format.check_state_formats(self.master_format, self.moments_format, "Setting")
         if element_bytes(self.dtype) != self.elem:
             raise ValueError(f"Setting: elem={self.elem} is not the element size of dtype {self.dtype!r} "
                              f"({element_bytes(self.dtype)}); pass the compute dtype's")
@@ -484,9 +489,29 @@ class Setting:
         return self.layout.dp_shard
 
     @property
+    def formats(self) -> tuple[str, str]:
+        """The optimizer state's (master, moments) formats."""
+        return self.master_format, self.moments_format
+
+    @property
+    def master_elem(self) -> int:
+        """Bytes of one element of the master (fp32 4, a bf16 master 2): what a ``KK`` chunk reads
+        to derive its shard."""
+        return element_bytes(state_format.master_dtype_name(self.master_format))
+
+    @property
     def disk_elem(self) -> int:
         """Bytes per shard element a disk chunk keeps on disk (and stages in host memory)."""
-        return disk_bytes_per_element(self.opt_bytes)
+        return disk_bytes_per_element(self.opt_bytes, self.formats)
+
+    def held(self, params: int, state: int, shard: Placement, optim: Placement) -> tuple[int, int, int]:
+        """:func:`~elixir.plan.footprint.held_bytes` of a chunk in this setting (its dtype, kept
+        gradient, optimizer and state formats)."""
+        return held_bytes(params, state, self.dtype, shard, optim, self.kept_grad, self.opt_bytes, formats=self.formats)
+
+    def optimizer_time(self, params: float, where: str) -> float:
+        """Seconds of the Adam step over ``params`` elements on ``where`` in this setting's formats."""
+        return self.hardware.optimizer_time(params, where, self.formats)
 
     @property
     def frozen_elem(self) -> float:
@@ -558,8 +583,7 @@ def per_chunk_bytes(st: Setting, shard: int) -> dict[ChunkPlacement, tuple[int, 
 def _per_chunk_bytes(st: Setting, shard: int) -> dict[ChunkPlacement, tuple[int, int, int]]:
     # DD, DH, HH, DK, HK, KK (whose shard is the master cast down: not stored), and HD (only
     # priced for given plans): elixir.plan.footprint.held_bytes, the runtime's own rule
-    return {k: held_bytes(shard, shard, st.dtype, k.shard, k.optim, st.kept_grad, st.opt_bytes)
-            for k in SHARDED_PLACEMENTS + (HD,)}
+    return {k: st.held(shard, shard, k.shard, k.optim) for k in SHARDED_PLACEMENTS + (HD,)}
 
 
 def construction_staging_bytes(layout: Layout) -> int:
@@ -569,10 +593,10 @@ def construction_staging_bytes(layout: Layout) -> int:
     return CONSTRUCTION_STAGING * max(layout.capacities, default=0) * element_bytes("float32")
 
 
-def derived_piece_bytes(shard: int) -> int:
+def derived_piece_bytes(shard: int, master_elem: int = MASTER_BYTES) -> int:
     """Host bytes of the read buffers a disk-resident shard of ``shard`` elements is derived
-    through (held once any is read)."""
-    return DERIVED_SHARD_READ_BUFFERS * min(DERIVED_SHARD_PIECE_ELEMENTS, shard) * MASTER_BYTES
+    through (held once any is read), of the master's dtype (``master_elem`` bytes)."""
+    return DERIVED_SHARD_READ_BUFFERS * min(DERIVED_SHARD_PIECE_ELEMENTS, shard) * master_elem
 
 
 def staging_bytes(st: Setting, shard: int, disk_chunks: int, disk_shards: int = 0) -> int:
@@ -580,7 +604,7 @@ def staging_bytes(st: Setting, shard: int, disk_chunks: int, disk_shards: int = 
     of the ``disk_shards`` among them whose shard is on disk too."""
     return (min(int(disk_chunks), DISK_STAGING) * shard * st.disk_elem
             + min(int(disk_shards), DISK_SHARD_STAGING) * shard * st.elem
-            + (derived_piece_bytes(shard) if disk_shards else 0))
+            + (derived_piece_bytes(shard, st.master_elem) if disk_shards else 0))
 
 
 def transient_host_bytes(layout: Layout, st: Setting, shard: int, disk_chunks: int, disk_shards: int = 0) -> int:
@@ -696,7 +720,7 @@ def timeline_peak(profile: StepProfile, layout: Layout, st: Setting, kinds: Sequ
     n_disk = sum(k.on_disk for k in kinds)
     n_kk = sum(k.shard_on_disk for k in kinds)
     masters = min(n_disk, DISK_STAGING) * shard * st.disk_elem
-    pieces = derived_piece_bytes(shard) if n_kk else 0
+    pieces = derived_piece_bytes(shard, st.master_elem) if n_kk else 0
     kk = min(n_kk, DISK_SHARD_STAGING) * shard * st.elem
     always = (total - memory["activations"] - memory["grad_buffers"] - memory["param_grad"]
               - memory["grad_in_flight"] - memory["staging"] + pieces)  # frozen_shards: left out of total
@@ -753,8 +777,8 @@ def _per_chunk_fixed_time(st: Setting, shard: int) -> dict[ChunkPlacement, float
     hw = st.hardware
     grad_d2h = hw.d2h_time(shard * st.reduce_elem, st.pin)
     param_h2d = hw.h2d_time(shard * st.elem, st.pin)
-    dev = hw.optimizer_time(shard, "device")
-    host = hw.optimizer_time(shard, "host")
+    dev = st.optimizer_time(shard, "device")
+    host = st.optimizer_time(shard, "host")
     disk = hw.disk_time(shard * st.disk_elem, shard * st.disk_elem)
     return {
         DD: dev,
@@ -850,8 +874,7 @@ def _largest_shard(layout: Layout, world: int) -> int:
 def replicated_optimizer_bytes(layout: Layout, st: Setting, where: Placement) -> tuple[int, int]:
     """(device, host) bytes of the replicated chunks' master, gradient and optimizer state, kept
     ``where`` (the device or the host); their payload is the ``replicated`` term."""
-    d, h, _ = held_bytes(0, sum(layout.replicated_capacities), st.dtype, Placement.DEVICE, where, st.kept_grad,
-                         st.opt_bytes)
+    d, h, _ = st.held(0, sum(layout.replicated_capacities), Placement.DEVICE, where)
     return d, h
 
 
@@ -882,8 +905,8 @@ def replicated_optimizer_time(st: Setting, numel: int, where: Placement) -> floa
     on the device or on the host (gradients down, parameters back up)."""
     hw = st.hardware
     if where is Placement.DEVICE or not numel:
-        return hw.optimizer_time(numel, "device")
-    return (hw.optimizer_time(numel, "host") + hw.d2h_time(numel * st.reduce_elem, st.pin)
+        return st.optimizer_time(numel, "device")
+    return (st.optimizer_time(numel, "host") + hw.d2h_time(numel * st.reduce_elem, st.pin)
             + hw.h2d_time(numel * st.elem, st.pin))
 
 
@@ -907,7 +930,7 @@ def zero_chunk_bytes(st: Setting, capacity: int, where: Placement) -> tuple[int,
     compute-dtype parameters on the device, and this rank's ``capacity / world`` elements of
     master (none in fp32 on the device: the master is the rank's slice of the parameters), kept
     gradient and optimizer state."""
-    return held_bytes(capacity, capacity // st.world, st.dtype, Placement.DEVICE, where, st.kept_grad, st.opt_bytes)
+    return st.held(capacity, capacity // st.world, Placement.DEVICE, where)
 
 
 def zero_chunk_optimizer_time(st: Setting, capacity: int, where: Placement) -> float:
@@ -1421,7 +1444,7 @@ def _optimizer_seconds(p: _Priced) -> float:
     ct = per_chunk_fixed_time(st, p.shard)
     repl_numel = sum(layout.replicated_capacities)
     return (replicated_optimizer_time(st, repl_numel, p.rwhere)
-            + sum(st.hardware.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
+            + sum(st.optimizer_time(c // st.world, "device") for c in layout.own_capacities)
             + sum(ct[k] * m for k, m in p.kind_counts)
             + _per_layout(st, "zero_time", layout, lambda: sum(
                 zero_chunk_optimizer_time(st, c, k.optim) for c, k in zip(layout.zero_capacities, p.zero)), p.zero))
@@ -1436,7 +1459,7 @@ def _copy_seconds(p: _Priced) -> tuple[float, float]:
         t_h2d += float(p.g_frozen.sum()) * hw.h2d_time(p.fshard, st.pin)
     # a disk shard is derived from its fp32 master, read before each of its gathers
     # (synchronously: nothing hides it)
-    t_shard_reads = float(p.g[p.disk_shard].sum() * hw.disk_time(p.shard * MASTER_BYTES, 0)) if p.n else 0.0
+    t_shard_reads = float(p.g[p.disk_shard].sum() * hw.disk_time(p.shard * st.master_elem, 0)) if p.n else 0.0
     if p.frozen_where is Placement.DISK and layout.n_frozen:  # read for each gather, never written back
         t_shard_reads += float(p.g_frozen.sum()) * hw.disk_time(p.fshard, 0)
     return t_h2d, t_shard_reads
@@ -1637,9 +1660,14 @@ def _plan_order(plan, shared: set) -> list:
 
 def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     """Predicted memory and step time of an existing plan, priced by :func:`price` as the search
-    prices its candidates (so a searched plan evaluates to exactly its own prediction)."""
+    prices its candidates (so a searched plan evaluates to exactly its own prediction). The state
+    and frozen formats a plan records replace ``st``'s (a plan that records none keeps ``st``'s)."""
+    formats = {} if plan.master_format is None else {"master_format": plan.master_format,
+                                                      "moments_format": plan.moments_format}
+    if plan.frozen_format is not None:
+        formats["frozen_format"] = plan.frozen_format
     st = dataclasses.replace(st, grad_elem=2 if plan.grad_dtype in ("bfloat16", "float16") else 4,
-                             fused_step=bool(plan.fused_step))
+                             fused_step=bool(plan.fused_step), **formats)
     lay = layout_from_plan(profile, plan)
     order = _plan_order(plan, set(profile.shared))
     n_sh = lay.n_sharded

@@ -32,8 +32,21 @@ from elixir.hardware.profile import HardwareProfile
 from elixir.hardware.registry import choose_default_profile, load_profile
 from elixir.plan import ChunkPlan, MeshLayout, Placement, Prediction, SearchResult, dtype_name
 from elixir.plan.budgets import INF, Budgets, DoesNotFitError, budget_head, budgets_for, fmt_bytes
-from elixir.plan.footprint import element_bytes, optimizer_state_bytes
+from elixir.plan.footprint import (
+    disk_bytes_per_element,
+    element_bytes,
+    optimizer_state_bytes,
+    optimizer_state_nbytes,
+)
 from elixir.plan.placement import DD, RD
+from elixir.plan.state_format import (
+    FP32_STATE,
+    QUANT_BLOCK,
+    check_state_formats,
+    is_lossy,
+    leaner_formats,
+    master_bytes,
+)
 from elixir.search.bounds import SLACK, StepFloor, fits_floor, layout_fits_floor
 from elixir.search.cost_model import (
     ALIGN,
@@ -59,6 +72,8 @@ EXTRA_BLOCKS = 6  # block counts tried above the minimum one by one (then geomet
 MAX_DEPTH = 2  # deepest prefetch tried when overlap is on
 # counts of ZeRO-1/2 body chunks tried per layout beyond which they are spaced out (zero_candidates)
 ZERO_POINTS = 12
+# optimizers whose state the low-precision formats describe (Adam's moments; plan/footprint.py names)
+LOSSY_OPTIMIZERS = ("adam", "adamw", "hybridadam", "cpuadam")
 
 _CHUNK_SIZES: dict[tuple, tuple[StepProfile, Any]] = {}  # chunk-size candidates, least-padding sizes
 
@@ -200,11 +215,17 @@ class SearchRequest:
     body_sharding: str = "mixed"
     heap_slack_bytes: int = 0
     frozen_format: Optional[str] = None  # frozen chunks quantised: "nf4", "int8" (plan/state_format.py)
+    formats: tuple[str, str] = FP32_STATE  # the optimizer state's (master, moments), plan/state_format.py
 
     def __post_init__(self) -> None:
         optimizer_state_bytes(self.optimizer_type)  # raises naming the known optimizers
         if self.world < 1:
             raise ValueError(f"group_size must be >= 1, got {self.world}")
+        check_state_formats(*self.formats, where="optimal_search")
+        if is_lossy(*self.formats) and self.optimizer_type.lower() not in LOSSY_OPTIMIZERS:
+            raise ValueError(f"master={self.formats[0]!r}, moments={self.formats[1]!r} are Adam state formats (CPUAdam/"
+                             f"HybridAdam); optimizer_type {self.optimizer_type!r} keeps its own: plan it with "
+                             "optimizer_type='Adam' or leave the formats at 'fp32'")
 
     def setting(self) -> Setting:
         """The cost model's :class:`Setting` for this request."""
@@ -215,7 +236,7 @@ class SearchRequest:
             hardware=_rank_share(hw, hw.ranks_per_node(self.world)), dtype=prof.dtype, grad_elem=element_bytes(self.grad_dtype),
             fused_step=self.fused_step, process_bytes=int(self.process_bytes),
             heap_slack_bytes=min(int(self.heap_slack_bytes), int(self.process_bytes)),
-            frozen_format=self.frozen_format,
+            frozen_format=self.frozen_format, master_format=self.formats[0], moments_format=self.formats[1],
         )
 
 
@@ -560,7 +581,8 @@ def _summary(ev: Evaluation) -> str:
 
 def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: Layout, info: dict,
                      grad_dtype: str = "float32", fused_step: bool = False,
-                     frozen_format: Optional[str] = None) -> SearchResult:
+                     frozen_format: Optional[str] = None,
+                     formats: Optional[tuple[str, str]] = None) -> SearchResult:
     shapes = dict(profile.params)
     chunks = []
     for names, cap, pl in zip(layout.chunks, layout.capacities, ev.placements):
@@ -587,6 +609,7 @@ def to_search_result(profile: StepProfile, world: int, ev: Evaluation, layout: L
         frozen_params=tuple(n for n in profile.frozen if n not in in_frozen), frozen_chunks=frozen, param_order=tuple(tuple(sorted(s)) for s in profile.steps) if traced else None,
         search="optimal", prediction=pred, info=info, grad_dtype=grad_dtype, fused_step=fused_step,
         frozen_format=frozen_format if frozen else None,
+        master_format=None if formats is None else formats[0], moments_format=None if formats is None else formats[1],
     )
 
 
@@ -612,6 +635,9 @@ def search_profile(
     body_sharding: str = "mixed",
     heap_slack_bytes: int = 0,
     frozen: Optional[str] = None,
+    master: str = "fp32",
+    moments: str = "fp32",
+    allow_lossy_state: bool = False,
 ) -> SearchResult:
     """The search proper, on a ready :class:`StepProfile` (``optimal_search`` traces, then calls this).
 
@@ -642,6 +668,18 @@ def search_profile(
     ``frozen``: the frozen chunks' format (``MixedPrecisionPolicy.frozen``: ``"nf4"``, ``"int8"``;
     None: the compute dtype), priced at its bytes (:func:`~elixir.plan.state_format.frozen_shard_bytes`)
     and dequantised into an rCache block at each use; the plan records it.
+
+    ``master``, ``moments``: the optimizer state's formats (``MixedPrecisionPolicy.master`` /
+    ``.moments``: :mod:`elixir.plan.state_format`), each priced at its bytes per element on the
+    device, the host and the disk (:func:`~elixir.plan.footprint.held_bytes`) and at its Adam
+    kernel's measured rate (:meth:`~elixir.hardware.HardwareProfile.optimizer_time`); a plan
+    searched with lossy formats records them. ``allow_lossy_state`` (the policy's field): when the
+    plan in these formats does not fit, or fits only with optimizer state on disk, the search
+    may turn to leaner formats (:func:`~elixir.plan.state_format.leaner_formats`: int8 moments,
+    then a bf16-sr master too) and keeps the least lossy one that fits without disk, else the
+    fastest that fits; the plan records the formats (also when it kept these) and
+    ``info["state_formats"]`` says why. One format for the whole model: the runtime applies a
+    plan's formats to every chunk. Without it the search never changes the formats.
     """
     t0 = time.perf_counter()
     mesh = MeshLayout.of(world)
@@ -653,14 +691,17 @@ def search_profile(
     rd = None if reduce_dtype is None else dtype_name(reduce_dtype)
     g0 = "float32" if grad_dtype is None else dtype_name(grad_dtype)
     s = _Searcher(SearchRequest(profile, world, hw, budgets, optimizer_type, overlap, policy, rd, g0, bool(fused_step),
-                                process_bytes, body_sharding, heap_slack_bytes, frozen))
-    s, found = _search_leanest(s, grad_dtype, fused_step)
+                                process_bytes, body_sharding, heap_slack_bytes, frozen, (master, moments)))
+    s, found, why_formats = _search_formats(s, grad_dtype, fused_step, allow_lossy_state)
     best = found[0]
     layout = s.layout_of(best)
     runners = _runner_ups(found[1], 5)
     info = _search_info(s, found, layout, runners, t0, hw_why, rpn)
+    recorded = s.request.formats if allow_lossy_state or is_lossy(*s.request.formats) else None
+    if recorded is not None:  # a default search's plan stays as it was (no formats, no key)
+        info["state_formats"] = {"master": recorded[0], "moments": recorded[1], "why": why_formats}
     result = to_search_result(profile, world, best, layout, info, grad_dtype=s.grad_dtype, fused_step=s.fused_step,
-                              frozen_format=frozen)
+                              frozen_format=frozen, formats=recorded)
     if verbose:
         why = _explain(s, best)
         print_report(result, runners, console, why)
@@ -717,6 +758,47 @@ def _search_leanest(s: _Searcher, grad_dtype: Optional[torch.dtype],
     if found is None:
         raise error or s.no_fit_error()
     return s, found
+
+
+def _state_on_disk(ev: Evaluation) -> bool:
+    """Whether a plan keeps any chunk's optimizer state on disk."""
+    return any(p.optim is Placement.DISK for p in ev.placements)
+
+
+def _search_formats(s: _Searcher, grad_dtype: Optional[torch.dtype], fused_step: Optional[bool],
+                    allow_lossy: bool) -> tuple[_Searcher, tuple[Evaluation, list[Evaluation], int], str]:
+    """:func:`_search_leanest` in the request's state formats; with ``allow_lossy``, where their
+    plan does not fit or keeps optimizer state on disk, also in each of
+    :func:`~elixir.plan.state_format.leaner_formats`: the first (least lossy) whose plan keeps no
+    state on disk wins, else the fastest plan found. The searcher, its result and why those formats."""
+    asked = s.request.formats
+    label = "/".join(asked)
+    # only Adam's state has the formats (another optimizer's plan keeps its own, as asked)
+    ladder = leaner_formats(*asked) if s.request.optimizer_type.lower() in LOSSY_OPTIMIZERS else []
+    try:
+        s0, f0 = _search_leanest(s, grad_dtype, fused_step)
+    except DoesNotFitError as e:
+        if not allow_lossy or not ladder:
+            raise
+        tried, error, short = [], e, "does not fit"
+    else:
+        if not allow_lossy or not _state_on_disk(f0[0]):
+            return s0, f0, f"as asked ({label})" + ("" if not allow_lossy else ": fits without optimizer state on disk")
+        tried, error, short = [(s0, f0)], None, "keeps optimizer state on disk"
+    for fmt in ladder:
+        try:
+            sx, fx = _search_leanest(s.sibling(formats=fmt), grad_dtype, fused_step)
+        except DoesNotFitError as e:
+            error = e
+            continue
+        if not _state_on_disk(fx[0]):
+            return sx, fx, f"allow_lossy_state: {label} {short}; {'/'.join(fmt)} fits without optimizer state on disk"
+        tried.append((sx, fx))
+    if not tried:
+        raise error
+    sb, fb = min(tried, key=lambda t: t[1][0].step_time)
+    return sb, fb, (f"allow_lossy_state: every format tried keeps optimizer state on disk; "
+                    f"{'/'.join(sb.request.formats)} is the fastest")
 
 
 def _search_info(s: _Searcher, found: tuple[Evaluation, list[Evaluation], int], layout: Layout,
@@ -835,6 +917,7 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
     t.add_row("rCache blocks / prefetch depth", f"{result.cache_blocks} / {result.prefetch_depth}")
     t.add_row("gathers per step", str(info.get("gathers_per_step")))
     t.add_row("placements (shard, optimizer)", runners[0] and _summary(runners[0]) if runners else "")
+    t.add_row("trainable chunks: optimizer state", _formats_row(result))
     if result.frozen_chunks:
         fc = result.frozen_chunks
         t.add_row("frozen chunks (weights only)", f"{len(fc)} x {fc[0].chunk_size:,} elements, shards on "
@@ -863,6 +946,19 @@ def print_report(result: SearchResult, runners: list[Evaluation], console=None, 
                   "whole, optimizer state split (on D/H/K)")
     if why:
         console.print(f"why: {why}")
+
+
+def _formats_row(result: SearchResult) -> str:
+    """The report's words for the trainable chunks' state formats: master / moments, their bytes
+    per parameter in memory and on disk, and why the search kept them (``info["state_formats"]``)."""
+    fmt = (result.master_format or "fp32", result.moments_format or "fp32")
+    n = QUANT_BLOCK  # whole int8 blocks: the per-element rate exactly
+    per = (master_bytes(fmt[0]) * n + optimizer_state_nbytes(n, 8, fmt)) / n
+    on_disk = sum(c.optim_placement is Placement.DISK for c in result.chunks)
+    text = (f"master {fmt[0]}, moments {fmt[1]} ({per:.2f} B/param"
+            + (f"; {disk_bytes_per_element(formats=fmt)} B/param on disk for {on_disk} chunk(s)" if on_disk else "") + ")")
+    why = result.info.get("state_formats", {}).get("why")
+    return text + (f": {why}" if why else "" if result.master_format else ", the policy's (the plan records none)")
 
 
 def _print_runner_ups(console, runners: list[Evaluation], tied: bool) -> None:
@@ -910,6 +1006,10 @@ def optimal_search(
     process_bytes: Optional[int] = None,
     body_sharding: str = "mixed",
     frozen: Optional[str] = None,
+    master: str = "fp32",
+    moments: str = "fp32",
+    allow_lossy_state: bool = False,
+    mp_policy: Optional[Any] = None,
 ) -> SearchResult:
     """Plan ``model`` for ``group_size`` ranks: the lowest predicted step time that fits.
 
@@ -945,12 +1045,20 @@ def optimal_search(
             ``"zero"``: all of them one way (the pure plans, to compare on the same budget).
         frozen: the format the frozen chunks will be stored in (``MixedPrecisionPolicy.frozen``:
             ``"nf4"``, ``"int8"``, None); priced at its bytes and recorded in the plan.
+        master, moments, allow_lossy_state: the optimizer state's formats and whether the search
+            may choose leaner ones (``MixedPrecisionPolicy``'s fields; see :func:`search_profile`).
+        mp_policy: the ``MixedPrecisionPolicy`` the run will use, instead of ``frozen``, ``master``,
+            ``moments`` and ``allow_lossy_state``: its fields of those names are taken (its
+            ``param_dtype`` must be ``unified_dtype``).
 
     Raises:
         DoesNotFitError: nothing fits; the message names the smallest changes that would.
     """
     if (inp is None) != (step_fn is None):
         raise ValueError("give both inp and step_fn (to trace the step), or neither")
+    if mp_policy is not None:
+        frozen, master, moments, allow_lossy_state = _policy_formats(mp_policy, unified_dtype, frozen, master, moments,
+                                                                     allow_lossy_state)
     if inp is not None:
         profile = profile_step(model, inp, step_fn, unified_dtype)
     else:
@@ -961,9 +1069,22 @@ def optimal_search(
         disk=disk, optimizer_type=optimizer_type, overlap=overlap, policy=policy, reduce_dtype=reduce_dtype,
         verbose=verbose, grad_dtype=grad_dtype, fused_step=fused_step,
         process_bytes=_process_bytes(model, hw, profile.activation_bytes) if process_bytes is None else int(process_bytes),
-        body_sharding=body_sharding, frozen=frozen,
+        body_sharding=body_sharding, frozen=frozen, master=master, moments=moments, allow_lossy_state=allow_lossy_state,
         heap_slack_bytes=activation_heap_slack(hw, profile.activation_bytes) if process_bytes is None else 0,
     )
+
+
+def _policy_formats(mp_policy: Any, dtype: torch.dtype, *loose: Any) -> tuple[Optional[str], str, str, bool]:
+    """(frozen, master, moments, allow_lossy_state) of ``mp_policy``; ``loose`` (those arguments
+    as given to :func:`optimal_search`) must be at their defaults, and the policy's compute dtype
+    the search's."""
+    if tuple(loose) != (None, "fp32", "fp32", False):
+        raise ValueError("pass mp_policy or frozen/master/moments/allow_lossy_state, not both: put them in "
+                         "MixedPrecisionPolicy(...)")
+    pdt = getattr(mp_policy, "param_dtype", dtype)
+    if pdt != dtype:
+        raise ValueError(f"mp_policy.param_dtype is {pdt} but unified_dtype is {dtype}: pass unified_dtype={pdt}")
+    return (mp_policy.frozen, mp_policy.master, mp_policy.moments, bool(getattr(mp_policy, "allow_lossy_state", False)))
 
 
 def activation_heap_slack(hw: HardwareProfile, activation_bytes: int) -> int:

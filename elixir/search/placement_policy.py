@@ -28,7 +28,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -124,12 +124,16 @@ def make_plan(
     fractions: Optional[StaticFractions] = None,
     pin_memory: Optional[bool] = None,
     accumulation: bool = False,
+    formats: Optional[dict[str, Any]] = None,
 ) -> SearchResult:
     """The plan for ``model`` at ``world_size`` ranks computing in ``dtype`` (see the module
     docstring). ``pin_memory``: whether host-placed shards are page-locked, set on the plan
     whichever way it was made (None: the plan's own choice, pinned by default). ``accumulation``:
-    the run accumulates under ``no_sync`` (``minimum_waste_search`` counts the blocks that holds)."""
-    result = _make_plan(model, world_size, dtype, plan, search, placement_policy, verbose, fractions, accumulation)
+    the run accumulates under ``no_sync`` (``minimum_waste_search`` counts the blocks that holds).
+    ``formats``: the state and frozen formats the run keeps (``master``, ``moments``, ``frozen``:
+    ``MixedPrecisionPolicy``'s fields), which ``optimal_search`` prices and records."""
+    result = _make_plan(model, world_size, dtype, plan, search, placement_policy, verbose, fractions, accumulation,
+                        formats or {})
     if pin_memory is not None and result.info.get("pin_memory") is not bool(pin_memory):
         result = dataclasses.replace(result, info={**result.info, "pin_memory": bool(pin_memory)})
     return result
@@ -137,7 +141,7 @@ def make_plan(
 
 def _make_plan(model: nn.Module, world_size: int, dtype: torch.dtype, plan: PlanArg, search: SearchArg,
                placement_policy: str, verbose: bool, fractions: Optional[StaticFractions],
-               accumulation: bool = False) -> SearchResult:
+               accumulation: bool = False, formats: Optional[dict[str, Any]] = None) -> SearchResult:
     check_plan_args(plan, search, placement_policy)
     if plan is not None:
         result = plan if isinstance(plan, SearchResult) else SearchResult.load(plan)
@@ -153,7 +157,7 @@ def _make_plan(model: nn.Module, world_size: int, dtype: torch.dtype, plan: Plan
             raise TypeError(f"search= returned {type(result).__name__}, expected a SearchResult")
         return result
     if search == "optimal" or (search is None and placement_policy == "auto"):
-        return optimal_search(model, world_size, unified_dtype=dtype, verbose=verbose)
+        return optimal_search(model, world_size, unified_dtype=dtype, verbose=verbose, **(formats or {}))
     if placement_policy == "static":
         base = minimum_waste_search(model, world_size, unified_dtype=dtype, accumulation=accumulation)
         result = apply_static(base, fractions or StaticFractions())

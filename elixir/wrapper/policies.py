@@ -69,6 +69,13 @@ class MixedPrecisionPolicy:
             layout, about 0.52 B/param) or ``"int8"`` (blockwise 8-bit, 1.06 B/param); each
             gather dequantises into the compute dtype (:mod:`elixir.chunk.quant`). Lossy: a state
             dict or checkpoint of the frozen weights holds their dequantised values.
+        allow_lossy_state: let ``optimal_search(..., mp_policy=...)`` choose leaner optimizer-state
+            formats than ``master``/``moments`` where their plan does not fit, or fits only with
+            state on disk (int8 moments, then a bf16-sr master too; the least lossy that fits
+            without disk, else the fastest). Default False: the search never changes the formats.
+            One format for the whole model (the runtime applies a plan's formats to every chunk);
+            the runtime then takes the plan's formats, even where they differ from this policy's.
+            Frozen weights are never quantised by the search (``frozen`` is the user's choice).
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -78,10 +85,13 @@ class MixedPrecisionPolicy:
     master: str = "fp32"
     moments: str = "fp32"
     frozen: Optional[str] = None
+    allow_lossy_state: bool = False
 
     def __post_init__(self) -> None:
         check_state_formats(self.master, self.moments)
         check_frozen_format(self.frozen)
+        if not isinstance(self.allow_lossy_state, bool):
+            raise ValueError(f"MixedPrecisionPolicy.allow_lossy_state must be True or False, got {self.allow_lossy_state!r}")
         _check_dtype("param_dtype", self.param_dtype, optional=False)
         for name in ("reduce_dtype", "grad_dtype", "output_dtype"):
             _check_dtype(name, getattr(self, name), optional=True)
@@ -164,12 +174,13 @@ def module_policies(
 def state_formats(mp_policy: MixedPrecisionPolicy, plan: Any) -> tuple[str, str]:
     """The (master, moments) formats a run keeps its optimizer state in: those the plan records
     (it was searched with them, and its memory figures count them), else the policy's. A policy
-    asking for other lossy formats than the plan's raises, naming both."""
+    asking for other lossy formats than the plan's raises, naming both, unless it allowed the
+    search to choose them (``allow_lossy_state``)."""
     recorded = getattr(plan, "master_format", None), getattr(plan, "moments_format", None)
     wanted = (mp_policy.master, mp_policy.moments)
     if recorded[0] is None:
         return wanted
-    if mp_policy.lossy_state and wanted != recorded:
+    if mp_policy.lossy_state and wanted != recorded and not mp_policy.allow_lossy_state:
         raise ValueError(
             f"the plan was searched with master={recorded[0]!r}, moments={recorded[1]!r} but the MixedPrecisionPolicy "
             f"asks for master={wanted[0]!r}, moments={wanted[1]!r}: search again with the policy's formats, or leave "
