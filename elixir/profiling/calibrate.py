@@ -283,6 +283,35 @@ def _clamp(x: float, lo: float = 0.05, hi: float = 20.0) -> float:
     return float(min(hi, max(lo, x)))
 
 
+def _collectives_ratio(meas: dict, pred: dict) -> float:
+    """Measured over predicted collective time, over the gathers from call to end of wait: without
+    prefetch each is waited on at once, so its span is its whole time. (An asynchronous
+    reduce-scatter shows the host only its wait: the step's whole collective time set against the
+    whole predicted time came out at 0.6-0.8 on a 2-core box, and plans bound by communication then
+    ran 13-51% over their predictions in issue 35's regret grid.)"""
+    m, p = meas["gather_spans"], pred["all_gather"]
+    if m > 0 and p > 0:
+        return _clamp(m / p)
+    return _clamp(meas["collectives"] / pred["collectives"]) if pred["collectives"] > 0 else 1.0
+
+
+def _prefetch_overlap(res: list, big: int, steps: int, meas: dict, pred: dict, first_gather: float) -> float:
+    """The fraction of the hideable gather time (all gathers but the first, up to the compute time)
+    that prefetching hid, from run ``big`` timed with and without prefetch in alternating turns."""
+    diffs = [max(r[big]["fwd_bwd"][j] for r in res) - max(r[big]["fwd_bwd_prefetch"][j] for r in res)
+             for j in range(1, steps)]
+    # what prefetching hid counts only where it stands out of the steps' own noise (twice the
+    # standard error of the paired differences): a tiny reference model's few milliseconds
+    # of gathers otherwise let noise claim full overlap, and plans that shard for it ran
+    # 1.5x slower than replicated ones on a 2-core box where the gathers hid nothing
+    hidden = statistics.median(diffs)
+    if len(diffs) > 1 and hidden <= 2 * statistics.stdev(diffs) / len(diffs) ** 0.5:
+        hidden = 0.0
+    gathers = meas["gather_spans"] or meas["collectives"] * (pred["all_gather"] / pred["collectives"] if pred["collectives"] else 0.0)
+    hideable = min(meas["compute"], max(0.0, gathers - first_gather))
+    return _clamp(hidden / hideable, 0.0, 1.0) if hideable > 0 else 0.0
+
+
 def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> Calibration:
     """Train the two reference sizes on ``ranks`` local ranks (one thread each, as elixir's
     multi-rank CPU runs do) under plans with every chunk on the device, and fit the runtime's
@@ -309,6 +338,7 @@ def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> C
                       "collectives": b["all_gather"] + b["reduce_scatter"] + b["all_reduce"],
                       "all_gather": b["all_gather"], "optimizer": b["optimizer"], "dtype": dtype})
         runs.append((size, plan.to_json(), dtype, "plain"))
+    first_gather = 0.0
     if ranks > 1:  # the larger size also with prefetch: how much gather time hides under compute
         runs[1] = runs[1][:3] + ("pair",)
         first_gather = per_rank.all_gather_time(plan_sizes[1] * 4, ranks)
@@ -344,34 +374,12 @@ def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> C
     def ratio(key: str) -> float:
         return _clamp(meas[big][key] / preds[big][key]) if preds[big][key] > 0 else 1.0
 
-    def collectives_ratio() -> float:
-        # measured against predicted over the gathers, call to end of wait (no prefetch: waited at
-        # once, so the span is the gather's whole time): an asynchronous
-        # reduce-scatter's host time is only its wait, so the step's whole collective time set
-        # against the whole predicted time came out at 0.6-0.8 on a 2-core box, and plans bound by
-        # communication then ran 13-51% over their predictions (issue 35's regret grid)
-        m, p = meas[big]["gather_spans"], preds[big]["all_gather"]
-        return _clamp(m / p) if m > 0 and p > 0 else ratio("collectives")
-
-    overlap = 0.0
-    if ranks > 1:
-        diffs = [max(r[big]["fwd_bwd"][j] for r in res) - max(r[big]["fwd_bwd_prefetch"][j] for r in res)
-                 for j in range(1, steps)]
-        # what prefetching hid counts only where it stands out of the steps' own noise (twice the
-        # standard error of the paired differences): a tiny reference model's few milliseconds
-        # of gathers otherwise let noise claim full overlap, and plans that shard for it ran
-        # 1.5x slower than replicated ones on a 2-core box where the gathers hid nothing
-        hidden = statistics.median(diffs)
-        if len(diffs) > 1 and hidden <= 2 * statistics.stdev(diffs) / len(diffs) ** 0.5:
-            hidden = 0.0
-        p = preds[big]
-        gathers = meas[big]["gather_spans"] or meas[big]["collectives"] * (p["all_gather"] / p["collectives"] if p["collectives"] else 0.0)
-        hideable = min(meas[big]["compute"], max(0.0, gathers - first_gather * collectives_ratio()))
-        overlap = _clamp(hidden / hideable, 0.0, 1.0) if hideable > 0 else 0.0
+    coll = _collectives_ratio(meas[big], preds[big]) if ranks > 1 else 1.0
+    overlap = _prefetch_overlap(res, big, steps, meas[big], preds[big], first_gather * coll) if ranks > 1 else 0.0
 
     return Calibration(
         ranks=ranks, compute=_clamp(a), compute_bfloat16=_clamp(a_bf16), op_overhead_s=_clamp(b, 0.0, 1e-3),
-        collectives=collectives_ratio() if ranks > 1 else 1.0, optimizer=ratio("optimizer"), overlap=overlap,
+        collectives=coll, optimizer=ratio("optimizer"), overlap=overlap,
         runs=tuple({"size": runs[i][0], "dtype": runs[i][2], "mode": runs[i][3], "measured": meas[i],
                     "predicted": preds[i]} for i in range(len(runs))),
     )
