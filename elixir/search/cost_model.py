@@ -1499,7 +1499,7 @@ def _step_seconds(p: _Priced, comm: dict[str, float], t_h2d: float, t_shard_read
         per_gather = (comm["all_gather"] + t_h2d - t_sync) / n_async
         # each gather hides under the compute between its issue and its use, at most
         # (gather_windows); never more than all but the first gather
-        hideable = min(per_gather * (n_async - 1), _windowed_gathers(p, profile, depth, per_gather, comm["compute"]))
+        hideable = min(per_gather * (n_async - 1), _windowed_gathers(p, profile, depth, comm["compute"]))
         hidden = hw.overlap_fraction * min(comm["compute"], hideable)
         fb = comm["compute"] + fb_comm - hidden
     else:
@@ -1510,20 +1510,28 @@ def _step_seconds(p: _Priced, comm: dict[str, float], t_h2d: float, t_shard_read
     return fb, hidden
 
 
-def _windowed_gathers(p: _Priced, profile: StepProfile, depth: int, per_gather: float, compute: float) -> float:
-    """Seconds of the step's asynchronous gathers (``per_gather`` each) that fit in their windows
-    of ``compute`` (:func:`~elixir.search.gather_windows.gather_windows`); a disk shard's gather
-    is synchronous and not counted."""
-    layout = p.layout
+def _windowed_gathers(p: _Priced, profile: StepProfile, depth: int, compute: float) -> float:
+    """Seconds of the step's asynchronous gathers (each at its own chunk's all-gather and
+    host-to-device copy) that fit in their windows of ``compute``
+    (:func:`~elixir.search.gather_windows.gather_windows`); a disk shard's gather is synchronous
+    and not counted."""
+    layout, st = p.layout, p.st
     ids, windows = gather_windows(profile, layout.trace, np.concatenate([p.g, p.g_own, p.g_frozen]), depth,
                                   layout.figures)
+    per = _layout_collectives(layout, st, p.zero)
+    n_frozen = layout.trace.n_chunks - layout.n_sharded
+    seconds = np.concatenate([np.full(p.n, per.gather_full), np.asarray(per.gather_own, dtype=np.float64),
+                              np.full(n_frozen, per.gather_frozen)])
     sync = np.zeros(layout.trace.n_chunks, dtype=bool)
     if p.n:
+        seconds[: p.n] += np.where(p.host_shard, p.h2d, 0.0)
         sync[: p.n] = p.disk_shard
     if p.frozen_where is Placement.DISK:
         sync[layout.n_sharded:] = True
+    elif p.frozen_where is Placement.HOST and n_frozen:
+        seconds[layout.n_sharded:] += st.hardware.h2d_time(p.fshard, st.pin)
     keep = ~sync[ids]
-    return float(np.minimum(per_gather, windows[keep] * compute).sum())
+    return float(np.minimum(seconds[ids[keep]], windows[keep] * compute).sum())
 
 
 def _fused_step_hidden(p: _Priced, compute: float, backward_share: float) -> Optional[float]:

@@ -3,8 +3,9 @@
 A prefetched gather runs while the rank computes, but only from when it is issued to when its chunk
 is used: the runtime's schedule (``elixir.chunk.schedule``: the traced steps' sharded chunk sets,
 empty steps dropped and consecutive equal sets merged) issues a chunk's gather when the cursor
-reaches the step ``depth`` steps before the chunk's use, or at the start of the iteration for the
-first ``depth`` steps. The compute between those two points is the gather's *window*; what the
+reaches the step ``depth`` steps before the chunk's use, or the first step for the uses less than
+``depth`` steps after it (``wrapper/step_hooks.py``: prefetches are issued at each use, none
+before the first). The compute between those two points is the gather's *window*; what the
 gather can hide is at most its window. Pricing hidden time against the whole step's compute
 instead credited a plan whose sharded chunks are used back to back, each holding one layer of a
 communication-bound step (GPT-2 medium, batch 1, seq 8: a gather of 0.087 s against 0.011 s of one
@@ -90,7 +91,8 @@ def gather_windows(profile: Any, trace: Any, gathers: np.ndarray, depth: int,
         js = [u[:n] for u, n in zip(uses, g) if n > 0]
         ids = np.repeat(np.nonzero(g > 0)[0], [len(j) for j in js]) if js else np.zeros(0, dtype=np.int64)
         j = np.concatenate(js) if js else np.zeros(0, dtype=np.int64)
-        at = cum[starts[j]] if j.size else np.zeros(0)
-        issued = np.where(j >= depth, cum[starts[np.maximum(j - depth, 0)]] if j.size else 0.0, 0.0)
-        got = memo[wkey] = (ids, at - issued)
+        # issued when the schedule reaches the step ``depth`` before the use, or its first step
+        # (nothing is prefetched before the first use: the first step's gather hides under nothing)
+        w = cum[starts[j]] - cum[starts[np.maximum(j - depth, 0)]] if j.size else np.zeros(0)
+        got = memo[wkey] = (ids, w)
     return got
