@@ -34,6 +34,11 @@ TIMERS = (  # (module, class, method, name)
     ("elixir.chunk.grads", "ChunkGrads", "finish_reduction", "wait_reduction"),
     ("elixir.wrapper.grad_sync", "GradientSync", "finish_backward", "finish_backward"),
     ("elixir.wrapper.grad_sync", "GradientSync", "count_ranks", "agree_uses"),
+    ("elixir.chunk.grads", "ChunkGrads", "open", "open_grad"),
+    ("elixir.chunk.grads", "ChunkGrads", "reduce", "issue_reduction"),
+    ("elixir.chunk.chunk", "Chunk", "gather", "gather"),
+    ("elixir.chunk.comm", "ChunkComm", "publish", "publish"),
+    ("elixir.wrapper.shard_step", "ShardStepper", "step_chunk", "step_chunk"),
 )
 
 
@@ -82,13 +87,15 @@ def main() -> None:
     p.add_argument("--plan", default="plan.json", help="elixir's plan (made and saved here when missing)")
     p.add_argument("--plain-forward", action="store_true", help="time an unwrapped copy's forward first, each step")
     p.add_argument("--json", help="append every rank's rows to this file (rank 0 writes)")
+    p.add_argument("--batch", type=int, default=st.BenchConfig.batch, help="batch per rank (bench/step_time.py's)")
+    p.add_argument("--seq", type=int, default=st.BenchConfig.seq, help="sequence length (bench/step_time.py's)")
     args = p.parse_args()
     torch.set_num_threads(1)
     from elixir import distributed as edist
 
     info = edist.init_distributed(backend="gloo")
     rank, world = info.rank, info.world_size
-    cfg = st.BenchConfig().for_model(args.model)
+    cfg = st.BenchConfig(batch=args.batch, seq=args.seq).for_model(args.model)
     torch.manual_seed(cfg.seed)
     model = st.build_model(cfg)
     seconds: collections.Counter = collections.Counter()

@@ -272,9 +272,12 @@ def _train_step(model, batch):
 def _runtime_share(plan) -> int:
     """Bytes of the plan's predicted device peak that the runtime's ledger does not hold:
     activations, buffers, and the optimizer moments of device-placed chunks (the inner optimizer
-    allocates those)."""
+    allocates those: this rank's part of every chunk whose state is split, the ZeRO-1/2 chunks'
+    as well as the sharded ones', and a replicated chunk's whole)."""
+    from elixir.plan.footprint import ADAM_STATE_BYTES
+
     mem = plan.info["predicted_memory"]
-    moments = sum((c.chunk_size // plan.world_size if c.sharded else c.chunk_size) * 8
+    moments = sum((c.chunk_size // plan.world_size if c.state_sharded else c.chunk_size) * ADAM_STATE_BYTES
                   for c in plan.chunks if c.optim_placement.value == "device")
     return mem.get("activations", 0) + mem.get("buffers", 0) + moments
 

@@ -94,6 +94,7 @@ from elixir.plan.footprint import (  # the one footprint rule, shared with the r
     resident_sharding,
 )
 from elixir.plan.placement import DD, DH, DK, HD, HH, HK, KK, RD, RH, SHARDED_PLACEMENTS, ChunkPlacement
+from elixir.search.gather_windows import gather_windows
 from elixir.search.minimum_waste import ALIGN  # both searches align shards alike
 from elixir.search.simulator import AccessTrace, simulate
 from elixir.search.step_profile import BACKWARD, StepProfile
@@ -1320,7 +1321,7 @@ def _price(profile: StepProfile, layout: Layout, st: Setting, p: _Priced, blocks
     if p.solo and p.n:  # only the chunks the rCache holds are reduced (a copy out of the block)
         rs = sum(collectives(Sharding.SHARDED, 1, k.shard).reduction == "reduce_scatter" for k in p.kinds)
         comm["reduce_scatter"] = rs * hw.reduce_scatter_time(layout.chunk_size * st.reduce_elem, 1)
-    fb, hidden = _step_seconds(p, comm, t_h2d, t_shard_reads, depth, n_gathers)
+    fb, hidden = _step_seconds(p, comm, t_h2d, t_shard_reads, depth, n_gathers, profile)
     breakdown = dict(comm, h2d_gather=t_h2d, optimizer=t_opt, overlap_hidden=-hidden)
     if t_shard_reads:
         breakdown["disk_shard_reads"] = t_shard_reads
@@ -1492,7 +1493,7 @@ def _zero_bytes(st: Setting, layout: Layout, zero: tuple[ChunkPlacement, ...]) -
 
 
 def _step_seconds(p: _Priced, comm: dict[str, float], t_h2d: float, t_shard_reads: float, depth: int,
-                  n_gathers: int) -> tuple[float, float]:
+                  n_gathers: int, profile: StepProfile) -> tuple[float, float]:
     """Seconds of forward and backward with their communication (all but the optimizer step),
     and how much of the communication hides under compute."""
     st, layout, hw = p.st, p.layout, p.st.hardware
@@ -1519,7 +1520,9 @@ def _step_seconds(p: _Priced, comm: dict[str, float], t_h2d: float, t_shard_read
         # with compute for the same cores and measured steps still exceed the predictions, so
         # none of their time is counted hidden
         per_gather = (comm["all_gather"] + t_h2d - t_sync) / n_async
-        hideable = per_gather * (n_async - 1)
+        # each gather hides under the compute between its issue and its use, at most
+        # (gather_windows); never more than all but the first gather
+        hideable = min(per_gather * (n_async - 1), _windowed_gathers(p, profile, depth, comm["compute"]))
         hidden = hw.overlap_fraction * min(comm["compute"], hideable)
         fb = comm["compute"] + fb_comm - hidden
     else:
@@ -1528,6 +1531,30 @@ def _step_seconds(p: _Priced, comm: dict[str, float], t_h2d: float, t_shard_read
     fb += t_sync + t_shard_reads
     fb += comm.get("publish", 0.0)  # the ZeRO chunks' updated parameters, after the step: nothing hides it
     return fb, hidden
+
+
+def _windowed_gathers(p: _Priced, profile: StepProfile, depth: int, compute: float) -> float:
+    """Seconds of the step's asynchronous gathers (each at its own chunk's all-gather and
+    host-to-device copy) that fit in their windows of ``compute``
+    (:func:`~elixir.search.gather_windows.gather_windows`); a disk shard's gather is synchronous
+    and not counted."""
+    layout, st = p.layout, p.st
+    ids, windows = gather_windows(profile, layout.trace, np.concatenate([p.g, p.g_own, p.g_frozen]), depth,
+                                  layout.figures)
+    per = _layout_collectives(layout, st, p.zero)
+    n_frozen = layout.trace.n_chunks - layout.n_sharded
+    seconds = np.concatenate([np.full(p.n, per.gather_full), np.asarray(per.gather_own, dtype=np.float64),
+                              np.full(n_frozen, per.gather_frozen)])
+    sync = np.zeros(layout.trace.n_chunks, dtype=bool)
+    if p.n:
+        seconds[: p.n] += np.where(p.host_shard, p.h2d, 0.0)
+        sync[: p.n] = p.disk_shard
+    if p.frozen_where is Placement.DISK:
+        sync[layout.n_sharded:] = True
+    elif p.frozen_where is Placement.HOST and n_frozen:
+        seconds[layout.n_sharded:] += st.hardware.h2d_time(p.fshard, st.pin)
+    keep = ~sync[ids]
+    return float(np.minimum(seconds[ids[keep]], windows[keep] * compute).sum())
 
 
 def _fused_step_hidden(p: _Priced, compute: float, backward_share: float) -> Optional[float]:
