@@ -37,8 +37,25 @@ def test_alternatives_are_distinct_plans_of_the_same_model():
         assert set(p.param_names) == names, name
         if name != "search":
             assert not b._same_plan(p, chosen), name
-        t, peak = b.predicted(p, found["profile"], 2, hw)
-        assert t > 0 and peak > 0
+        t, peak, host, disk = b.predicted(p, found["profile"], 2, hw)
+        assert t > 0 and peak > 0 and host >= 0 and disk >= 0
+
+
+def test_an_alternative_over_the_host_budget_is_not_a_rival():
+    """On a CPU box device and host share the host budget: an alternative that fits the device
+    budget but not the pool (the 124M-disk grid's 'tier-up', disk chunks moved to host) is not timed."""
+    from elixir.hardware import load_profile
+    from elixir.plan.budgets import MemoryPolicy
+
+    b = _bench()
+    hw = load_profile("cpu-box")
+    gib = 2**30
+    budgets = {"device_memory": 2 * gib, "host_memory": 2 * gib, "disk": 4 * gib}
+    dev, host, _ = MemoryPolicy().usable(2 * gib, 2 * gib, 4 * gib)
+    assert b.over_budget((1.0, dev // 2, dev // 2 - 1, 0), budgets, hw) is None
+    assert "host" in b.over_budget((1.0, dev // 2, host - dev // 2 + 1, 0), budgets, hw)
+    assert "device" in b.over_budget((1.0, dev + 1, 0, 0), budgets, hw)
+    assert "disk" in b.over_budget((1.0, 1, 1, 4 * gib), budgets, hw)
 
 
 def test_regret_ties_inside_the_spread_and_prediction_error_sign():
