@@ -1210,7 +1210,8 @@ def _scan_counts(sc: _PlaceScan, fwhere: Placement, dev_free: int,
     free_per_disk = cb[DH][1] - cb[DK][1]  # equals HH - HK
     over = host_need - host_free
     if sc.allow_disk and free_per_disk > 0:
-        # one disk chunk stages one chunk's master + state; two or more stage DISK_STAGING;
+        # one disk chunk stages one chunk's master + state; two or more stage up to DISK_STAGING
+        # (priced at DISK_STAGING: two chunks stage two, a little less);
         # the staging replaces the construction's in the transient bytes (transient_host_bytes)
         extra1 = transient_host_bytes(layout, st, sc.shard, 1) - constr
         extra_n = transient_host_bytes(layout, st, sc.shard, DISK_STAGING) - constr
