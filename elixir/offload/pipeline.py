@@ -86,6 +86,8 @@ class BackwardStager:
     next chunk is staged, so the update and the write never overlap; at 3 (the default) it is
     finished only after the next chunk's ``work``, so the update of chunk ``i`` runs while chunk
     ``i+1`` is written and chunk ``i-1`` read (measured: ``bench/disk_offload.py --breakdown``).
+    The writes in flight fill up one per chunk stepped
+    (:func:`elixir.plan.footprint.disk_chunks_staged`, as the cost model's timeline counts them).
     """
 
     def __init__(self, store: DiskStore, order: Sequence[int], depth: int = DISK_STAGING) -> None:

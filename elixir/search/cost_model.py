@@ -89,6 +89,7 @@ from elixir.plan.footprint import (  # the one footprint rule, shared with the r
     MASTER_BYTES,
     collectives,
     disk_bytes_per_element,
+    disk_chunks_staged,
     element_bytes,
     held_bytes,
     resident_sharding,
@@ -748,8 +749,12 @@ def timeline_peak(profile: StepProfile, layout: Layout, st: Setting, kinds: Sequ
     other_bufs = memory["grad_buffers"] - layout.grad_buffers * C * r
     staged = np.zeros(n_steps, dtype=np.int64)
     if n_disk and st.fused_step:
-        ready = [int(last[c]) for c, k in enumerate(kinds[: len(last)]) if k.on_disk and last[c] >= 0]
-        staged[min(ready) if ready else first_bw:] = masters
+        ready = sorted(int(last[c]) for c, k in enumerate(kinds[: len(last)]) if k.on_disk and last[c] >= 0)
+        if not ready:
+            staged[first_bw:] = masters
+        # the stager's writes in flight fill up one per stepped chunk (disk_chunks_staged)
+        for k, t0 in enumerate(ready[: DISK_STAGING - 1]):
+            staged[t0:] = disk_chunks_staged(k, n_disk) * shard * st.disk_elem
     if first_bw < n_steps:
         t = np.arange(first_bw, n_steps)
         # a parameter's gradient is in the tracer's activations until AccumulateGrad takes it,
