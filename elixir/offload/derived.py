@@ -112,6 +112,35 @@ class DerivedShards:
         if self._ahead is not None and self._take_ahead(index):
             return
         self._allocate(rec, DiskState.RESIDENT)
+        try:
+            self._read(index, rec.shard)
+        except BaseException:
+            self._free(index)
+            raise
+
+    def stage_into(self, index: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (the chunk's payload at world size 1: the shard's length and dtype) with
+        chunk ``index``'s shard values without staging the shard: one copy of the master instead
+        of two (master -> shard -> payload) when the master is staged or read ahead by the fused
+        step, and the file read through the pieces straight into ``out`` otherwise. A read-ahead
+        of this chunk is copied from; the next chunk's read is queued after (module docstring)."""
+        rec = self.chunks[index]
+        self._learn(index)
+        took = rec.state is not DiskState.RESIDENT and self._ahead is not None and self._take_ahead(index)
+        if rec.state is DiskState.RESIDENT:  # read ahead (freed once copied), or staged by its owner
+            t0 = time.perf_counter()
+            out.copy_(rec.shard)
+            self.stage_seconds += time.perf_counter() - t0
+            if took:
+                self._free(index)
+        else:
+            self._read(index, out)
+        if self.read_ahead and index == self._last and torch.is_grad_enabled():
+            self._start_ahead(index)
+
+    def _read(self, index: int, out: torch.Tensor) -> None:
+        """``out`` = chunk ``index``'s master cast to ``out``'s dtype (from memory when the master
+        is staged, else from the file through the two pieces)."""
         if self._pieces is None:  # sized for the largest shard, held from now on (read_buffer_bytes)
             n = min(PIECE_ELEMENTS, max(r.shard.numel() for r in self.chunks.values()))
             dt = self.masters.chunks[index].flats[MASTER].dtype  # fp32, or a bf16 master (issue 33)
@@ -119,10 +148,7 @@ class DerivedShards:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                self.bytes_read += self.masters.read_converted(index, MASTER, rec.shard, self._pieces)
-        except BaseException:
-            self._free(index)
-            raise
+                self.bytes_read += self.masters.read_converted(index, MASTER, out, self._pieces)
         finally:
             self.stage_seconds += time.perf_counter() - t0
 
