@@ -29,10 +29,10 @@ directory's sequential read and write rates measured in the same run (``elixir h
 :func:`~elixir.profiling.measurement.measure_disk`: O_DIRECT 8 MiB writes with fsync, then reads):
 the disk's share is (read bytes / read rate + written bytes / write rate) / step seconds.
 
-``--variants before,after`` times the overlap settings of :data:`VARIANTS` in one run, one step of
-each in turn: the fused step's staging depth (``BackwardStager.depth``) and the forward gathers'
-read-ahead (``DerivedShards.read_ahead``); ``before`` is the runtime before issue 35's overlap
-(depth 2, no read-ahead), ``after`` the default. ``--meta`` builds the model on the meta device
+``--variants before,after`` times the settings of :data:`VARIANTS` in one run, one step of each in
+turn: the fused step's staging depth (``BackwardStager.depth``), the forward gathers' read-ahead
+(``DerivedShards.read_ahead``) and in-place gathers and steps (``DerivedShards.in_place``);
+``before`` is the runtime before issue 35's changes (depth 2, neither), ``after`` the default. ``--meta`` builds the model on the meta device
 (a model larger than host memory).
 
     python bench/disk_offload.py --breakdown --layers 32 --dim 4096 --variants before,after --json out.json
@@ -128,20 +128,24 @@ def _kk_module(layers: int, dim: int, offload_dir, meta: bool = False):
     return em, opt
 
 
-# The overlap settings compared by --breakdown: the fused step's staging depth
-# (BackwardStager.depth; the default is elixir.plan.footprint.DISK_STAGING) and the forward
-# gathers' read-ahead (DerivedShards.read_ahead). "before" is the runtime before issue 35's overlap.
-VARIANTS = {"before": (2, False), "depth3": (3, False), "readahead": (2, True), "after": (None, True)}
+# The settings compared by --breakdown: the fused step's staging depth (BackwardStager.depth; the
+# default is elixir.plan.footprint.DISK_STAGING), the forward gathers' read-ahead
+# (DerivedShards.read_ahead), and whether gathers fill the payload straight from the master and
+# steps leave the derived shard alone (DerivedShards.in_place). "before" is the runtime before
+# issue 35's overlap, "after" the default.
+VARIANTS = {"before": (2, False, False), "depth3": (3, False, False), "readahead": (2, True, False),
+            "inplace": (2, False, True), "after": (None, True, True)}
 
 
 def _apply(em, opt, variant: str) -> dict:
     from elixir.plan.footprint import DISK_STAGING
 
-    depth, read_ahead = VARIANTS[variant]
+    depth, read_ahead, in_place = VARIANTS[variant]
     opt.backward_step.stager.depth = DISK_STAGING if depth is None else depth
     em.derived_shards.read_ahead = read_ahead
+    em.derived_shards.in_place = in_place
     em.derived_shards.drop_read_ahead()
-    return {"variant": variant, "depth": opt.backward_step.stager.depth, "read_ahead": read_ahead}
+    return {"variant": variant, "depth": opt.backward_step.stager.depth, "read_ahead": read_ahead, "in_place": in_place}
 
 
 def _counters(em) -> dict:
@@ -284,7 +288,8 @@ def _rate(row: dict) -> str:
 
 def _print_breakdown(r: dict) -> None:
     title = (f"disk-bound step, {r['variant']} (staging depth {r['depth']}, forward read-ahead "
-             f"{'on' if r['read_ahead'] else 'off'}), {r['params'] / 1e6:.0f}M fp32 params, "
+             f"{'on' if r['read_ahead'] else 'off'}, in place {'on' if r['in_place'] else 'off'}), "
+             f"{r['params'] / 1e6:.0f}M fp32 params, "
              f"{r['chunks']} KK chunks (O_DIRECT), CPUAdam fused; "
              f"{r['dir']}: sequential read {r['seq_read_Bps'] / 1e9:.2f} GB/s, write {r['seq_write_Bps'] / 1e9:.2f} GB/s")
     table = Table(title=title)

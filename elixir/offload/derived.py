@@ -27,6 +27,11 @@ is used only if its master's disk copy is still the one it read (:meth:`DiskStor
 and dropped at the next gather of another chunk: a wrong guess costs one read, never a stale
 value. A shard of another dtype than its master is still read through the two small buffers
 (reading it ahead would need a whole chunk's master-dtype buffer that nothing prices).
+
+**In place.** At world size 1 on a CPU the shard is the whole payload, so a gather fills the
+payload straight from the master (:meth:`DerivedShards.stage_into`): one copy of a staged master
+(the fused step's read-ahead in backward) or of a read-ahead, instead of master -> shard -> payload,
+and no shard staged but a read-ahead.
 """
 
 from __future__ import annotations
@@ -71,6 +76,10 @@ class DerivedShards:
         self.bytes_written = 0  # always 0: nothing is written, kept for DiskStore's report shape
         self.stage_seconds = 0.0  # wall time of stage() reading from the file (a gather's read and cast)
         self.read_ahead = True  # queue the next forward gather's read (module docstring)
+        # gathers fill a world-size-1 payload straight from the master, and steps neither stage
+        # nor refresh these shards (ChunkStorage.shard_is_derived); False only to time the older
+        # copying path (bench/disk_offload.py --breakdown's "before")
+        self.in_place = True
         self.read_ahead_bytes = 0  # read ahead and used by the gather
         self.wasted_read_ahead_bytes = 0  # read ahead and dropped (a wrong guess, or the master changed)
         self._ahead: Optional[tuple[int, IOHandle, int]] = None  # (chunk, read, master's version)
