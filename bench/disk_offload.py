@@ -29,7 +29,13 @@ directory's sequential read and write rates measured in the same run (``elixir h
 :func:`~elixir.profiling.measurement.measure_disk`: O_DIRECT 8 MiB writes with fsync, then reads):
 the disk's share is (read bytes / read rate + written bytes / write rate) / step seconds.
 
-    python bench/disk_offload.py --breakdown --layers 32 --dim 4096 --json out.json
+``--variants before,after`` times the settings of :data:`VARIANTS` in one run, one step of each in
+turn: the fused step's staging depth (``BackwardStager.depth``), the forward gathers' read-ahead
+(``DerivedShards.read_ahead``) and in-place gathers and steps (``DerivedShards.in_place``);
+``before`` is the runtime before issue 35's changes (depth 2, neither), ``after`` the default. ``--meta`` builds the model on the meta device
+(a model larger than host memory).
+
+    python bench/disk_offload.py --breakdown --layers 32 --dim 4096 --variants before,after --json out.json
 """
 
 from __future__ import annotations
@@ -101,19 +107,45 @@ def _variant(layers: int, dim: int, n_disk: int, direct: bool, reps: int, offloa
 # ---- --breakdown ------------------------------------------------------------------------------
 
 
-def _kk_module(layers: int, dim: int, offload_dir):
-    """The model wrapped with every chunk KK (shard, master, Adam state on disk), O_DIRECT."""
+def _kk_module(layers: int, dim: int, offload_dir, meta: bool = False):
+    """The model wrapped with every chunk KK (shard, master, Adam state on disk), O_DIRECT;
+    ``meta``: built on the meta device and materialised chunk by chunk (a model larger than
+    host memory)."""
     from elixir.optim import CPUAdam
     from elixir.plan import Placement
     from elixir.search import minimum_waste_search
     from elixir.wrapper import ElixirModule, ElixirOptimizer
 
-    model = _model(layers, dim)
+    if meta:
+        with torch.device("meta"):
+            model = _model(layers, dim)
+    else:
+        model = _model(layers, dim)
     plan = minimum_waste_search(model, 1)
     chunks = tuple(dataclasses.replace(c, shard_placement=Placement.DISK, optim_placement=Placement.DISK) for c in plan.chunks)
     em = ElixirModule(model, dataclasses.replace(plan, chunks=chunks), offload_dir=offload_dir, offload_direct=True)
     opt = ElixirOptimizer(em, CPUAdam(list(em.parameters()), lr=1e-4), fused_step=True)
     return em, opt
+
+
+# The settings compared by --breakdown: the fused step's staging depth (BackwardStager.depth; the
+# default is elixir.plan.footprint.DISK_STAGING), the forward gathers' read-ahead
+# (DerivedShards.read_ahead), and whether gathers fill the payload straight from the master and
+# steps leave the derived shard alone (DerivedShards.in_place). "before" is the runtime before
+# issue 35's overlap, "after" the default.
+VARIANTS = {"before": (2, False, False), "depth3": (3, False, False), "readahead": (2, True, False),
+            "inplace": (2, False, True), "after": (None, True, True)}
+
+
+def _apply(em, opt, variant: str) -> dict:
+    from elixir.plan.footprint import DISK_STAGING
+
+    depth, read_ahead, in_place = VARIANTS[variant]
+    opt.backward_step.stager.depth = DISK_STAGING if depth is None else depth
+    em.derived_shards.read_ahead = read_ahead
+    em.derived_shards.in_place = in_place
+    em.derived_shards.drop_read_ahead()
+    return {"variant": variant, "depth": opt.backward_step.stager.depth, "read_ahead": read_ahead, "in_place": in_place}
 
 
 def _counters(em) -> dict:
@@ -195,9 +227,11 @@ def _engine_rates(where: str, nbytes: int, transfer: int = 64 << 20, depth: int 
     return read_bps, write_bps
 
 
-def breakdown(layers: int, dim: int, reps: int, offload_dir, probe_bytes: int, variants=(False,)) -> list[dict]:
-    """Measure the disk's sequential rates, then per variant (the fused step's ``write_behind``,
-    :class:`~elixir.offload.pipeline.BackwardStager`) ``reps`` timed steps after a warm-up one."""
+def breakdown(layers: int, dim: int, reps: int, offload_dir, probe_bytes: int, variants=("after",),
+              meta: bool = False) -> list[dict]:
+    """Measure the disk's sequential rates, then time every variant (:data:`VARIANTS`): one
+    warm-up step each, then ``reps`` rounds of one step per variant in turn (so that the box's
+    drift falls on every variant alike); per variant, the median step's phases."""
     import tempfile
 
     from elixir.profiling.measurement import measure_disk
@@ -206,26 +240,39 @@ def breakdown(layers: int, dim: int, reps: int, offload_dir, probe_bytes: int, v
     qd1 = measure_disk(where, probe_bytes)  # elixir hwprofile's probe
     engine = _engine_rates(where, probe_bytes)
     read_bps, write_bps = max(qd1[0], engine[0]), max(qd1[1], engine[1])  # the stricter ceiling
-    em, opt = _kk_module(layers, dim, offload_dir)
+    t0 = time.perf_counter()
+    em, opt = _kk_module(layers, dim, offload_dir, meta)
+    build_s = time.perf_counter() - t0
     x = torch.randn(4, dim)
-    out = []
-    for write_behind in variants:
-        opt.backward_step.stager.write_behind = write_behind
+    steps: dict[str, list] = {v: [] for v in variants}
+    peaks: dict[str, tuple[int, int]] = {}
+    settings = {}
+    for v in variants:
+        settings[v] = _apply(em, opt, v)
         _timed_step(em, opt, x)  # warm-up (the first creates the moments on disk)
-        em.disk_store.reset_peak()
-        steps = [_timed_step(em, opt, x) for _ in range(reps)]
-        totals = [sum(p["s"] for p in ph.values()) for ph in steps]
-        ph = steps[sorted(range(reps), key=lambda i: totals[i])[reps // 2]]  # the median step
+    for _ in range(reps):
+        for v in variants:
+            _apply(em, opt, v)
+            em.disk_store.reset_peak()
+            em.derived_shards.reset_peak()
+            steps[v].append(_timed_step(em, opt, x))
+            peaks[v] = (max(peaks.get(v, (0, 0))[0], em.disk_store.peak_staged_bytes),
+                        max(peaks.get(v, (0, 0))[1], em.derived_shards.peak_staged_bytes))
+    out = []
+    for v in variants:
+        totals = [sum(p["s"] for p in ph.values()) for ph in steps[v]]
+        ph = steps[v][sorted(range(reps), key=lambda i: totals[i])[reps // 2]]  # the median step
         rows = _rows(ph)
         step_s = sum(p["s"] for p in ph.values())
         read, written = sum(r[1] for r in rows), sum(r[2] for r in rows)
-        out.append({
-            "params": layers * dim * dim, "chunks": len(em.chunks), "dir": where, "write_behind": write_behind,
+        out.append(settings[v] | {
+            "params": layers * dim * dim, "chunks": len(em.chunks), "dir": where, "build_s": build_s,
             "seq_read_Bps": read_bps, "seq_write_Bps": write_bps, "qd1_probe_Bps": qd1, "engine_probe_Bps": engine,
-            "step_s": step_s, "steps_s": totals, "peak_staged": em.disk_store.peak_staged_bytes,
+            "step_s": step_s, "steps_s": totals, "peak_staged": peaks[v][0], "peak_shard_staged": peaks[v][1],
             "read": read, "written": written, "disk_share": (read / read_bps + written / write_bps) / step_s,
             "phases": ph, "rows": [dict(zip(("phase", "read", "written", "s", "wait_s"), r)) for r in rows],
         })
+    em.derived_shards.close()
     em.disk_store.close()
     return out
 
@@ -240,7 +287,9 @@ def _rate(row: dict) -> str:
 
 
 def _print_breakdown(r: dict) -> None:
-    title = (f"disk-bound step{', write-behind' if r['write_behind'] else ''}, {r['params'] / 1e6:.0f}M fp32 params, "
+    title = (f"disk-bound step, {r['variant']} (staging depth {r['depth']}, forward read-ahead "
+             f"{'on' if r['read_ahead'] else 'off'}, in place {'on' if r['in_place'] else 'off'}), "
+             f"{r['params'] / 1e6:.0f}M fp32 params, "
              f"{r['chunks']} KK chunks (O_DIRECT), CPUAdam fused; "
              f"{r['dir']}: sequential read {r['seq_read_Bps'] / 1e9:.2f} GB/s, write {r['seq_write_Bps'] / 1e9:.2f} GB/s")
     table = Table(title=title)
@@ -257,7 +306,8 @@ def _print_breakdown(r: dict) -> None:
     print(f"sequential probes (GB/s read, write): hwprofile QD1 {q_r / 1e9:.2f}, {q_w / 1e9:.2f}; "
           f"offload engine 2 x 64 MiB in flight {e_r / 1e9:.2f}, {e_w / 1e9:.2f}; the faster of each is the rate above")
     print(f"disk share: (read/seq read + written/seq write) / step = {r['disk_share']:.0%} "
-          f"(steps: {', '.join(f'{t:.2f}' for t in r['steps_s'])} s); peak staged {r['peak_staged'] / 1e6:.0f} MB")
+          f"(steps: {', '.join(f'{t:.2f}' for t in r['steps_s'])} s); peak staged {r['peak_staged'] / 1e6:.0f} MB "
+          f"(masters and state), {r['peak_shard_staged'] / 1e6:.0f} MB (shards)")
 
 
 def main() -> None:
@@ -270,13 +320,18 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="profile a whole disk-bound training step (see above)")
     ap.add_argument("--probe-gib", type=float, default=1.0, help="--breakdown: size of the sequential-rate probe file")
     ap.add_argument("--json", default=None, help="--breakdown: write the numbers here")
-    ap.add_argument("--write-behind", action="store_true",
-                    help="--breakdown: also time the fused step with BackwardStager.write_behind (after the default)")
+    ap.add_argument("--variants", default="after",
+                    help=f"--breakdown: comma-separated overlap settings to time, alternating step by step "
+                         f"({', '.join(VARIANTS)}; 'after' is the default runtime)")
+    ap.add_argument("--meta", action="store_true", help="--breakdown: build the model on the meta device")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.breakdown:
-        variants = (False, True) if args.write_behind else (False,)
-        r = breakdown(args.layers, args.dim, args.reps, args.offload_dir, int(args.probe_gib * 2**30), variants)
+        variants = tuple(args.variants.split(","))
+        unknown = [v for v in variants if v not in VARIANTS]
+        if unknown:
+            ap.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+        r = breakdown(args.layers, args.dim, args.reps, args.offload_dir, int(args.probe_gib * 2**30), variants, args.meta)
         for one in r:
             _print_breakdown(one)
         if args.json:

@@ -4,8 +4,8 @@ is derived from the fp32 master at each read (``elixir.offload.derived``).
 
 One spawned run per world size (1 and 2) trains a plan whose chunks keep shard, master and
 optimizer state on disk ("KK"), and the same plan with the shards on the host ("HK"): losses,
-weights and optimizer state must be bit for bit equal (fp32 AdamW, bf16 fused CPUAdam, and the
-fused backward-and-step), a checkpoint saved and loaded mid-run must resume exactly, and between
+weights and optimizer state must be bit for bit equal (fp32 AdamW, with forward's read-ahead of
+the next shard; bf16 fused CPUAdam; and the fused backward-and-step), a checkpoint saved and loaded mid-run must resume exactly, and between
 steps no shard byte may be resident, nor any shard byte stored. A plan asking for a disk shard without a disk master is refused.
 """
 
@@ -68,6 +68,10 @@ def _run(shard: Placement, steps: int = 3, **kw) -> dict:
         "shard_store": store.report() if store is not None else {},
         "shard_states": sorted({r.state.value for r in store.chunks.values()}) if store is not None else [],
         "separate_shard_file": em.shard_store is not None,
+        # forward's read-ahead (fp32 shards only: a bf16 shard is cast from its fp32 master)
+        "read_ahead": (store.read_ahead_bytes, store.wasted_read_ahead_bytes) if store is not None else (0, 0),
+        "shard_peak": store.peak_staged_bytes if store is not None else 0,
+        "one_shard": store.report()["max_chunk_staged_bytes"] if store is not None else 0,
         # the offload file holds master and optimizer state only: 4 + 8 bytes per element (AdamW)
         "file_bytes_per_element": (sum(r.staged_bytes for r in masters.chunks.values()) / sum(r.numel for r in masters.chunks.values())
                                    if masters is not None else 0.0),
@@ -136,6 +140,11 @@ def test_disk_shards_step_like_host_shards_and_resume(world, tmp_path):
             assert not res["separate_shard_file"]
             assert res["file_bytes_per_element"] == 12, res["file_bytes_per_element"]
         assert r["host"]["shard_host_bytes"] > 0  # the twin does keep its shards resident
+        # fp32: every forward after the first reads each next shard ahead, all of it used; one
+        # shard staged at a time all the same (the read-ahead is queued once the last is dropped)
+        used, wasted = r["disk"]["read_ahead"]
+        assert used > 0 and wasted == 0 and r["disk"]["shard_peak"] == r["disk"]["one_shard"], r["disk"]
+        assert r["disk_bf16_fused"]["read_ahead"] == (0, 0)
 
 
 def test_disk_shard_needs_disk_master():

@@ -153,8 +153,12 @@ class Chunk:
         # the compute work that last used the memory), copies and gathers, and records `_ready`.
         self.storage.allocate_payload(f"gathering chunk {self.index}")
         streams = self.streams
+        # world size 1 on a CPU with a derived (KK) shard: the shard is the whole payload, so its
+        # values go straight into it (one copy of the master, not master -> shard -> payload)
+        in_place = (self.spec.shard_on_disk and edist.get_world_size(self.group) == 1
+                    and not dev.is_accelerator(self.spec.device) and self.storage.can_stage_into_payload())
         if self.spec.shard_on_disk:
-            self._stage_shard_on_every_rank()  # read it in; dropped once the gather is done (wait)
+            self._stage_shard_on_every_rank(in_place)  # read it in; dropped once the gather is done (wait)
         # Host shard on an accelerator: brought in non-blocking from pinned memory. At world size
         # 1 that copy is the gather itself (straight into the payload: no staging copy and then
         # a device-to-device one); else it goes through a staging buffer allocated here, on the
@@ -172,6 +176,8 @@ class Chunk:
             elif direct:
                 self.payload.copy_(self.shard, non_blocking=dev.non_blocking_ok(self.shard, self.spec.device))
                 self._work = None
+            elif in_place:
+                self._work = None
             else:
                 self._work = self.comm.all_gather(self.payload, self.storage.gather_source(staging), async_op=True)
         self._ready = ready
@@ -185,14 +191,15 @@ class Chunk:
             # rest of its gather as not hidden either, search/cost_model.py:DISK_SHARD_STAGING).
             self.wait()
 
-    def _stage_shard_on_every_rank(self) -> None:
-        """Read the disk shard in for a gather; if any rank's read failed, every rank raises
+    def _stage_shard_on_every_rank(self, in_place: bool = False) -> None:
+        """Read the disk shard in for a gather (``in_place``: straight into the payload, nothing
+        staged); if any rank's read failed, every rank raises
         :class:`~elixir.distributed.DiskFault` here (one one-element all-reduce per disk-shard
         gather at world size > 1), not only the rank whose disk failed while the others wait in
         the gather. The payload allocated for the gather is given back first."""
         error = None
         try:
-            self.storage.stage_shard()
+            self.storage.stage_shard(into_payload=in_place)
         except OSError as e:
             error = e
         try:

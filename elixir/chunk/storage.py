@@ -142,9 +142,30 @@ class ChunkStorage:
             return staging
         return src
 
-    def stage_shard(self) -> None:
-        """Read a disk shard into host memory (raises ``OSError`` if the read failed)."""
-        self.shard_store.stage(self.spec.index)
+    def stage_shard(self, into_payload: bool = False) -> None:
+        """Read a disk shard into host memory (raises ``OSError`` if the read failed);
+        ``into_payload``: its values straight into the payload instead (nothing staged; see
+        :meth:`can_stage_into_payload`)."""
+        if into_payload:
+            self.shard_store.stage_into(self.spec.index, self.payload)
+        else:
+            self.shard_store.stage(self.spec.index)
+
+    def shard_is_derived(self) -> bool:
+        """Whether the compute shard is derived from the master at each read (``KK``:
+        ``offload/derived.py``), so a step need not stage or refresh it."""
+        return bool(getattr(self.shard_store, "in_place", False))
+
+    def refreshing_shard(self) -> contextlib.AbstractContextManager:
+        """The block a step refreshes the compute shard in: the shard staged for it and written
+        back after (:meth:`shard_access`), or nothing for a derived shard (its next read derives
+        it from the stepped master)."""
+        return contextlib.nullcontext() if self.shard_is_derived() else self.shard_access(write=True)
+
+    def can_stage_into_payload(self) -> bool:
+        """Whether the shard's store can fill the payload directly: a shard derived from its master
+        (``offload/derived.py``) covering the whole payload (world size 1), unquantised."""
+        return self.codec is None and self.shard_is_derived() and self.spec.shard_numel == self.spec.capacity
 
     def drop_staged_shard(self, write: bool = False) -> None:
         """Drop a staged disk shard (writing it back first with ``write``)."""

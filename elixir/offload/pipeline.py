@@ -13,6 +13,7 @@ import torch
 from elixir.offload.state_binding import FragmentState, bind_state, is_bound
 from elixir.offload.store import MASTER, DiskState, DiskStore
 from elixir.offload.stream import release_staging, run_pipelined, staged
+from elixir.plan.footprint import DISK_STAGING
 
 __all__ = ["disk_mapped", "run_pipelined", "staged"]
 
@@ -75,25 +76,38 @@ class BackwardStager:
 
     :meth:`run` stages chunk ``i`` (already read ahead when it was the expected one), queues the
     read of the next expected chunk (``order``: the reverse of the plan order, as backward visits
-    chunks), runs ``work(i)`` and queues ``i``'s write. A write is finished before the next chunk is
-    staged, so at most **two** chunks are in host memory, as in :func:`run_pipelined`: the one
-    being stepped and the one being read (or written). A wrong guess costs one discarded read.
-    :meth:`drain` (end of backward) finishes the last write and drops an unused read-ahead.
+    chunks), runs ``work(i)`` and queues ``i``'s write. A wrong guess costs one discarded read.
+    :meth:`drain` (end of backward) finishes the last writes and drops an unused read-ahead.
 
-    ``write_behind`` (opt-in, off by default): the previous chunk's write is finished only after
-    ``work(i)``, so it overlaps the next chunk's read and ``work(i)`` instead of preceding them
-    (measured with ``bench/disk_offload.py --breakdown``). Then **three** chunks are in host memory
-    at once (written, worked on, read), one more than the cost model prices
-    (:data:`elixir.plan.footprint.DISK_STAGING`).
+    ``depth``: chunks in host memory at once, at least 2 (default
+    :data:`elixir.plan.footprint.DISK_STAGING`, the number the cost model prices and the runtime
+    ledger books through the store). Besides the one worked on and the one read ahead,
+    ``depth - 2`` writes stay in flight: at 2 the previous chunk's write is finished before the
+    next chunk is staged, so the update and the write never overlap; at 3 (the default) it is
+    finished only after the next chunk's ``work``, so the update of chunk ``i`` runs while chunk
+    ``i+1`` is written and chunk ``i-1`` read (measured: ``bench/disk_offload.py --breakdown``).
+    The writes in flight fill up one per chunk stepped
+    (:func:`elixir.plan.footprint.disk_chunks_staged`, as the cost model's timeline counts them).
     """
 
-    def __init__(self, store: DiskStore, order: Sequence[int], write_behind: bool = False) -> None:
+    def __init__(self, store: DiskStore, order: Sequence[int], depth: int = DISK_STAGING) -> None:
         self.store = store
         self.order = list(order)
-        self.write_behind = write_behind
+        self.depth = depth
         self.ahead: Optional[int] = None  # read queued or done, not yet worked on
-        self.writing: Optional[int] = None
+        self.writing: list[int] = []  # writes in flight, oldest first
         self.done: set[int] = set()
+
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    @depth.setter
+    def depth(self, depth: int) -> None:
+        if depth < 2:
+            raise ValueError(f"BackwardStager depth {depth}: at least 2 chunks must be staged (the one "
+                             "stepped and the one read ahead); use depth=2 for the least host memory")
+        self._depth = int(depth)
 
     def _next(self) -> Optional[int]:
         for i in self.order:
@@ -104,8 +118,7 @@ class BackwardStager:
     def run(self, index: int, work: Callable[[int], None]) -> None:
         st = self.store
         try:
-            if not self.write_behind:
-                self._finish_write()
+            self._finish_writes(keep=self.depth - 2)  # room for this chunk and the next read
             if self.ahead is not None and self.ahead != index:
                 st.offload(self.ahead, write=False)  # guessed wrong: the disk copy is current
                 self.ahead = None
@@ -120,30 +133,32 @@ class BackwardStager:
                 st.start_read(nxt)
                 self.ahead = nxt
             work(index)
-            self._finish_write()
+            self._finish_writes(keep=self.depth - 3)  # room for this chunk's write
             st.start_write(index)
-            self.writing = index
+            self.writing.append(index)
         except BaseException:
-            self.ahead = self.writing = None
+            self.ahead = None
+            self.writing = []
             st.settle()
             raise
 
-    def _finish_write(self) -> None:
-        if self.writing is not None:
-            self.store.finish(self.writing)
-            self.writing = None
+    def _finish_writes(self, keep: int) -> None:
+        """Finish the oldest writes until at most ``keep`` are in flight."""
+        while len(self.writing) > max(0, keep):
+            self.store.finish(self.writing.pop(0))
             # backward frees activations while chunks stage: keep their holes from adding up
             release_staging()
 
     def drain(self) -> None:
-        """Finish the last write and drop an unused read-ahead; ready for the next backward."""
+        """Finish the last writes and drop an unused read-ahead; ready for the next backward."""
         st = self.store
         try:
-            if self.writing is not None:
-                st.finish(self.writing)
+            for i in self.writing:
+                st.finish(i)
             if self.ahead is not None:
                 st.offload(self.ahead, write=False)
         finally:
-            self.ahead = self.writing = None
+            self.ahead = None
+            self.writing = []
             self.done.clear()
             release_staging()

@@ -27,7 +27,7 @@ from typing import Iterator, Optional, Protocol
 
 import torch
 
-from elixir.offload.aio import ALIGN, AsyncFileIO, make_io
+from elixir.offload.aio import ALIGN, AsyncFileIO, IOHandle, make_io
 from elixir.offload.directory import open_offload_file
 
 MASTER = "master"
@@ -77,6 +77,7 @@ class DiskChunk:
     state: DiskState = DiskState.RESIDENT
     pending: list = field(default_factory=list)
     reads: dict = field(default_factory=dict)  # flat key -> its read's handle, while READING
+    version: int = 0  # bumped whenever the disk copy may change (a write queued, a writable mapping)
 
     @property
     def staged_bytes(self) -> int:
@@ -237,6 +238,7 @@ class DiskStore:
         """RESIDENT -> WRITING: queue the writes of every flat."""
         rec = self.chunks[index]
         self._move(rec, DiskState.WRITING)
+        rec.version += 1
         f = self.location.file
         for key, flat in rec.flats.items():
             rec.pending.append(self.io.write(f, rec.regions[key].offset, flat))
@@ -316,6 +318,8 @@ class DiskStore:
             raise RuntimeError(f"disk chunk {index} is {rec.state.name}: its disk copy may be stale")
         fd = self.location.file.fd
         size = os.fstat(fd).st_size
+        if writable:
+            rec.version += 1
         out = {}
         for key, flat in rec.flats.items():
             region = rec.regions[key]
@@ -371,6 +375,24 @@ class DiskStore:
                 handle = queue(k + 1)
             out[lo:hi].copy_(pieces[k % 2][: hi - lo])
         return rec.numel * item
+
+    def read_flat(self, index: int, key: str, out: torch.Tensor) -> tuple[IOHandle, int]:
+        """Queue a read of flat ``key`` of offloaded chunk ``index`` straight into ``out`` (1-D, the
+        flat's dtype and length: a derived shard's read-ahead); the record's state is unchanged.
+        Returns the read's handle and the record's :attr:`DiskChunk.version` now: a caller holding
+        the bytes must drop them once the version moved (the disk copy was rewritten)."""
+        rec = self.chunks[index]
+        if rec.state is not DiskState.OFFLOADED:
+            raise RuntimeError(f"disk chunk {index} is {rec.state.name}: read it through the store")
+        flat = rec.flats[key]
+        if out.dtype != flat.dtype or out.numel() != rec.numel:
+            raise ValueError(f"chunk {index}: reading {key} ({flat.dtype}, {rec.numel}) into {out.dtype}, {out.numel()}")
+        return self.io.read(self.location.file, rec.regions[key].offset, out), rec.version
+
+    def is_current(self, index: int, version: int) -> bool:
+        """Whether chunk ``index``'s disk copy is the one of ``version`` and nothing newer is staged."""
+        rec = self.chunks[index]
+        return rec.state is DiskState.OFFLOADED and rec.version == version
 
     def _wait_for_flat(self, rec: DiskChunk, key: str) -> None:
         """Wait for the read of one flat of a READING record, not the others'; on failure the

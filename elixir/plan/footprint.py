@@ -83,9 +83,25 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "cpuadam": 8, "
 """Elementwise fp32 optimizer state per element, by optimizer name (lower case): Adam's two
 moments, SGD's momentum."""
 
-DISK_STAGING = 2
-"""Disk chunks whose master and optimizer state are in host memory at once: the one a step works
-on and the one read ahead (``elixir/offload/pipeline.py``)."""
+DISK_STAGING = 3
+"""Disk chunks whose master and optimizer state are in host memory at once during the fused
+backward-and-step: the one a step works on, the one read ahead and the previous one still being
+written (``elixir/offload/pipeline.py``: :class:`~elixir.offload.pipeline.BackwardStager` stages
+this many, the store books them in the runtime ledger, the cost model prices this many). The one
+setting of the staging depth: 2 finishes each write before the next chunk is staged, so the
+update never overlaps a write; 3 overlaps the update of chunk ``i`` with the write of ``i+1`` and
+the read of ``i-1`` (issue 35, ``bench/disk_offload.py --breakdown``). The separate step's
+pipeline (:func:`~elixir.offload.pipeline.run_pipelined`) stages two."""
+
+
+def disk_chunks_staged(stepped: int, disk_chunks: int, depth: int = DISK_STAGING) -> int:
+    """Disk chunks the fused step holds in host memory while it steps its ``stepped``-th
+    (0-based) of ``disk_chunks``: the one stepped, the one read ahead, and the writes still in
+    flight, which the pipeline fills one per chunk up to ``depth - 2``
+    (:class:`~elixir.offload.pipeline.BackwardStager`; the cost model's timeline prices it so)."""
+    return min(disk_chunks, 2 + min(stepped, depth - 2))
+
+
 # One disk shard in host memory at once: a gather reads its shard and drops it before it returns,
 # even when prefetching (Chunk.gather finishes a disk shard's gather at once), and a step stages one
 # shard at a time; both run on the training thread, never at once. Two were counted (a prefetched

@@ -89,6 +89,7 @@ from elixir.plan.footprint import (  # the one footprint rule, shared with the r
     MASTER_BYTES,
     collectives,
     disk_bytes_per_element,
+    disk_chunks_staged,
     element_bytes,
     held_bytes,
     resident_sharding,
@@ -749,8 +750,12 @@ def timeline_peak(profile: StepProfile, layout: Layout, st: Setting, kinds: Sequ
     other_bufs = memory["grad_buffers"] - layout.grad_buffers * C * r
     staged = np.zeros(n_steps, dtype=np.int64)
     if n_disk and st.fused_step:
-        ready = [int(last[c]) for c, k in enumerate(kinds[: len(last)]) if k.on_disk and last[c] >= 0]
-        staged[min(ready) if ready else first_bw:] = masters
+        ready = sorted(int(last[c]) for c, k in enumerate(kinds[: len(last)]) if k.on_disk and last[c] >= 0)
+        if not ready:
+            staged[first_bw:] = masters
+        # the stager's writes in flight fill up one per stepped chunk (disk_chunks_staged)
+        for k, t0 in enumerate(ready[: DISK_STAGING - 1]):
+            staged[t0:] = disk_chunks_staged(k, n_disk) * shard * st.disk_elem
     if first_bw < n_steps:
         t = np.arange(first_bw, n_steps)
         # a parameter's gradient is in the tracer's activations until AccumulateGrad takes it,
@@ -1211,7 +1216,8 @@ def _scan_counts(sc: _PlaceScan, fwhere: Placement, dev_free: int,
     free_per_disk = cb[DH][1] - cb[DK][1]  # equals HH - HK
     over = host_need - host_free
     if sc.allow_disk and free_per_disk > 0:
-        # one disk chunk stages one chunk's master + state; two or more stage DISK_STAGING;
+        # one disk chunk stages one chunk's master + state; two or more stage up to DISK_STAGING
+        # (priced at DISK_STAGING: two chunks stage two, a little less);
         # the staging replaces the construction's in the transient bytes (transient_host_bytes)
         extra1 = transient_host_bytes(layout, st, sc.shard, 1) - constr
         extra_n = transient_host_bytes(layout, st, sc.shard, DISK_STAGING) - constr

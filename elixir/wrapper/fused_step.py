@@ -26,9 +26,11 @@ def uses_fused_path(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def lowp_target(chunk) -> bool:
-    """Whether the kernel writes ``chunk``'s low-precision compute shard beside its master."""
+    """Whether the kernel writes ``chunk``'s low-precision compute shard beside its master (never
+    a shard derived from its master at each read, ``KK``: nothing keeps what a step would write)."""
     s, m = chunk.shard, chunk.master
-    return s is not None and s is not m and s.dtype in LOWP_DTYPES and s.device == m.device and s.is_contiguous()
+    return (s is not None and s is not m and s.dtype in LOWP_DTYPES and s.device == m.device and s.is_contiguous()
+            and not chunk.storage.shard_is_derived())
 
 
 def fused_step(eo: ShardedOptimizer, div_scale: float, skip: Container[int] = (), only: Optional[int] = None) -> set[int]:

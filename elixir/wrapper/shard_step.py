@@ -122,14 +122,15 @@ class ShardStepper:
         c = self.eo.module.chunks[i]
         frags = self.shards.chunk_fragments(i)
         self.shards.attach_grads(i)
+        derived = c.storage.shard_is_derived()  # KK: no shard to refresh (the next gather derives it)
         try:
-            with c.shard_access(write=True):  # a disk shard: read in, rewritten, written back
+            with c.storage.refreshing_shard():  # a disk shard: read in, rewritten, written back
                 if self.kernel is UpdateKernel.FUSED:
                     fused_step(self.eo, 1.0, only=i)
-                    written = lowp_target(c)
+                    written = derived or lowp_target(c)
                 else:
                     self.plain_chunk(i)
-                    written = False
+                    written = derived
                 if not written and c.shard is not c.master:
                     if c.spec.master_on_disk:  # the staged master goes when this block ends
                         with torch.no_grad():
@@ -163,8 +164,10 @@ class ShardStepper:
 
         def work(i: int) -> None:
             c = self.eo.module.chunks[i]
-            with c.shard_access(write=True):  # a disk shard: read in, rewritten, written back
+            with c.storage.refreshing_shard():  # a disk shard: read in, rewritten, written back
                 step_chunk(i)
+                if c.storage.shard_is_derived():
+                    return  # KK: the next gather derives the shard from the stepped master
                 if not (kernel_writes_lowp and lowp_target(c)):  # else the kernel wrote the shard already
                     with torch.no_grad():
                         c.shard.copy_(c.master)
