@@ -358,7 +358,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--hardware", default=None, help="hardware profile (default: the search's own rule)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--merge", nargs="*", default=None, help="join these result files (slices of the grid)")
+    ap.add_argument("--reprice", default=None, help="with --merge and --hardware (the profile the slices ran with): "
+                    "the same measurements priced by another profile, and the plan its search picks")
     a = ap.parse_args(argv)
+    if a.merge and a.reprice:
+        return _reprice(a.merge, a.hardware, a.reprice, a.world, a.json)
     if a.merge:
         return _merge(a.merge, a.json)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks inherit it: no config chatter per launch
@@ -417,6 +421,48 @@ def _merge(paths: list[str], out_path: Optional[str]) -> int:
                        "workloads": [w["name"] for w in s["workloads"]]} for p, s in zip(paths, slices)],
            "workloads": results}
     _report(out, out_path)
+    return 0
+
+
+def _reprice(paths: list[str], measured_with: Optional[str], profile: str, world: int, out_path: Optional[str]) -> int:
+    """The slices' measurements against another profile's predictions: each workload's candidate
+    plans are rebuilt with the profile they ran with (the same plans, by name), priced with
+    ``profile``, and the plan ``profile``'s search picks is found among them (its regret then
+    comes from the same measurements; a pick that was not measured is reported as such)."""
+    from elixir.hardware import load_profile
+    from elixir.search.optimal import search_profile
+
+    if not measured_with:
+        raise SystemExit("--reprice needs --hardware: the profile the slices were measured with")
+    old, new = load_profile(measured_with), load_profile(profile)
+    rows = []
+    for w_res in (w for p in paths for w in json.load(open(p))["workloads"]):
+        w = next((x for x in GRID if x.name == w_res["name"]), None)
+        measured = {r["plan"]: r for r in w_res["plans"] if r.get("status") == "ok"}
+        if w is None or not measured:
+            continue
+        found = candidate_plans(w, world, old)
+        priced = {n: predicted(p, found["profile"], world, new)[0] for n, p in found["plans"].items()
+                  if not isinstance(p, str) and n in measured}
+        pick = search_profile(found["profile"], world, hardware=new, overlap=True, **_budgets(w, world))
+        twin = next((n for n, p in found["plans"].items() if not isinstance(p, str) and _same_plan(pick, p)), None)
+        row = {"name": w.name, "pick": twin, "errors": {n: (measured[n]["median_s"] - t) / measured[n]["median_s"]
+                                                       for n, t in priced.items()}}
+        if twin in measured:
+            mine = dict(measured[twin], plan="search", predicted_s=pick.prediction.step_time_s)
+            row.update(score([mine] + [r for n, r in measured.items() if n != twin]))
+        else:
+            row.update(regret=None, best_plan=None, prediction_error=None, status="the pick was not measured")
+        rows.append(row)
+        print(f"{w.name:<14} pick {twin or '-':<12} regret {row['regret'] or '-'} error {row['prediction_error']}", flush=True)
+    every = [abs(e) for r in rows for e in r["errors"].values()]
+    out = {"measured_with": measured_with, "priced_with": profile, "summary": summary(rows),
+           "all_plans_median_abs_error": statistics.median(every) if every else None,
+           "all_plans_worst_abs_error": max(every) if every else None, "workloads": rows}
+    print(json.dumps({k: v for k, v in out.items() if k != "workloads"}))
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(out, f, indent=1, default=str)
     return 0
 
 
