@@ -537,7 +537,7 @@ def _measure_optimizers(o: MeasureOptions, d: torch.device, src: dict[str, str],
     ratio["device"] = ratio["host"] if d.type == "cpu" else measure_optimizer_formats(o.optimizer_params, d, o.repeats)
     src["optimizer_format_ratio"] = (f"measured: each low-precision state format's Adam step over the fp32 one's, "
                                      f"{o.optimizer_params} params, fp32 gradients, interleaved rounds "
-                                     "(profiling.measurement.measure_optimizer_formats)")
+                                     "(elixir hwprofile's own timing of each format)")
     return dict(optimizer_params_per_s=opt_rate, optimizer_impl=opt_impl, optimizer_format_ratio=ratio)
 
 
