@@ -4,7 +4,10 @@ or the device (D), beside the cost model's predicted device and host bytes and t
     python bench/replicated_state_rss.py LAYERS WIDTH WORLD H|D    # e.g. 4 512 1 H (run under the CPU lock)
 
 Found the leak of one gradient copy per step with the state on the host (docs/benchmarks.md)."""
-import dataclasses, os, resource, sys, json
+import dataclasses
+import os
+import sys
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import search_regret as sr
 
@@ -12,7 +15,7 @@ GiB = 2**30
 
 def rss():
     with open("/proc/self/status") as f:
-        d = dict(l.split(":", 1) for l in f)
+        d = dict(line.split(":", 1) for line in f)
     return {k: int(d[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM", "RssAnon")}
 
 def make_plan(w, world, optim):
@@ -30,7 +33,10 @@ def make_plan(w, world, optim):
     return plan, profile
 
 def worker(w, plan_json, steps):
-    import torch, gc
+    import gc
+
+    import torch
+
     from elixir import distributed as edist
     from elixir.optim import HybridAdam
     from elixir.plan import SearchResult
@@ -40,18 +46,20 @@ def worker(w, plan_json, steps):
     m = sr.build_model(w)
     out["model"] = rss()
     em = ElixirModule(m, SearchResult.from_json(plan_json), prefetch=False)
-    del m; gc.collect()
+    del m
+    gc.collect()
     out["wrapped"] = rss()
     opt = ElixirOptimizer(em, HybridAdam(em.parameters(), lr=1e-4))
     out["opt"] = rss()
     for i in range(steps):
         em(**sr.make_batch(w, i, edist.get_rank())).loss.backward()
         out[f"bwd{i}"] = rss()
-        opt.step(); opt.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         out[f"step{i}"] = rss()
     L = em.ledger
     out["ledger"] = L.summary()
-    out["ledger_peak"] = {f"{c}@{l}": n for (c, l), n in L.peak.items() if n}
+    out["ledger_peak"] = {f"{c}@{where}": n for (c, where), n in L.peak.items() if n}
     out["device_peak"] = L.device_peak
     return out
 
@@ -63,8 +71,7 @@ if __name__ == "__main__":
     hw = choose_default_profile()[0]
     plan, profile = make_plan(w, world, optim)
     pred = sr.predicted(plan, profile, world, hw)
-    print("predicted: dev %.3f GiB host %.3f GiB" % (pred[1] / GiB, pred[2] / GiB))
-    import elixir; print("elixir from", elixir.__file__)
+    print(f"predicted: dev {pred[1] / GiB:.3f} GiB host {pred[2] / GiB:.3f} GiB")
     res = run_distributed(worker, world, w, plan.to_json(), 4, timeout=900)
     for r, o in enumerate(res):
         print("rank", r)
