@@ -47,7 +47,7 @@ def test_pool_reuses_buffers_and_keeps_out_views():
 def _pool_after_steps(optim) -> tuple[list[int], list]:
     """Free bytes of the gradient-buffer pool after each of STEPS + 1 steps of a world-1 model whose
     chunks are all replicated with their optimizer state kept ``optim``, and its losses."""
-    from elixir.plan import Placement, Sharding
+    from elixir.plan import Sharding
 
     torch.manual_seed(0)
     model = build_model("gpt2")
