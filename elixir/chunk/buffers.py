@@ -36,20 +36,30 @@ class GradBufferPool:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._pool = dev.HostBufferPool(pin=False)
+        self._pinned = dev.HostBufferPool(pin=True)  # host-state shard gradients: page-locked
+        self._pinned_ptrs: set[int] = set()  # buffers of the pinned pool, so give() returns them there
 
     @property
     def allocated(self) -> int:
         """Buffers created through the pool."""
-        return self._pool.allocated
+        return self._pool.allocated + self._pinned.allocated
 
     @property
     def reused(self) -> int:
         """Buffers handed out again."""
-        return self._pool.reused
+        return self._pool.reused + self._pinned.reused
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat buffer of ``numel`` elements of ``dtype`` on ``device`` (contents undefined)."""
-        if self.enabled and torch.device(device).type == "cpu":
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool = False) -> torch.Tensor:
+        """A flat buffer of ``numel`` elements of ``dtype`` on ``device`` (contents undefined);
+        with ``pin``, a host buffer page-locked when an accelerator is present."""
+        on_host = torch.device(device).type == "cpu"
+        if pin and on_host:
+            if not self.enabled:
+                return dev.empty_host(int(numel), dtype, pin=True)
+            buf = self._pinned.take(int(numel), dtype)
+            self._pinned_ptrs.add(buf.data_ptr())
+            return buf
+        if self.enabled and on_host:
             return self._pool.take(int(numel), dtype)
         return torch.empty(int(numel), dtype=dtype, device=device)
 
@@ -60,13 +70,15 @@ class GradBufferPool:
             return
         if buf.storage_offset() != 0 or buf.untyped_storage().nbytes() != buf.numel() * buf.element_size():
             return  # a view of a larger tensor: not ours to recycle
-        self._pool.give(buf)
+        (self._pinned if buf.data_ptr() in self._pinned_ptrs else self._pool).give(buf)
 
     @property
     def free_bytes(self) -> int:
         """Bytes of the buffers held free now."""
-        return self._pool.free_bytes
+        return self._pool.free_bytes + self._pinned.free_bytes
 
     def clear(self) -> None:
         """Drop the free buffers (back to malloc)."""
         self._pool.clear()
+        self._pinned_ptrs.difference_update(b.data_ptr() for free in self._pinned._free.values() for b, _ in free)
+        self._pinned.clear()

@@ -248,15 +248,14 @@ class ChunkGrads:
     def _alloc_shard_grad(self) -> None:
         if self.shard_grad is None:
             n, dt = self.spec.shard_numel, self.spec.grad_dtype
-            if self.spec.master_on_host and dev.is_accelerator(self.spec.device):
-                # page-locked, so the device-to-host copy is non-blocking
-                self.shard_grad = dev.empty_host(n, dt, pin=self.spec.pin_memory)
+            # from the pool that drop() gives it back to. Allocated outside it, each step's shard
+            # gradients were new and the last step's stayed in the pool: one more fp32 copy of the
+            # chunks per step, unbooked (GPT-2 354M, replicated with its optimizer state on the
+            # host: OOM-killed at 12 GB per rank for a predicted 8.5 GiB). With the master on the
+            # host it is page-locked (with an accelerator), so the device-to-host copy is non-blocking
+            if self.spec.master_on_host:
+                self.shard_grad = self.buffers.take(n, dt, torch.device("cpu"), pin=self.spec.pin_memory)
             else:
-                # from the pool that drop() gives it back to, on a CPU device also with the master on
-                # the host. Allocated outside it, each step's shard gradients were new and the last
-                # step's stayed in the pool: one more fp32 copy of the chunks per step, unbooked
-                # (GPT-2 354M, replicated with its optimizer state on the host: OOM-killed at 12 GB
-                # per rank for a predicted 8.5 GiB)
                 self.shard_grad = self.buffers.take(n, dt, self.storage.master.device)
             self.ledger.alloc("shard_grad", self.where, self.shard_grad_bytes)
             self.valid = False
