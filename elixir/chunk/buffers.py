@@ -37,7 +37,7 @@ class GradBufferPool:
         self.enabled = enabled
         self._pool = dev.HostBufferPool(pin=False)
         self._pinned = dev.HostBufferPool(pin=True)  # host-state shard gradients: page-locked
-        self._pinned_ptrs: set[int] = set()  # buffers of the pinned pool, so give() returns them there
+        self._pinned_ptrs: set[int] = set()  # the pinned pool's buffers handed out: give() returns them there
 
     @property
     def allocated(self) -> int:
@@ -70,7 +70,11 @@ class GradBufferPool:
             return
         if buf.storage_offset() != 0 or buf.untyped_storage().nbytes() != buf.numel() * buf.element_size():
             return  # a view of a larger tensor: not ours to recycle
-        (self._pinned if buf.data_ptr() in self._pinned_ptrs else self._pool).give(buf)
+        if buf.data_ptr() in self._pinned_ptrs:
+            self._pinned_ptrs.discard(buf.data_ptr())
+            self._pinned.give(buf)
+        else:
+            self._pool.give(buf)
 
     @property
     def free_bytes(self) -> int:
@@ -80,5 +84,4 @@ class GradBufferPool:
     def clear(self) -> None:
         """Drop the free buffers (back to malloc)."""
         self._pool.clear()
-        self._pinned_ptrs.difference_update(b.data_ptr() for free in self._pinned._free.values() for b, _ in free)
         self._pinned.clear()
