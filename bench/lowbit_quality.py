@@ -20,12 +20,23 @@ within 2% of the bf16 run's. Bytes per frozen parameter are the runtime ledger's
     python bench/lowbit_quality.py --quick         # a 2-layer GPT-2, 30 steps: proves the script runs
     python bench/lowbit_quality.py --steps 200 --layers 4 --hidden 256 --markdown
     python bench/lowbit_quality.py --quick --only-qlora    # the QLoRA comparison alone
+
+In slices (each its own process, e.g. one per turn of a shared CPU lock), joined by one JSON file:
+
+    python bench/lowbit_quality.py --batch 2 --seq 128 --configs fp32 --save-base base.pt --json q.json --no-qlora
+    python bench/lowbit_quality.py --batch 2 --seq 128 --configs bf16-sr int8 --json q.json --no-qlora
+    python bench/lowbit_quality.py --batch 2 --seq 128 --only-qlora --base base.pt --json q.json
+
+A slice adds its rows to ``--json`` (refused if that file was written with other settings) and
+prints the table over every row the file holds.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
 import time
 
 import torch
@@ -43,6 +54,11 @@ CONFIGS = (
     ("int8 moments", "fp32", "int8"),
     ("bf16-sr + int8 moments", "bf16-sr", "int8"),
 )
+#: ``--configs`` names for CONFIGS, in order
+SHORT = ("fp32", "bf16-sr", "bf16-kahan", "int8", "bf16-sr+int8")
+#: the settings a ``--json`` file's rows must share
+SETTINGS = ("steps", "layers", "hidden", "heads", "seq", "batch", "lr", "warmup", "val_batches", "seed", "lora_steps",
+            "lora_rank", "lora_lr", "quick")
 
 
 def build(args) -> torch.nn.Module:
@@ -119,18 +135,45 @@ def qlora_run(args, corpus, base: dict, frozen) -> dict:
     return out
 
 
-def qlora_table(args, corpus, base: dict, n: int) -> None:
-    runs = {name: qlora_run(args, corpus, base, fmt) for name, fmt in (("LoRA, bf16 base", None), ("LoRA, NF4 base", "nf4"))}
-    ref = runs["LoRA, bf16 base"]["val_loss"]
-    print(f"\n{'QLoRA comparison':26s} {'val loss':>9s} {'vs bf16':>8s} {'B/frozen':>8s}  within {args.qlora_tolerance:.0%}?")
-    for name, r in runs.items():
+def qlora_rows(args, corpus, base: dict) -> dict:
+    return {name: qlora_run(args, corpus, base, fmt) for name, fmt in (("LoRA, bf16 base", None), ("LoRA, NF4 base", "nf4"))}
+
+
+def print_table(args, rows: dict, ref_name: str, n: int, steps: int, title: str, tolerance: float, bytes_key: str) -> None:
+    """The rows against ``ref_name``'s validation loss (left out while that row is missing)."""
+    if ref_name not in rows:
+        print(f"\n{title}: no {ref_name!r} row yet; rows so far: {', '.join(rows) or 'none'}")
+        return
+    ref = rows[ref_name]["val_loss"]
+    print(f"\n{title:26s} {'val loss':>9s} {'vs ref':>8s} {'bytes':>8s}  within {tolerance:.0%}?")
+    for name, r in rows.items():
         rel = r["val_loss"] / ref - 1
-        verdict = "yes" if abs(rel) <= args.qlora_tolerance else f"NO ({rel:+.2%})"
-        print(f"{name:26s} {r['val_loss']:9.4f} {rel:+8.2%} {r['frozen_bytes_per_param']:8.3f}  {verdict}  "
-              f"({r['seconds']:.0f} s)")
+        verdict = "yes" if abs(rel) <= tolerance else f"NO ({rel:+.2%})"
+        print(f"{name:26s} {r['val_loss']:9.4f} {rel:+8.2%} {r[bytes_key]:8.3f}  {verdict}  ({r['seconds']:.0f} s)")
         if args.markdown:
-            print(f"| {datetime.date.today().isoformat()} | {n / 1e6:.0f}M | {args.lora_steps} | {name} | "
-                  f"{r['val_loss']:.4f} | {rel:+.2%} | {r['frozen_bytes_per_param']:.3f} |")
+            print(f"| {datetime.date.today().isoformat()} | {n / 1e6:.0f}M | {steps} | {name} | {r['val_loss']:.4f} "
+                  f"| {rel:+.2%} | {r[bytes_key]:.3f} |")
+
+
+def load_rows(args) -> dict:
+    """The ``--json`` file's rows (empty without one); refused if its settings differ."""
+    settings = {k: getattr(args, k) for k in SETTINGS}
+    if not args.json or not os.path.exists(args.json):
+        return {"settings": settings, "state": {}, "qlora": {}}
+    with open(args.json) as f:
+        data = json.load(f)
+    if data["settings"] != settings:
+        diff = {k: (data["settings"].get(k), v) for k, v in settings.items() if data["settings"].get(k) != v}
+        raise SystemExit(f"{args.json} holds rows of other settings (file, now): {diff}; use another --json")
+    return data
+
+
+def save_rows(args, data: dict) -> None:
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, args.json)
 
 
 def main() -> None:
@@ -153,30 +196,40 @@ def main() -> None:
     ap.add_argument("--lora-lr", type=float, default=1e-3)
     ap.add_argument("--qlora-tolerance", type=float, default=0.02, help="NF4 vs bf16 base bar (the issue's 2%%)")
     ap.add_argument("--only-qlora", action="store_true", help="train the fp32 base, then the QLoRA comparison only")
+    ap.add_argument("--no-qlora", action="store_true", help="the state formats only")
+    ap.add_argument("--configs", nargs="+", choices=SHORT, default=list(SHORT), help="state formats to train")
+    ap.add_argument("--save-base", help="save the fp32 reference's trained weights here (the QLoRA base)")
+    ap.add_argument("--base", help="with --only-qlora: the QLoRA base saved by --save-base, instead of training it")
+    ap.add_argument("--json", help="add the rows to this file (slices of one comparison) and print them all")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.layers, args.hidden, args.heads, args.seq, args.batch = 30, 2, 64, 2, 64, 4
         args.warmup, args.val_batches, args.lr = 5, 2, 3e-3
         args.lora_steps, args.lora_lr = 30, 3e-3
+    data = load_rows(args)
     corpus = load_corpus(max_bytes=2_000_000 if args.quick else 20_000_000)
     n = sum(p.numel() for p in build(args).parameters())
     print(f"GPT-2 {n / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}), {args.steps} steps, "
           f"batch {args.batch} x {args.seq} bytes, {torch.get_num_threads()} threads")
-    results = {}
-    for name, master, moments in CONFIGS[:1] if args.only_qlora else CONFIGS:
-        results[name] = run(args, corpus, master, moments, keep=name == CONFIGS[0][0])
-        r = results[name]
+    base = torch.load(args.base) if args.only_qlora and args.base else None
+    wanted = [c for c, short in zip(CONFIGS, SHORT) if short in args.configs]
+    for name, master, moments in ([] if base is not None else CONFIGS[:1] if args.only_qlora else wanted):
+        r = run(args, corpus, master, moments, keep=name == CONFIGS[0][0])
+        if "state_dict" in r:
+            base = r.pop("state_dict")
+            if args.save_base:
+                torch.save(base, args.save_base)
+        data["state"][name] = r
         print(f"  {name:26s} val loss {r['val_loss']:.4f}  {r['bytes_per_param']:.2f} B/param  {r['seconds']:.0f} s", flush=True)
-    ref = results[CONFIGS[0][0]]["val_loss"]
-    print(f"\n{'configuration':26s} {'val loss':>9s} {'vs fp32':>8s} {'B/param':>8s}  within {args.tolerance:.0%}?")
-    for name, r in results.items():
-        rel = r["val_loss"] / ref - 1
-        verdict = "yes" if abs(rel) <= args.tolerance else f"NO ({rel:+.2%})"
-        print(f"{name:26s} {r['val_loss']:9.4f} {rel:+8.2%} {r['bytes_per_param']:8.2f}  {verdict}")
-        if args.markdown:
-            print(f"| {datetime.date.today().isoformat()} | {n / 1e6:.0f}M | {args.steps} | {name} | {r['val_loss']:.4f} "
-                  f"| {rel:+.2%} | {r['bytes_per_param']:.2f} |")
-    qlora_table(args, corpus, results[CONFIGS[0][0]]["state_dict"], n)
+        save_rows(args, data)
+    print_table(args, data["state"], CONFIGS[0][0], n, args.steps, "configuration", args.tolerance, "bytes_per_param")
+    if not args.no_qlora:
+        if base is None:
+            raise SystemExit("the QLoRA comparison needs the fp32 base: include --configs fp32, or --only-qlora [--base PATH]")
+        data["qlora"].update(qlora_rows(args, corpus, base))
+        save_rows(args, data)
+    print_table(args, data["qlora"], "LoRA, bf16 base", n, args.lora_steps, "QLoRA comparison", args.qlora_tolerance,
+                "frozen_bytes_per_param")
 
 
 if __name__ == "__main__":
