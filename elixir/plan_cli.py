@@ -142,11 +142,6 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"[red]--world-size {args.world_size} must be a multiple of --tp x --pp "
                       f"({args.tp} x {args.pp}); the rest is the data-parallel axis[/red]")
         return 2
-    if (args.tp > 1 or args.pp > 1) and ((args.master, args.moments, args.frozen) != ("fp32", "fp32", None)
-                                         or args.allow_lossy_state):
-        console.print("[red]--master/--moments/--frozen/--allow-lossy-state price the data-parallel search only; "
-                      "the --tp/--pp search prices fp32 state and unquantised weights (drop them, or --tp/--pp)[/red]")
-        return 2
     models.config_fields(args.model)  # an unknown name or a bad path fails here, before any profile is chosen
     hw, hw_why, warning = choose_hardware(args)
     console.print(f"hardware profile: {hw.name} ({hw_why})")
@@ -161,7 +156,10 @@ def main(args: argparse.Namespace) -> int:
     device = args.device_memory  # None: the profile's (on a CPU-only profile, the rank's share of the pool)
     host = (args.host_memory if args.host_memory is not None else hw.host_memory_bytes) // rpn
     disk = None if args.disk is None else args.disk // rpn
-    floor = models.parameter_floor(args.model) if args.tp == args.pp == 1 else None
+    # with --tp/--pp too: the ranks together hold every trainable parameter at least once (a tied
+    # embedding on two stages, the norms on every tp rank: more, never fewer), so the floor over
+    # all --world-size ranks binds the rank holding the most
+    floor = models.parameter_floor(args.model)
     if floor:
         # the leanest formats the search may turn to: a refusal here must be the search's too
         formats = ([(args.master, args.moments)] + leaner_formats(args.master, args.moments))[

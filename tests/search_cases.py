@@ -39,3 +39,14 @@ def tiny_gpt():
 
     torch.manual_seed(0)
     return build_gpt2(n_layer=3, n_embd=32)
+
+
+def tiny_gpt2_config(folder) -> str:
+    """A 2-layer GPT-2 ``config.json`` written into ``folder`` (a path), for ``elixir plan``; its path."""
+    import json  # noqa: PLC0415
+
+    path = f"{folder}/config.json"
+    with open(path, "w") as f:
+        json.dump({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128,
+                   "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}, f)
+    return path

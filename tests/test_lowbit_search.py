@@ -130,23 +130,19 @@ def test_predicted_peak_holds_the_runtime_in_each_format(least, fp32_run, format
 
 def test_elixir_plan_takes_the_formats_and_reports_them(tmp_path, capsys):
     """``elixir plan --master/--moments`` price and record the formats, and the report names them
-    for the trainable chunks; the flags are refused with --tp/--pp, whose search prices fp32 state."""
+    for the trainable chunks (with --tp/--pp: tests/test_mesh_formats.py)."""
     import json
 
     from elixir import cli
+    from tests.search_cases import tiny_gpt2_config
 
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128,
-                               "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}))
     out_plan = tmp_path / "plan.json"
-    args = ["plan", str(cfg), "--seq", "16", "--world-size", "1", "--hardware", "cpu-box"]
+    args = ["plan", tiny_gpt2_config(tmp_path), "--seq", "16", "--world-size", "1", "--hardware", "cpu-box"]
     assert cli.main([*args, "--master", "bf16-sr", "--moments", "int8", "--out", str(out_plan)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "master bf16-sr, moments int8 (4.03" in out, out  # the table may wrap the rest
     saved = json.loads(out_plan.read_text())
     assert (saved["master_format"], saved["moments_format"]) == ("bf16-sr", "int8")
-    assert cli.main([*args, "--tp", "2", "--world-size", "2", "--moments", "int8"]) == 2
-    assert "price the data-parallel search only" in " ".join(capsys.readouterr().out.split())
 
 
 def test_front_ends_search_in_their_formats():

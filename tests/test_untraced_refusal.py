@@ -1,7 +1,7 @@
 """`elixir plan` refuses a budget the parameters alone exceed before tracing anything (issue 35: an
 impossible budget took 6.9 s, mostly importing transformers' model code and tracing, to be refused).
 
-The refusal must never refuse what the search would accept: the parameter floor is at most the
+The refusal must never refuse what the search would accept (the mesh search of ``--tp/--pp`` too): the parameter floor is at most the
 built model's count, and at the least budget the untraced floor lets through less one byte, the
 traced search refuses too. Its error is the search's (same class, same head, suggestions listed)."""
 
@@ -24,6 +24,10 @@ from elixir.plan.budgets import (
     unified_memory,
     untraced_refusal,
 )
+from elixir.plan import MeshLayout
+from elixir.plan.state_format import FP32_STATE, leaner_formats
+from elixir.plan.tensor_plans import local_shapes, style_plan
+from elixir.search.mesh_profile import search_mesh
 from elixir.search.optimal import search_profile
 from elixir.search.step_profile import profile_step
 
@@ -54,12 +58,13 @@ def test_an_unknown_family_gets_no_floor(tmp_path):
     assert models.parameter_floor(str(tmp_path)) is None
 
 
-def _least_budget(numel: int, dtype: torch.dtype, world: int, hw, disk: int) -> int:
+def _least_budget(numel: int, dtype: torch.dtype, world: int, hw, disk: int, formats=FP32_STATE) -> int:
     """The least per-rank budget (device = host) the untraced floor lets through."""
     lo, hi = 0, INF
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if untraced_refusal(numel, dtype, world, hw, Budgets(mid, mid, disk)) is None else (mid, hi)
+        refused = untraced_refusal(numel, dtype, world, hw, Budgets(mid, mid, disk), formats=formats)
+        lo, hi = (lo, mid) if refused is None else (mid, hi)
     return hi
 
 
@@ -83,6 +88,32 @@ def test_the_search_refuses_every_budget_the_untraced_floor_refuses(name, dtype,
         assert isinstance(e, DoesNotFitError) and str(e).startswith(head), str(e)
         assert e.suggestions and all(f"\n  - {s}" in str(e) for s in e.suggestions)
     assert "refused before tracing" in str(below) and "memory" in below.needs
+
+
+@pytest.mark.parametrize("tp,pp,dp,lossy", [(2, 1, 2, False), (2, 3, 1, True)])
+def test_the_mesh_search_refuses_every_budget_the_untraced_floor_refuses(tp, pp, dp, lossy):
+    """`elixir plan --tp/--pp` refuses by the same floor over all its ranks (they hold every
+    trainable parameter at least once, so the rank holding the most holds at least the average),
+    with ``--allow-lossy-state`` at the leanest formats the search may turn to: at the least
+    budget it lets through less one byte, the mesh search refuses too."""
+    name, dtype, hw = "llama-7b", torch.bfloat16, load_profile("8xA100-40GB")
+    m = models.build_model(name, **TINY[name])
+    profile = profile_step(m, models.make_batch(m, 1, 8), models.lm_step_fn, dtype)
+    formats = leaner_formats(*FP32_STATE)[-1] if lossy else FP32_STATE
+    v = _least_budget(models.parameter_floor(name, **TINY[name]), dtype, tp * pp * dp, hw, 0, formats) - 1
+    shapes = local_shapes(profile.params + profile.frozen_shapes, style_plan(m), tp)
+    with pytest.raises(DoesNotFitError):
+        search_mesh(profile, MeshLayout(pp=pp, dp_shard=dp, tp=tp), tp_shapes=shapes, hidden=m.config.hidden_size,
+                    microbatches=2 * pp, hardware=hw, device_memory=v, host_memory=v, allow_lossy_state=lossy)
+
+
+def test_the_cli_refuses_a_mesh_before_tracing(capsys):
+    from elixir.cli import main
+
+    assert main(["plan", "llama-70b", "--world-size", "16", "--tp", "8", "--hardware", "8xA100-40GB",
+                 "--device-memory", "1GiB", "--host-memory", "2GiB", "--allow-lossy-state"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "refused before tracing" in out and "bf16-sr/int8" in out, out
 
 
 @pytest.mark.dist  # a fresh interpreter, to see which modules the refusal imported

@@ -29,9 +29,28 @@ from elixir.booster.hybrid import PipelineModel
 from elixir.booster.plugin import Plugin
 from elixir.booster.runtime_plugin import ElixirRuntimePlugin
 from elixir.booster.torch_plugins import OptimizerWrapper
+from elixir.plan.state_format import check_frozen_format, check_state_formats
 from elixir.wrapper import ElixirModule
 
 _MIXED = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _auto_formats(plugin: Union[Plugin, str], master: str, moments: str, frozen: Optional[str],
+                  allow_lossy_state: bool) -> dict[str, Any]:
+    """The formats ``Booster(plugin="auto", ...)`` plans with, checked now; refused (naming the
+    plugin's own arguments) beside a plugin instance, which would not see them."""
+    check_state_formats(master, moments, where="Booster")
+    check_frozen_format(frozen, where="Booster")
+    if not isinstance(allow_lossy_state, bool):
+        raise ValueError(f"Booster(allow_lossy_state=...) must be True or False, got {allow_lossy_state!r}")
+    formats = {"master": master, "moments": moments, "frozen": frozen, "allow_lossy_state": allow_lossy_state}
+    defaults = {"master": "fp32", "moments": "fp32", "frozen": None, "allow_lossy_state": False}
+    given = [f"{k}={v!r}" for k, v in formats.items() if v != defaults[k]]
+    if given and plugin != "auto":
+        raise ValueError(f"Booster({', '.join(given)}) is for plugin='auto'; {type(plugin).__name__} would not see it: "
+                         f"give the formats to an elixir plugin instead, GeminiPlugin({', '.join(given)}) (the torch "
+                         "plugins keep fp32 state)")
+    return formats
 
 
 class Booster:
@@ -48,6 +67,11 @@ class Booster:
         device: ColossalAI's device argument; the plugins place the model on elixir's default
             device, so another value is ignored with a note (as ColossalAI does for plugins that
             control the device).
+        master, moments, frozen, allow_lossy_state: with ``plugin="auto"``, the optimizer-state
+            and frozen-weight formats (``MixedPrecisionPolicy``'s fields of these names;
+            docs/optimizer.md): the search prices them (``allow_lossy_state``: and may choose leaner
+            state formats), the plan records them and the chosen plugin runs them. With a plugin
+            instance they are refused: set them on the plugin (``GeminiPlugin(moments="int8")``).
 
     ColossalAI's positional order ``Booster(device, mixed_precision, plugin)`` is recognised too
     (a device first, a plugin third); ``Booster(plugin)`` takes the plugin.
@@ -55,7 +79,8 @@ class Booster:
 
     def __init__(
         self, plugin: Union[Plugin, str, None] = None, mixed_precision: Optional[str] = None,
-        device: Union[str, torch.device, int, None] = None,
+        device: Union[str, torch.device, int, None] = None, *, master: str = "fp32", moments: str = "fp32",
+        frozen: Optional[str] = None, allow_lossy_state: bool = False,
     ) -> None:
         if (isinstance(device, Plugin) or device == "auto") and not (isinstance(plugin, Plugin) or plugin == "auto"):
             plugin, device = device, plugin  # ColossalAI's positional order: Booster(device, mixed_precision, plugin)
@@ -77,6 +102,7 @@ class Booster:
                 f"Booster(mixed_precision={mixed_precision!r}) with {type(plugin).__name__} is not supported: set the "
                 "precision on the plugin (GeminiPlugin(precision=...), TorchFSDPPlugin(mp_policy=MixedPrecisionPolicy(...)))"
             )
+        self.formats = _auto_formats(plugin, master, moments, frozen, allow_lossy_state)
         self.plugin: Optional[Plugin] = plugin if isinstance(plugin, Plugin) else None
         self.auto = plugin == "auto"
         self.dtype = _MIXED.get(mixed_precision or "fp32")
@@ -91,7 +117,7 @@ class Booster:
         """Return ``(model, optimizer, criterion, dataloader, lr_scheduler)`` wrapped for the plugin.
         Build the optimizer (and scheduler) on the unwrapped model's parameters first."""
         if self.plugin is None:
-            choice = choose_plugin(model, self.dtype)
+            choice = choose_plugin(model, self.dtype, formats=self.formats)
             self.plugin, self.reason = choice.plugin, choice.reason
             if edist.get_rank() == 0:
                 print(f"Booster(plugin='auto'): {type(self.plugin).__name__}: {self.reason}")

@@ -13,7 +13,7 @@ from elixir.booster.mesh_wrap import tp_dims
 from elixir.booster.runtime_plugin import ElixirRuntimePlugin
 from elixir.plan import MeshLayout
 from elixir.search import SearchResult
-from elixir.search.placement_policy import PLACEMENT_POLICIES, StaticFractions, make_plan
+from elixir.search.placement_policy import PLACEMENT_POLICIES, StaticFractions, check_lossy_search, make_plan
 
 
 class GeminiPlugin(ElixirRuntimePlugin):
@@ -48,6 +48,10 @@ class GeminiPlugin(ElixirRuntimePlugin):
             ``tp_size`` adjacent ranks, and the chunks, holding each rank's local shards, shard
             over the other ``world // tp_size`` (``placement_policy`` ``"static"``, ``"cuda"`` or
             ``"cpu"``; ``"auto"`` does not plan tensor parallelism yet).
+        master, moments, frozen: the optimizer-state and frozen-weight formats
+            (``MixedPrecisionPolicy``'s fields of these names; docs/optimizer.md). ``"auto"`` prices them.
+        allow_lossy_state: let ``"auto"``'s search turn to leaner state formats where ``master``/
+            ``moments`` do not fit (refused with another placement or ``plan=``: nothing would act on it).
 
     Every other argument of ColossalAI 0.5's GeminiPlugin is accepted: at a value other than
     ColossalAI's default it is ignored with a one-line note saying what elixir does instead
@@ -104,6 +108,8 @@ class GeminiPlugin(ElixirRuntimePlugin):
         self.use_fused_kernels = bool(enable_flash_attention or enable_all_optimization)
         self.layout = MeshLayout(**tp_dims(tp_size)) if tp_size != 1 else None
         self.tp_size = tp_size
+        check_lossy_search(self.allow_lossy_state, plan, None, placement_policy, owner=type(self).__name__,
+                           fix="placement_policy='auto'")
         if self.layout is not None and placement_policy == "auto":
             raise ValueError("GeminiPlugin(tp_size > 1, placement_policy='auto'): optimal_search does not plan a "
                              "tensor-parallel layout yet; use placement_policy='static' (or 'cuda'/'cpu')")
@@ -117,7 +123,8 @@ class GeminiPlugin(ElixirRuntimePlugin):
             result = make_plan(
                 model, world, self.dtype, placement_policy=self.placement_policy, verbose=verbose,
                 fractions=self.fractions if self.placement_policy == "static" else None, pin_memory=self.pin_memory,
-                formats={"master": self.state_formats[0], "moments": self.state_formats[1], "frozen": self.frozen_format},
+                formats={"master": self.state_formats[0], "moments": self.state_formats[1], "frozen": self.frozen_format,
+                         "allow_lossy_state": self.allow_lossy_state},
             )
         if self.max_prefetch:
             result = dataclasses.replace(result, prefetch_depth=self.max_prefetch)

@@ -72,6 +72,10 @@ class LowLevelZeroPlugin(ElixirRuntimePlugin):
     ) -> None:
         super().__init__(LOW_LEVEL_ZERO, options, precision, max_norm, norm_type, enable_gradient_accumulation, verbose, plan,
                          initial_scale=2.0**32)
+        if self.allow_lossy_state:
+            raise ValueError("LowLevelZeroPlugin(allow_lossy_state=True): its plans come from minimum_waste_search, which "
+                             "keeps master/moments as given: name the formats (e.g. moments='int8'), or use "
+                             "GeminiPlugin(placement_policy='auto', allow_lossy_state=True) to let the search choose")
         if stage not in STAGES:
             raise ValueError(f"stage must be 1 or 2, got {stage!r} (for ZeRO-3 use GeminiPlugin)")
         dtype = self.dtype

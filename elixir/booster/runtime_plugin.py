@@ -96,6 +96,10 @@ class ElixirRuntimePlugin(Plugin):
         check_state_formats(*self.state_formats, where=type(self).__name__)
         self.frozen_format = options.pop("frozen", None)  # MixedPrecisionPolicy.frozen (a quantised base)
         check_frozen_format(self.frozen_format, where=type(self).__name__)
+        # MixedPrecisionPolicy.allow_lossy_state: the subclass refuses it unless its plan is searched
+        self.allow_lossy_state = options.pop("allow_lossy_state", False)
+        if not isinstance(self.allow_lossy_state, bool):
+            raise ValueError(f"{type(self).__name__}(allow_lossy_state=...) must be True or False, got {self.allow_lossy_state!r}")
         check_compat(type(self).__name__, options, compat)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
@@ -120,7 +124,7 @@ class ElixirRuntimePlugin(Plugin):
             mp = MixedPrecisionPolicy(
                 param_dtype=self.dtype, reduce_dtype=torch.float32 if self.reduce_always_fp32 else None,
                 output_dtype=torch.float32 if output_fp32 else None, master=self.state_formats[0],
-                moments=self.state_formats[1], frozen=self.frozen_format,
+                moments=self.state_formats[1], frozen=self.frozen_format, allow_lossy_state=self.allow_lossy_state,
             )
             model = ElixirModule(
                 model, self.make_plan(model), mp_policy=mp, prefetch=self.max_prefetch > 0,

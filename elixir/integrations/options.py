@@ -5,14 +5,14 @@ optimizer."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn as nn
 
 from elixir.plan import SearchResult
 from elixir.plan.state_format import check_frozen_format, check_state_formats
-from elixir.search.placement_policy import PlanArg, SearchArg, check_plan_args, make_plan
+from elixir.search.placement_policy import PlanArg, SearchArg, check_lossy_search, check_plan_args, make_plan
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 from elixir.wrapper.policies import SCALE_KEYWORDS, LossScalePolicy, MixedPrecisionPolicy, loss_scale_policy
 
@@ -34,6 +34,9 @@ class ElixirOptions:
             ``.moments``: low-precision state, docs/optimizer.md); fp32 by default.
         frozen: the frozen weights' format (``MixedPrecisionPolicy.frozen``: ``"nf4"``, ``"int8"``
             for a quantised adapter base); None by default.
+        allow_lossy_state: let ``optimal_search`` turn to leaner state formats where ``master``/
+            ``moments`` do not fit (``MixedPrecisionPolicy.allow_lossy_state``); needs
+            ``placement_policy="auto"`` or ``search="optimal"``. The run keeps the plan's formats.
     """
 
     placement_policy: str = "cuda"
@@ -46,11 +49,13 @@ class ElixirOptions:
     master: str = "fp32"
     moments: str = "fp32"
     frozen: Optional[str] = None
+    allow_lossy_state: bool = False
 
     def __post_init__(self) -> None:
         check_state_formats(self.master, self.moments, where="elixir")
         check_frozen_format(self.frozen, where="elixir")
         check_plan_args(self.plan, self.search, self.placement_policy)
+        check_lossy_search(self.allow_lossy_state, self.plan, self.search, self.placement_policy)
         unknown = sorted(set(self.loss_scale) - set(SCALE_KEYWORDS))
         if unknown:
             raise ValueError(f"loss_scale got {unknown}; its keys are {list(SCALE_KEYWORDS)}")
@@ -67,12 +72,17 @@ class ElixirOptions:
         ``accumulation``: the run accumulates gradients under ``no_sync``)."""
         return make_plan(model, world_size, dtype, self.plan, self.search, self.placement_policy,
                          verbose=self.verbose and main, accumulation=accumulation,
-                         formats={"master": self.master, "moments": self.moments, "frozen": self.frozen})
+                         formats=self.formats())
+
+    def formats(self) -> dict[str, Any]:
+        """The state and frozen formats as ``optimal_search``'s (and ``MixedPrecisionPolicy``'s) keywords."""
+        return {"master": self.master, "moments": self.moments, "frozen": self.frozen,
+                "allow_lossy_state": self.allow_lossy_state}
 
     def wrap(self, model: nn.Module, plan: SearchResult, dtype: torch.dtype, output_fp32: bool,
              init_seed: Optional[int] = None) -> ElixirModule:
         mp = MixedPrecisionPolicy(param_dtype=dtype, output_dtype=torch.float32 if output_fp32 else None,
-                                  master=self.master, moments=self.moments, frozen=self.frozen)
+                                  **self.formats())
         return ElixirModule(model, plan, prefetch=self.prefetch, mp_policy=mp, offload_dir=self.offload_dir,
                             init_seed=init_seed)
 

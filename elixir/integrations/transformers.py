@@ -100,6 +100,8 @@ class ElixirTrainer(Trainer):
         verbose: print the plan on rank 0.
         master, moments: optimizer-state formats (``MixedPrecisionPolicy.master``/``.moments``).
         frozen: the frozen weights' format (``MixedPrecisionPolicy.frozen``: ``"nf4"``, ``"int8"``).
+        allow_lossy_state: let ``optimal_search`` choose leaner state formats where these do not
+            fit (``MixedPrecisionPolicy.allow_lossy_state``; ``placement_policy="auto"`` or ``search="optimal"``).
     """
 
     def __init__(
@@ -115,10 +117,11 @@ class ElixirTrainer(Trainer):
         master: str = "fp32",
         moments: str = "fp32",
         frozen: Optional[str] = None,
+        allow_lossy_state: bool = False,
         **kwargs: Any,
     ) -> None:
         self.options = ElixirOptions(placement_policy, plan, search, prefetch, offload_dir, loss_scale or {}, verbose,
-                                     master, moments, frozen)
+                                     master, moments, frozen, allow_lossy_state)
         self.elixir_module: Optional[ElixirModule] = None
         self.elixir_optimizer: Optional[ElixirOptimizer] = None
         super().__init__(*args, **kwargs)

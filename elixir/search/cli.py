@@ -118,7 +118,9 @@ def _plan_mesh(args: argparse.Namespace, console: Console, profile, hw, hw_why: 
         mp = search_mesh(profile, layout, tp_shapes=shapes, hidden=_hidden_size(cfg), microbatches=m,
                          schedule=args.schedule, sequence_parallel=args.sequence_parallel, hardware=hw,
                          device_memory=device, host_memory=host, disk=disk, optimizer_type=args.optimizer,
-                         overlap=not args.no_overlap, ranks_per_node=rpn, hardware_choice=hw_why)
+                         overlap=not args.no_overlap, ranks_per_node=rpn, hardware_choice=hw_why,
+                         frozen=args.frozen, master=args.master, moments=args.moments,
+                         allow_lossy_state=args.allow_lossy_state)
     except DoesNotFitError as e:
         console.print(f"[red]{e}[/red]")
         return 1
@@ -133,16 +135,27 @@ def _plan_mesh(args: argparse.Namespace, console: Console, profile, hw, hw_why: 
     return 0
 
 
+def _state_label(r) -> str:
+    """A stage's optimizer-state formats, ``master/moments`` (fp32 where the plan records none),
+    and its frozen chunks' format when they are quantised."""
+    label = f"{r.master_format or 'fp32'}/{r.moments_format or 'fp32'}"
+    return label + (f", frozen {r.frozen_format}" if r.frozen_format else "")
+
+
 def _print_mesh(console: Console, mp: MeshPlan) -> None:
     t = Table(title=f"elixir hybrid plan: {mp.layout.describe()}, {mp.schedule}, {mp.microbatches} microbatches")
-    for col in ("stage", "params/rank", "chunks", "device/rank", "host/rank", "step (s)", "tp comm", "sends",
+    for col in ("stage", "params/rank", "chunks", "state", "device/rank", "host/rank", "step (s)", "tp comm", "sends",
                 "bubble"):
         t.add_column(col, justify="right")
     for k, (r, c) in enumerate(zip(mp.stages, mp.costs)):
         p, br = r.prediction, r.prediction.breakdown
-        t.add_row(str(k), human_count(sum(ch.used for ch in r.chunks)), str(len(r.chunks)),
+        t.add_row(str(k), human_count(sum(ch.used for ch in r.chunks)), str(len(r.chunks)), _state_label(r),
                   human_bytes(p.peak_device_bytes), human_bytes(p.peak_host_bytes), f"{p.step_time_s:.3f}",
                   f"{c.tensor_collectives:.3f}", f"{c.pipeline_sends:.3f}", f"{br['pipeline_bubble']:.3f}")
     console.print(t)
+    for k, r in enumerate(mp.stages):
+        why = r.info.get("state_formats", {}).get("why")
+        if why:
+            console.print(f"stage {k} state formats (master/moments): {why}")
     console.print(f"predicted per rank: {human_bytes(mp.peak_device_bytes)} device, {human_bytes(mp.peak_host_bytes)} "
                   f"host at most; step {mp.step_time_s:.3f} s (the slowest stage)")

@@ -113,6 +113,23 @@ def check_plan_args(plan: PlanArg, search: SearchArg, placement_policy: str) -> 
         raise TypeError(f"plan must be a SearchResult or the path of a plan JSON, got {type(plan).__name__}")
 
 
+def check_lossy_search(allow_lossy_state: bool, plan: PlanArg, search: SearchArg, placement_policy: str,
+                       owner: str = "elixir", fix: str = "placement_policy='auto' or search='optimal'") -> None:
+    """Refuse ``allow_lossy_state=True`` where no search would act on it: it lets
+    :func:`~elixir.search.optimal_search` choose leaner state formats, and only ``search="optimal"``
+    or ``placement_policy="auto"`` (no ``plan=``, no ``search=`` function) run that search here;
+    ``minimum_waste_search`` keeps ``master``/``moments`` as given. Checked at construction."""
+    if not isinstance(allow_lossy_state, bool):
+        raise ValueError(f"{owner}: allow_lossy_state must be True or False, got {allow_lossy_state!r}")
+    if not allow_lossy_state or search == "optimal" or (plan is None and search is None and placement_policy == "auto"):
+        return
+    source = ("the plan given (plan=)" if plan is not None else "the search= function" if callable(search)
+              else "minimum_waste_search (" + (f"search={search!r}" if search else f"placement_policy={placement_policy!r}") + ")")
+    raise ValueError(f"{owner}(allow_lossy_state=True) lets optimal_search choose leaner state formats, but this run's "
+                     f"plan comes from {source}, which keeps master/moments as given: use {fix} (a ready plan: make "
+                     "it with optimal_search(..., allow_lossy_state=True) or `elixir plan --allow-lossy-state`)")
+
+
 def make_plan(
     model: nn.Module,
     world_size: int,
@@ -143,6 +160,7 @@ def _make_plan(model: nn.Module, world_size: int, dtype: torch.dtype, plan: Plan
                placement_policy: str, verbose: bool, fractions: Optional[StaticFractions],
                accumulation: bool = False, formats: Optional[dict[str, Any]] = None) -> SearchResult:
     check_plan_args(plan, search, placement_policy)
+    check_lossy_search(bool((formats or {}).get("allow_lossy_state", False)), plan, search, placement_policy)
     if plan is not None:
         result = plan if isinstance(plan, SearchResult) else SearchResult.load(plan)
         if result.world_size != world_size:

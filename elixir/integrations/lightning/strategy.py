@@ -89,6 +89,10 @@ class ElixirStrategy(ParallelStrategy):
             its trained weights. The Hugging Face model inside the LightningModule (``self.model``) is
             found by itself; ``pretrained_submodule="model"`` names it.
         verbose: print the plan on rank 0.
+        master, moments, frozen: the optimizer-state and frozen-weight formats
+            (``MixedPrecisionPolicy``'s fields of these names; docs/optimizer.md), priced by the search.
+        allow_lossy_state: let ``optimal_search`` choose leaner state formats where these do not
+            fit (``placement_policy="auto"`` or ``search="optimal"``); the run keeps the plan's.
     """
 
     strategy_name = "elixir"
@@ -116,9 +120,10 @@ class ElixirStrategy(ParallelStrategy):
         master: str = "fp32",
         moments: str = "fp32",
         frozen: Optional[str] = None,
+        allow_lossy_state: bool = False,
     ) -> None:
         self.options = ElixirOptions(placement_policy, plan, search, prefetch, offload_dir, loss_scale or {}, verbose,
-                                     master, moments, frozen)
+                                     master, moments, frozen, allow_lossy_state)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
