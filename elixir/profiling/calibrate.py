@@ -42,9 +42,12 @@ from elixir.wrapper import ElixirModule, ElixirOptimizer
 __all__ = ["Calibration", "ReferenceLM", "calibrate", "timed_collectives"]
 
 VOCAB, LAYERS, BATCH = 4096, 3, 2
-# (width, heads, seq): a small, overhead-bound workload and a larger, throughput-bound one; the two
-# separate the fixed cost per op from the matmul/bandwidth throughput
-SIZES = ((96, 2, 32), (320, 5, 160))
+# (width, heads, seq, layers) of the compute fit: small, overhead-bound sizes to a larger,
+# throughput-bound one, and layer counts that change the number of ops at one width (every size
+# of one layer count dispatches the same ops), so the fixed cost per op and the throughput factor
+# are told apart by more than one pair of runs. The last is the largest: the collectives, the
+# overlap and the bf16 factor are measured there.
+SIZES = ((96, 2, 32, 3), (96, 2, 32, 9), (192, 3, 96, 3), (320, 5, 160, 3))
 
 
 class _Block(nn.Module):
@@ -83,6 +86,12 @@ class ReferenceLM(nn.Module):
             x = b(x)
         logits = self.head(self.norm(x))
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def reference_model(size: tuple) -> ReferenceLM:
+    """The reference model of one of :data:`SIZES` (width, heads, seq, layers)."""
+    width, heads, seq, *layers = size
+    return ReferenceLM(width, heads, seq, layers=layers[0] if layers else LAYERS)
 
 
 def _batch(step: int, seq: int) -> dict:
@@ -200,7 +209,7 @@ def timed_collectives(device: Optional[torch.device] = None) -> Iterator[_Clock]
 
 def _train(size: tuple, plan_json: dict, dtype: str, prefetch: bool) -> tuple:
     torch.manual_seed(0)
-    model = ReferenceLM(*size)
+    model = reference_model(size)
     em = ElixirModule(model, SearchResult.from_json(plan_json), prefetch=prefetch, dtype=getattr(torch, dtype))
     return em, ElixirOptimizer(em, HybridAdam(model.parameters(), lr=1e-4))  # CPUAdam's kernel on CPU
 
@@ -312,36 +321,80 @@ def _prefetch_overlap(res: list, big: int, steps: int, meas: dict, pred: dict, f
     return _clamp(hidden / hideable, 0.0, 1.0) if hideable > 0 else 0.0
 
 
-def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> Calibration:
-    """Train the two reference sizes on ``ranks`` local ranks (one thread each, as elixir's
-    multi-rank CPU runs do) under plans with every chunk on the device, and fit the runtime's
-    compute as ``a * (matmul + memory time) + b * ops`` (two sizes, two unknowns), collectives and
-    the optimizer as measured / predicted from ``hw`` (uncalibrated)."""
-    base = dataclasses.replace(hw, calibration={})
-    if base.device_type == "cpu":
-        base = dataclasses.replace(base, cores=ranks)  # one thread per rank, as run below
-    per_rank = base.per_rank(base.ranks_per_node(ranks))
+def _replicated(plan: SearchResult, ranks: int) -> SearchResult:
+    """``plan`` with every chunk replicated: whole on every rank, no gathers, no rCache."""
+    return dataclasses.replace(plan, chunks=tuple(c.with_sharding("replicated", ranks) for c in plan.chunks),
+                               cache_blocks=0, prefetch_depth=0, prediction=None)
+
+
+def _fit_compute(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(a, b) >= 0`` minimising the relative residuals of ``m = a * t + b * o`` over the rows
+    ``(t, o, m)`` (throughput seconds, ops, measured seconds): a non-negative least-squares fit, so
+    that one noisy run cannot trade the throughput factor for a per-op cost (two runs, two unknowns,
+    gave either at will). Where both terms cannot be positive, the better one-term fit."""
+    w = [(t / m, o / m) for t, o, m in rows if m > 0]
+    stt, soo, sto = sum(t * t for t, _ in w), sum(o * o for _, o in w), sum(t * o for t, o in w)
+    st, so = sum(t for t, _ in w), sum(o for _, o in w)
+    det = stt * soo - sto * sto
+    if det > 1e-12 * max(1e-30, stt * soo):
+        a, b = (st * soo - so * sto) / det, (so * stt - st * sto) / det
+        if a > 0 and b > 0:
+            return a, b
+
+    def loss(a: float, b: float) -> float:
+        return sum((a * t + b * o - 1.0) ** 2 for t, o in w)
+
+    one = [(st / stt if stt else 0.0, 0.0), (0.0, so / soo if soo else 0.0)]
+    return min(one, key=lambda ab: loss(*ab))
+
+
+def _reference_runs(per_rank: Any, ranks: int) -> tuple[list, list, int]:
+    """The runs of :func:`calibrate` and what the cost model predicts for each: every size of
+    :data:`SIZES` under a replicated plan (the compute fit), the largest also in bf16, and the
+    largest under the minimum-waste plan (sharded: the collectives, the overlap and the optimizer).
+    Returns (runs, predictions, the sharded plan's chunk size)."""
     st = Setting(layout=MeshLayout.data_parallel(ranks), elem=4, reduce_elem=4, opt_bytes=8, hardware=per_rank, dtype="float32")
-    runs, preds, plan_sizes = [], [], []
-    for size, dtype in [(s, "float32") for s in SIZES] + [(SIZES[-1], "bfloat16")]:
+    runs, preds = [], []
+    chunk = 0
+    todo = [(s, "float32", "replicated") for s in SIZES] + [(SIZES[-1], "bfloat16", "replicated"),
+                                                           (SIZES[-1], "float32", "sharded")]
+    for size, dtype, kind in todo:
         torch.manual_seed(0)
-        model = ReferenceLM(*size)
+        model = reference_model(size)
         tdtype = getattr(torch, dtype)
         prof = profile_step(model, _batch(0, size[2]), _step_fn, tdtype)
         plan = minimum_waste_search(model, ranks, tdtype, prefetch=True, inp=_batch(0, size[2]), step_fn=_step_fn)
+        if kind == "replicated":
+            plan = _replicated(plan, ranks)
+        else:
+            chunk = plan.chunk_size
         b = evaluate_plan(prof, plan, dataclasses.replace(st, elem=tdtype.itemsize, dtype=dtype)).breakdown
-        plan_sizes.append(plan.chunk_size)
         costs = prof.op_costs
         mm = per_rank.op_compute_time(OpCosts(costs.matmul, {}, 0), dtype)
         mem = per_rank.op_compute_time(OpCosts({}, costs.memory, 0), dtype)
         preds.append({"matmul": mm, "memory": mem, "throughput": mm + mem, "ops": costs.ops, "compute": b["compute"],
                       "collectives": b["all_gather"] + b["reduce_scatter"] + b["all_reduce"],
                       "all_gather": b["all_gather"], "optimizer": b["optimizer"], "dtype": dtype})
-        runs.append((size, plan.to_json(), dtype, "plain"))
-    first_gather = 0.0
-    if ranks > 1:  # the larger size also with prefetch: how much gather time hides under compute
-        runs[1] = runs[1][:3] + ("pair",)
-        first_gather = per_rank.all_gather_time(plan_sizes[1] * 4, ranks)
+        runs.append((size, plan.to_json(), dtype, "pair" if kind == "sharded" and ranks > 1 else kind))
+    return runs, preds, chunk
+
+
+def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> Calibration:
+    """Train the reference sizes on ``ranks`` local ranks (one thread each, as elixir's multi-rank
+    CPU runs do) with every chunk on the device.
+
+    Compute is fitted as ``a * (matmul + memory time) + b * ops`` (non-negative least squares over
+    every size, :func:`_fit_compute`) on replicated plans: the step's own compute, as a plan pays
+    it whose parameters are whole (the sharded plan's extra work per chunk, gathers, copies and the
+    reduce-scatters' thread, is not compute: fitted into ``a`` and ``b`` it priced GPT-2 steps 20-30%
+    over their measured time in issue 35's regret grid). bf16 matmuls are refitted on a bf16 run of
+    the largest size; collectives, overlap and the optimizer are measured / predicted from ``hw``
+    (uncalibrated) on the largest size's minimum-waste (sharded) plan."""
+    base = dataclasses.replace(hw, calibration={})
+    if base.device_type == "cpu":
+        base = dataclasses.replace(base, cores=ranks)  # one thread per rank, as run below
+    per_rank = base.per_rank(base.ranks_per_node(ranks))
+    runs, preds, chunk = _reference_runs(per_rank, ranks)
     backend = local_backend(ranks)
     if backend is None:
         raise ValueError(f"calibrating {ranks} ranks needs {ranks} GPUs (one per rank for NCCL)")
@@ -356,25 +409,23 @@ def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> C
         coll = slowest(i, "collectives")
         meas.append({"compute": max(1e-6, slowest(i, "fwd_bwd") - coll), "collectives": coll,
                      "optimizer": slowest(i, "optimizer"), "gather_spans": slowest(i, "gather_spans")})
-    # two equations m_i = a * thru_i + b * ops_i
-    (t1, o1, m1), (t2, o2, m2) = ((p["throughput"], p["ops"], m["compute"]) for p, m in zip(preds[:2], meas[:2]))
-    det = t1 * o2 - t2 * o1
-    a = (m1 * o2 - m2 * o1) / det if det else 0.0
-    b = (t1 * m2 - t2 * m1) / det if det else 0.0
-    if a <= 0 or b <= 0:  # noisy or degenerate: one factor for both terms, from the larger size
-        a = m2 / max(1e-9, preds[1]["compute"])
+    n = len(SIZES)
+    a, b = _fit_compute([(p["throughput"], p["ops"], m["compute"]) for p, m in zip(preds[:n], meas[:n])])
+    if a <= 0:  # no throughput term left: one factor for both, from the largest size
+        a = meas[n - 1]["compute"] / max(1e-9, preds[n - 1]["compute"])
         b = per_rank.op_overhead_s * a
-    big = len(SIZES) - 1
     # bf16 matmul factor: the bf16 run's compute less the fp32-fitted memory and per-op terms
-    pb, mb = preds[2], meas[2]
+    pb, mb = preds[n], meas[n]
     a_bf16 = (mb["compute"] - a * pb["memory"] - b * pb["ops"]) / pb["matmul"] if pb["matmul"] > 0 else a
     if a_bf16 <= 0:
         a_bf16 = mb["compute"] / max(1e-9, pb["compute"])
+    big = n + 1  # the sharded run
 
     def ratio(key: str) -> float:
         return _clamp(meas[big][key] / preds[big][key]) if preds[big][key] > 0 else 1.0
 
     coll = _collectives_ratio(meas[big], preds[big]) if ranks > 1 else 1.0
+    first_gather = per_rank.all_gather_time(chunk * 4, ranks) if ranks > 1 else 0.0
     overlap = _prefetch_overlap(res, big, steps, meas[big], preds[big], first_gather * coll) if ranks > 1 else 0.0
 
     return Calibration(
@@ -396,17 +447,19 @@ def calibrate_profile(hw: Any, ranks: tuple[int, ...], steps: int = 10, say: Opt
         cal[str(k)] = c.factors()
         for r in c.runs:
             m, p = r["measured"], r["predicted"]
-            notes.append(f"{k} rank(s), width {r['size'][0]} seq {r['size'][2]} {r['dtype']}"
-                         f"{' (also with prefetch, alternating)' if r['mode'] == 'pair' else ''}: measured "
-                         + ", ".join(f"{n} {m[n] * 1e3:.1f} ms" for n in ("compute", "collectives", "optimizer",
-                                                                         "gather_spans"))
+            notes.append(f"{k} rank(s), width {r['size'][0]} seq {r['size'][2]} layers {r['size'][3]} {r['dtype']} "
+                         f"{'sharded (minimum waste, also with prefetch, alternating)' if r['mode'] == 'pair' else r['mode']}"
+                         ": measured " + ", ".join(f"{n} {m[n] * 1e3:.1f} ms" for n in ("compute", "collectives", "optimizer",
+                                                                                      "gather_spans"))
                          + "; predicted " + ", ".join(f"{n} {p[n] * 1e3:.1f} ms" for n in ("compute", "collectives", "optimizer",
-                                                                                           "all_gather")))
+                                                                                           "all_gather"))
+                         + f", {p['ops']} ops")
     src = dict(hw.source)
     src["calibration"] = ("measured: elixir's runtime training the plain-torch reference model "
-                          f"(elixir.calibrate.ReferenceLM, {LAYERS} layers, batch {BATCH}, (width, heads, seq) in "
-                          f"{list(SIZES)}); compute fitted as a * (matmul + memory time) + b * ops over the two sizes, "
-                          "bf16 matmuls refitted on a bf16 run of the larger; collectives as the all-gathers' spans, call to end "
-                          "of wait (no prefetch: waited at once), measured / predicted, and the optimizer as measured / predicted, at the larger "
-                          "(fp32); " + " | ".join(notes))
+                          f"(elixir.calibrate.ReferenceLM, batch {BATCH}, (width, heads, seq, layers) in {list(SIZES)}); "
+                          "compute fitted as a * (matmul + memory time) + b * ops, non-negative least squares of the relative "
+                          "residuals over every size, on replicated plans (no sharded chunk's work), bf16 matmuls refitted "
+                          "on a bf16 run of the largest; collectives as the all-gathers' spans, call to end of wait (no "
+                          "prefetch: waited at once), measured / predicted, and the optimizer as measured / predicted, on "
+                          "the largest size's minimum-waste (sharded) plan (fp32); " + " | ".join(notes))
     return dataclasses.replace(hw, calibration=cal, source=src)
