@@ -60,9 +60,9 @@ def test_the_reference_sizes_tell_ops_from_throughput():
 
 def test_the_compute_runs_are_replicated_and_the_collective_run_sharded():
     hw = dataclasses.replace(load_profile("cpu-box"), calibration={}, cores=2)
-    runs, preds, chunk = _reference_runs(hw.per_rank(2), 2)
+    runs, preds, chunk = _reference_runs(hw, 2)
     assert len(runs) == len(SIZES) + 2
-    for size, plan, dtype, mode in runs[:-1]:  # the compute fit and the bf16 run
+    for _size, plan, _dtype, mode in runs[:-1]:  # the compute fit and the bf16 run
         assert mode == "replicated" and {c["sharding"] for c in plan["chunks"]} == {Sharding.REPLICATED.value}
         assert plan["cache_blocks"] == 0
     assert runs[len(SIZES)][2] == "bfloat16" and runs[len(SIZES)][0] == SIZES[-1]

@@ -35,6 +35,7 @@ from elixir.plan import MeshLayout, SearchResult
 from elixir.profiling.measurement import local_backend
 from elixir.search import minimum_waste_search
 from elixir.search.cost_model import Setting, evaluate_plan
+from elixir.search.optimal import search_profile
 from elixir.search.step_profile import profile_step
 from elixir.tracer.op_costs import OpCosts
 from elixir.wrapper import ElixirModule, ElixirOptimizer
@@ -348,11 +349,19 @@ def _fit_compute(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
     return min(one, key=lambda ab: loss(*ab))
 
 
-def _reference_runs(per_rank: Any, ranks: int) -> tuple[list, list, int]:
-    """The runs of :func:`calibrate` and what the cost model predicts for each: every size of
-    :data:`SIZES` under a replicated plan (the compute fit), the largest also in bf16, and the
-    largest under the minimum-waste plan (sharded: the collectives, the overlap and the optimizer).
-    Returns (runs, predictions, the sharded plan's chunk size)."""
+def _reference_runs(base: Any, ranks: int) -> tuple[list, list, int]:
+    """The runs of :func:`calibrate` and what the cost model predicts for each (from ``base``, the
+    uncalibrated profile): every size of :data:`SIZES` under the search's own plan with every chunk
+    replicated (the compute fit), the largest also in bf16, and the largest under the
+    minimum-waste plan (sharded: the collectives, the overlap and the optimizer).
+
+    The search's chunks, not the minimum-waste ones, for the compute: with a few large chunks the
+    gradients' all-reduce runs after the backward, as the cost model adds it; with many small ones
+    it runs during the backward, on the same cores, and about 6% of the step moved from the
+    collectives' wait into the compute measured (2 ranks, 2 cores, the largest size: 145-150 ms
+    against 138-143 ms, at the same forward+backward time). Returns (runs, predictions, the
+    sharded plan's chunk size)."""
+    per_rank = base.per_rank(base.ranks_per_node(ranks))
     st = Setting(layout=MeshLayout.data_parallel(ranks), elem=4, reduce_elem=4, opt_bytes=8, hardware=per_rank, dtype="float32")
     runs, preds = [], []
     chunk = 0
@@ -363,10 +372,10 @@ def _reference_runs(per_rank: Any, ranks: int) -> tuple[list, list, int]:
         model = reference_model(size)
         tdtype = getattr(torch, dtype)
         prof = profile_step(model, _batch(0, size[2]), _step_fn, tdtype)
-        plan = minimum_waste_search(model, ranks, tdtype, prefetch=True, inp=_batch(0, size[2]), step_fn=_step_fn)
         if kind == "replicated":
-            plan = _replicated(plan, ranks)
+            plan = _replicated(search_profile(prof, ranks, hardware=base, overlap=True), ranks)
         else:
+            plan = minimum_waste_search(model, ranks, tdtype, prefetch=True, inp=_batch(0, size[2]), step_fn=_step_fn)
             chunk = plan.chunk_size
         b = evaluate_plan(prof, plan, dataclasses.replace(st, elem=tdtype.itemsize, dtype=dtype)).breakdown
         costs = prof.op_costs
@@ -384,7 +393,7 @@ def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> C
     CPU runs do) with every chunk on the device.
 
     Compute is fitted as ``a * (matmul + memory time) + b * ops`` (non-negative least squares over
-    every size, :func:`_fit_compute`) on replicated plans: the step's own compute, as a plan pays
+    every size, :func:`_fit_compute`) on the search's plans with every chunk replicated: the step's own compute, as a plan pays
     it whose parameters are whole (the sharded plan's extra work per chunk, gathers, copies and the
     reduce-scatters' thread, is not compute: fitted into ``a`` and ``b`` it priced GPT-2 steps 20-30%
     over their measured time in issue 35's regret grid). bf16 matmuls are refitted on a bf16 run of
@@ -394,7 +403,7 @@ def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> C
     if base.device_type == "cpu":
         base = dataclasses.replace(base, cores=ranks)  # one thread per rank, as run below
     per_rank = base.per_rank(base.ranks_per_node(ranks))
-    runs, preds, chunk = _reference_runs(per_rank, ranks)
+    runs, preds, chunk = _reference_runs(base, ranks)
     backend = local_backend(ranks)
     if backend is None:
         raise ValueError(f"calibrating {ranks} ranks needs {ranks} GPUs (one per rank for NCCL)")
@@ -458,7 +467,7 @@ def calibrate_profile(hw: Any, ranks: tuple[int, ...], steps: int = 10, say: Opt
     src["calibration"] = ("measured: elixir's runtime training the plain-torch reference model "
                           f"(elixir.calibrate.ReferenceLM, batch {BATCH}, (width, heads, seq, layers) in {list(SIZES)}); "
                           "compute fitted as a * (matmul + memory time) + b * ops, non-negative least squares of the relative "
-                          "residuals over every size, on replicated plans (no sharded chunk's work), bf16 matmuls refitted "
+                          "residuals over every size, on the search's plans with every chunk replicated (no sharded chunk's work), bf16 matmuls refitted "
                           "on a bf16 run of the largest; collectives as the all-gathers' spans, call to end of wait (no "
                           "prefetch: waited at once), measured / predicted, and the optimizer as measured / predicted, on "
                           "the largest size's minimum-waste (sharded) plan (fp32); " + " | ".join(notes))
