@@ -393,8 +393,8 @@ def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> C
     CPU runs do) with every chunk on the device.
 
     Compute is fitted as ``a * (matmul + memory time) + b * ops`` (non-negative least squares over
-    every size, :func:`_fit_compute`) on the search's plans with every chunk replicated: the step's own compute, as a plan pays
-    it whose parameters are whole (the sharded plan's extra work per chunk, gathers, copies and the
+    every size, :func:`_fit_compute`) on the search's plans with every chunk replicated: the
+    step's own compute, as a plan pays it whose parameters are whole (the sharded plan's extra work per chunk, gathers, copies and the
     reduce-scatters' thread, is not compute: fitted into ``a`` and ``b`` it priced GPT-2 steps 20-30%
     over their measured time in issue 35's regret grid). bf16 matmuls are refitted on a bf16 run of
     the largest size; collectives, overlap and the optimizer are measured / predicted from ``hw``
@@ -467,8 +467,8 @@ def calibrate_profile(hw: Any, ranks: tuple[int, ...], steps: int = 10, say: Opt
     src["calibration"] = ("measured: elixir's runtime training the plain-torch reference model "
                           f"(elixir.calibrate.ReferenceLM, batch {BATCH}, (width, heads, seq, layers) in {list(SIZES)}); "
                           "compute fitted as a * (matmul + memory time) + b * ops, non-negative least squares of the relative "
-                          "residuals over every size, on the search's plans with every chunk replicated (no sharded chunk's work), bf16 matmuls refitted "
-                          "on a bf16 run of the largest; collectives as the all-gathers' spans, call to end of wait (no "
+                          "residuals over every size, on the search's plans with every chunk replicated (no sharded "
+                          "chunk's work), bf16 matmuls refitted on a bf16 run of the largest; collectives as the all-gathers' spans, call to end of wait (no "
                           "prefetch: waited at once), measured / predicted, and the optimizer as measured / predicted, on "
                           "the largest size's minimum-waste (sharded) plan (fp32); " + " | ".join(notes))
     return dataclasses.replace(hw, calibration=cal, source=src)
