@@ -15,6 +15,7 @@ import torch
 
 from elixir import models
 from elixir.hardware import load_profile
+from elixir.plan import MeshLayout
 from elixir.plan.budgets import (
     INF,
     Budgets,
@@ -24,7 +25,6 @@ from elixir.plan.budgets import (
     unified_memory,
     untraced_refusal,
 )
-from elixir.plan import MeshLayout
 from elixir.plan.state_format import FP32_STATE, leaner_formats
 from elixir.plan.tensor_plans import local_shapes, style_plan
 from elixir.search.mesh_profile import search_mesh
