@@ -20,7 +20,7 @@
 // - Random bits: h = mix32(key ^ index * 0x9E3779B9), `key` per (seed, chunk, step) from Python
 //   and `index` the element's position in its chunk, so a run is reproducible and ranks draw
 //   independent streams. The master's rounding takes h's low 16 bits; the moments take
-//   h2 = mix32(moment_key(key) ^ index * 0x9E3779B9), a second stream (one hash per element
+//   h2 = moment_bits(moment_key(key), index), a second, cheaper stream (one hash per element
 //   where only the moments round), exp_avg its low and exp_avg_sq its high 16 bits.
 
 enum MasterFmt : int { kMasterF32 = 0, kMasterBF16SR = 1, kMasterBF16Kahan = 2 };
@@ -60,6 +60,19 @@ inline uint32_t mix32(uint32_t x) {
 // The key of the moments' random stream, from the master's (lowbit._moment_key).
 inline uint32_t moment_key(uint32_t key) { return mix32(key ^ 0x68E31DA4u); }
 
+// The moments' random bits of element idx (lowbit.moment_bits): a Weyl sequence (one add per
+// element in the SIMD loop: (key + idx * golden) * 0x7feb352d steps by a constant), then half of
+// mix32: xorshift, multiply, xorshift. Six vector ops per 16 elements against mix32's ten; its
+// 16-bit halves pass the same uniformity and neighbour-correlation checks as mix32's (and each
+// element's bits are uniform over steps for any bijection of the key, which this is).
+constexpr uint32_t kGolden = 0x9E3779B9u, kWeylMul = 0x7feb352du, kMomMul = 0x846ca68bu;
+inline uint32_t moment_bits(uint32_t key, uint32_t idx) {
+  uint32_t x = (key + idx * kGolden) * kWeylMul;
+  x ^= x >> 16;
+  x *= kMomMul;
+  return x ^ (x >> 16);
+}
+
 // fp16 -> fp32 without branches (vectorisable): subnormals by an exact power-of-two product.
 inline float f16_to_f32_flat(uint16_t h) {
   const uint32_t em = h & 0x7FFFu;
@@ -91,6 +104,16 @@ inline float code_decode(uint32_t c) {
   return bits_f32((sub & is_sub) | (nrm & ~is_sub));
 }
 
+// The 8-bit-moment update's constants (lowbit.kernel_consts, q8_step and q8_eps). It divides once:
+// p + (neg_step * bc2_sqrt * m) / (sqrt(v) + eps * bc2_sqrt), the fp32 update's
+// p + (neg_step * m) / (sqrt(v) / bc2_sqrt + eps) with the bias correction moved out of the
+// denominator (the divider is the pass's bottleneck). And exp_avg_sq is d * d * (scale^2 * beta2)
+// with d the decoded code (d * d is exact: d has at most 5 significant bits): one rounding, one
+// multiply fewer than (d * scale)^2 * beta2.
+inline float q8_step(const Consts& c) { return c.neg_step * c.bc2_sqrt; }
+inline float q8_eps(const Consts& c) { return c.eps * c.bc2_sqrt; }
+inline float q8_v_factor(const Consts& c, float vscale) { return vscale * vscale * c.beta2; }
+
 inline uint16_t sr_bf16(float x, uint32_t rb) { return static_cast<uint16_t>((f32_bits(x) + (rb & 0xFFFFu)) >> 16); }
 
 inline float block_absmax(const float* x, int64_t len) {
@@ -110,6 +133,32 @@ ELIXIR_AVX512 inline __m512i mix32x16(__m512i x) {
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+// moment_bits before its last xorshift for 16 elements; the Weyl term y advances by 16 elements.
+ELIXIR_AVX512 inline __m512i moment_bits_x16(__m512i& y) {
+  const __m512i x = _mm512_mullo_epi32(_mm512_xor_si512(y, _mm512_srli_epi32(y, 16)), _mm512_set1_epi32(static_cast<int>(kMomMul)));
+  y = _mm512_add_epi32(y, _mm512_set1_epi32(static_cast<int>(16u * kGolden * kWeylMul)));
+  return x;
+}
+
+// The Weyl term of moment_bits for elements idx0 .. idx0 + 15.
+ELIXIR_AVX512 inline __m512i moment_weyl16(uint32_t key, uint32_t idx0) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(idx0)), lane);
+  const __m512i kg = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(key)),
+                                      _mm512_mullo_epi32(idx, _mm512_set1_epi32(static_cast<int>(kGolden))));
+  return _mm512_mullo_epi32(kg, _mm512_set1_epi32(static_cast<int>(kWeylMul)));
+}
+
+ELIXIR_AVX512 int64_t moment_bits_avx512(uint32_t key, uint32_t idx0, uint32_t* h, int64_t len) {
+  __m512i y = moment_weyl16(key, idx0);
+  int64_t j = 0;
+  for (; j + 16 <= len; j += 16) {
+    const __m512i x = moment_bits_x16(y);
+    _mm512_store_si512(h + j, _mm512_xor_si512(x, _mm512_srli_epi32(x, 16)));
+  }
+  return j;
 }
 
 ELIXIR_AVX512 int64_t hash_avx512(uint32_t key, uint32_t idx0, uint32_t* h, int64_t len) {
@@ -137,6 +186,43 @@ __attribute__((always_inline)) inline void fill_hash(uint32_t key, uint32_t idx0
   for (int64_t j = j0; j < len; ++j) h[j] = mix32(key ^ ((idx0 + static_cast<uint32_t>(j)) * 0x9E3779B9u));
 }
 
+// h[j] = moment_bits(key, idx0 + j) for j < len.
+template <bool AVX512>
+__attribute__((always_inline)) inline void fill_moment_bits(uint32_t key, uint32_t idx0, uint32_t* h, int64_t len) {
+  int64_t j0 = 0;
+#ifdef ELIXIR_ADAM_X86
+  if constexpr (AVX512) j0 = moment_bits_avx512(key, idx0, h, len);
+#endif
+  for (int64_t j = j0; j < len; ++j) h[j] = moment_bits(key, idx0 + static_cast<uint32_t>(j));
+}
+
+// The update on len elements: cpu_adam.cpp's adam_one, operation by operation, or with the 8-bit
+// moments (Q8) q8_step's one division; v[j] * vmul is exp_avg_sq * beta2 (q8_v_factor for Q8).
+template <bool Q8>
+__attribute__((always_inline)) inline void low_update(const Consts& c, float vmul, const float* __restrict__ g,
+                                                      float* __restrict__ p, float* __restrict__ m,
+                                                      float* __restrict__ v, float* __restrict__ r, int64_t len) {
+  const float step = Q8 ? q8_step(c) : c.neg_step, eps = Q8 ? q8_eps(c) : c.eps;
+  const int wd_mode = c.wd_mode;  // locals: the loop vectorises only when no store can alias c
+  const bool from_m = c.lerp_from_m;
+  const float wd = c.wd, decay = c.decay, lerp_w = c.lerp_w, c2 = c.c2, bc2_sqrt = c.bc2_sqrt;
+  for (int64_t j = 0; j < len; ++j) {
+    float gg = g[j];
+    float pp = p[j];
+    if (wd_mode == 1) gg = __builtin_fmaf(pp, wd, gg);
+    if (wd_mode == 2) pp = pp * decay;
+    const float m0 = m[j];
+    const float mn = __builtin_fmaf(lerp_w, gg - m0, from_m ? m0 : gg);
+    const float vn = __builtin_fmaf(c2 * gg, gg, v[j] * vmul);
+    const float sq = std::sqrt(vn);
+    const float denom = Q8 ? sq + eps : sq / bc2_sqrt + eps;
+    p[j] = pp + (step * mn) / denom;
+    m[j] = mn;
+    v[j] = vn;
+    r[j] = sq;
+  }
+}
+
 // One block [b, b + len) of span s: the whole update, state read and written in its formats.
 template <int LEN, bool AVX512>
 __attribute__((always_inline)) inline void low_block(const Consts& c, const LowOpts& o, const LowSpan& s, int64_t b,
@@ -147,7 +233,7 @@ __attribute__((always_inline)) inline void low_block(const Consts& c, const LowO
   alignas(64) uint32_t h[kQBlock], h2[kQBlock];  // the master's and the moments' random bits
   const uint32_t idx0 = s.offset + static_cast<uint32_t>(b);
   if (o.master == kMasterBF16SR) fill_hash<AVX512>(s.key, idx0, h, len);
-  if (o.moments != kMomF32) fill_hash<AVX512>(moment_key(s.key), idx0, h2, len);
+  if (o.moments != kMomF32) fill_moment_bits<AVX512>(moment_key(s.key), idx0, h2, len);
   // gradient
   if (o.grad == kF32) {
     const float* src = static_cast<const float*>(s.g) + b;
@@ -190,32 +276,18 @@ __attribute__((always_inline)) inline void low_block(const Consts& c, const LowO
   } else {
     const uint8_t* sm = static_cast<const uint8_t*>(s.m) + b;
     const uint8_t* sv = static_cast<const uint8_t*>(s.v) + b;
-    const float mscale = s.ms[blk], vscale = s.vs[blk];
+    const float mscale = s.ms[blk];
     for (int64_t j = 0; j < len; ++j) {
       const float a = code_decode<3>(sm[j] & 0x7Fu) * mscale;
       m[j] = bits_f32(f32_bits(a) | (static_cast<uint32_t>(sm[j] & 0x80u) << 24));
     }
     for (int64_t j = 0; j < len; ++j) {
-      const float q = code_decode<4>(sv[j]) * vscale;
-      v[j] = q * q;
+      const float d = code_decode<4>(sv[j]);
+      v[j] = d * d;  // exact; the scale is in q8_v_factor
     }
   }
-  // the update: cpu_adam.cpp's adam_one, operation by operation
-  for (int64_t j = 0; j < len; ++j) {
-    float gg = g[j];
-    float pp = p[j];
-    if (c.wd_mode == 1) gg = __builtin_fmaf(pp, c.wd, gg);
-    if (c.wd_mode == 2) pp = pp * c.decay;
-    const float m0 = m[j];
-    const float mn = __builtin_fmaf(c.lerp_w, gg - m0, c.lerp_from_m ? m0 : gg);
-    const float vn = __builtin_fmaf(c.c2 * gg, gg, v[j] * c.beta2);
-    const float sq = std::sqrt(vn);
-    const float denom = sq / c.bc2_sqrt + c.eps;
-    p[j] = pp + (c.neg_step * mn) / denom;
-    m[j] = mn;
-    v[j] = vn;
-    r[j] = sq;
-  }
+  if (o.moments == kMomQ8) low_update<true>(c, q8_v_factor(c, s.vs[blk]), g, p, m, v, r, len);
+  else low_update<false>(c, c.beta2, g, p, m, v, r, len);
   // master back, p[] becoming the value stored
   if (o.master == kMasterF32) {
     float* dst = static_cast<float*>(s.p) + b;

@@ -5,8 +5,8 @@
 // 1. per 16 lanes: load g and the master, decode both codes, Adam's update, store the master
 //    (and the optional 16-bit copy); keep new exp_avg and sqrt(exp_avg_sq) in a 2 KiB stack
 //    buffer (L1) and their running absmax in registers;
-// 2. per 16 lanes: hash (the moments' stream), encode both codes against the block's new
-//    absmax, store the bytes.
+// 2. per 16 lanes: the moments' random bits (moment_bits), encode both codes against the block's
+//    new absmax, store the bytes.
 //
 // Decoding is one vcvtph2ps: the codes are fp16's top bits. exp_avg's code (sign, 4 exponent,
 // 3 mantissa bits) shifted left by 7 is the fp16 with that value (exponent bias 15, fp16's
@@ -39,21 +39,26 @@ ELIXIR_AVX512 inline __m512 q8_decode_v16(const uint8_t* src) {
       _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 6));
 }
 
-// code_encode on 16 lanes. y * 2^(14+M) is exact, so the fma rounds like code_encode's two steps;
-// the linear range (y < 2^-14) is computed only when a lane is in it.
+// code_encode on 16 lanes plus 112 << M (its exponent bias, which the byte store drops: 1792 is
+// 0 mod 256 and 896 is 128, so the code is the low byte for M = 4 and that byte ^ 0x80 for M = 3).
+// noise = r16 << (7 - M): its random bits where they add to y's bits. y * 2^(14+M) is exact, so the
+// fma rounds like code_encode's two steps; the linear range (y < 2^-14, NaN too) is computed only
+// when a lane is in it, and only there can a code be 0: M = 4's rule (a nonzero sqrt(v) never
+// rounds to 0) applies there alone.
 template <int M>
-ELIXIR_AVX512 inline __m512i q8_encode16(__m512 y, __m512i r16) {
-  constexpr int kShift = 23 - M;
-  __m512i q = _mm512_sub_epi32(
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(y), _mm512_slli_epi32(r16, kShift - 16)), kShift),
-      _mm512_set1_epi32(112 << M));
+ELIXIR_AVX512 inline __m512i q8_encode16(__m512 y, __m512i noise) {
+  constexpr int kShift = 23 - M, kBias = 112 << M;
+  __m512i q = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(y), noise), kShift);
   const __mmask16 linear = _mm512_cmp_ps_mask(y, _mm512_set1_ps(0x1p-14f), _CMP_NGE_UQ);
-  if (__builtin_expect(linear != 0, 0)) {
-    const __m512 noise = _mm512_mul_ps(_mm512_cvtepi32_ps(r16), _mm512_set1_ps(0x1p-16f));
-    const __m512 lin = _mm512_fmadd_ps(y, _mm512_set1_ps(static_cast<float>(1 << (14 + M))), noise);
-    q = _mm512_mask_mov_epi32(q, linear, _mm512_cvttps_epi32(lin));
+  if (__builtin_expect(linear != 0, 0)) {  // noise * 2^-kShift = r16 * 2^-16 exactly
+    const __m512 lin = _mm512_fmadd_ps(y, _mm512_set1_ps(static_cast<float>(1 << (14 + M))),
+                                       _mm512_mul_ps(_mm512_cvtepi32_ps(noise), _mm512_set1_ps(1.0f / (1 << kShift))));
+    __m512i ql = _mm512_cvttps_epi32(lin);
+    if constexpr (M == 4)
+      ql = _mm512_mask_max_epi32(ql, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ), ql, _mm512_set1_epi32(1));
+    q = _mm512_mask_add_epi32(q, linear, ql, _mm512_set1_epi32(kBias));
   }
-  return _mm512_min_epi32(q, _mm512_set1_epi32(M == 3 ? 127 : 255));
+  return _mm512_min_epi32(q, _mm512_set1_epi32(kBias + (M == 3 ? 127 : 255)));
 }
 
 // The master's 16 lanes at i as fp32.
@@ -104,7 +109,9 @@ struct Q8Scratch {
 template <int MASTER>
 ELIXIR_AVX512 inline void q8_update_block(const Consts& c, const Consts512& k, const LowOpts& o, const LowSpan& s,
                                           int64_t b, Q8Scratch& x) {
-  const __m512 ms = _mm512_set1_ps(s.ms[b / kQBlock]), vs = _mm512_set1_ps(s.vs[b / kQBlock]);
+  const float vscale = s.vs[b / kQBlock];
+  const __m512 ms = _mm512_set1_ps(s.ms[b / kQBlock]), kv = _mm512_set1_ps(q8_v_factor(c, vscale));
+  const __m512 step = _mm512_set1_ps(q8_step(c)), eps = _mm512_set1_ps(q8_eps(c));
   const uint8_t* cm = static_cast<const uint8_t*>(s.m) + b;
   const uint8_t* cv = static_cast<const uint8_t*>(s.v) + b;
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), key = _mm512_set1_epi32(static_cast<int>(s.key));
@@ -120,12 +127,11 @@ ELIXIR_AVX512 inline void q8_update_block(const Consts& c, const Consts512& k, c
     if (c.wd_mode == 1) g = _mm512_fmadd_ps(p, k.wd, g);
     if (c.wd_mode == 2) p = _mm512_mul_ps(p, k.decay);
     const __m512 m0 = _mm512_mul_ps(q8_decode_m16(cm + j), ms);
-    const __m512 q = _mm512_mul_ps(q8_decode_v16(cv + j), vs);
+    const __m512 d = q8_decode_v16(cv + j);
     const __m512 mn = _mm512_fmadd_ps(k.lerp_w, _mm512_sub_ps(g, m0), c.lerp_from_m ? m0 : g);
-    const __m512 vn = _mm512_fmadd_ps(_mm512_mul_ps(k.c2, g), g, _mm512_mul_ps(_mm512_mul_ps(q, q), k.beta2));
+    const __m512 vn = _mm512_fmadd_ps(_mm512_mul_ps(k.c2, g), g, _mm512_mul_ps(_mm512_mul_ps(d, d), kv));
     const __m512 sq = _mm512_sqrt_ps(vn);
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(sq, k.bc2_sqrt), k.eps);
-    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(k.neg_step, mn), denom));
+    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(step, mn), _mm512_add_ps(sq, eps)));
     __m512i h = _mm512_setzero_si512();
     if constexpr (MASTER == kMasterBF16SR) {
       h = mix32x16(_mm512_xor_si512(key, hidx));
@@ -150,23 +156,22 @@ ELIXIR_AVX512 inline void q8_encode_block(const LowSpan& s, int64_t b, const Q8S
   const __m512 mi = _mm512_set1_ps(mmax > 0.f ? 1.0f / mmax : 0.f), vi = _mm512_set1_ps(vmax > 0.f ? 1.0f / vmax : 0.f);
   uint8_t* dm = static_cast<uint8_t*>(s.m) + b;
   uint8_t* dv = static_cast<uint8_t*>(s.v) + b;
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), low16 = _mm512_set1_epi32(0xFFFF);
-  const __m512i key = _mm512_set1_epi32(static_cast<int>(moment_key(s.key)));
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i golden = _mm512_set1_epi32(static_cast<int>(0x9E3779B9u));
-  __m512i hidx = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(s.offset + b)), lane), golden);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  const __m512i nm_mask = _mm512_set1_epi32(0xFFFF << 4), nv_mask = _mm512_set1_epi32(0xFFFF << 3);
+  __m512i weyl = moment_weyl16(moment_key(s.key), s.offset + static_cast<uint32_t>(b));
   for (int64_t j = 0; j < kQBlock; j += 16) {
-    const __m512i h2 = mix32x16(_mm512_xor_si512(key, hidx));
-    hidx = _mm512_add_epi32(hidx, _mm512_slli_epi32(golden, 4));
+    // h2 = hx ^ (hx >> 16) (moment_bits): exp_avg's noise is h2's low half << 4, exp_avg_sq's its
+    // high half (hx's) << 3
+    const __m512i hx = moment_bits_x16(weyl);
+    const __m512i nm = _mm512_ternarylogic_epi32(_mm512_slli_epi32(hx, 4), _mm512_srli_epi32(hx, 12), nm_mask, 0x28);
+    const __m512i nv = _mm512_and_si512(_mm512_srli_epi32(hx, 13), nv_mask);
     const __m512i mb = _mm512_load_si512(x.m + j);
     const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(mb, abs_mask));
-    __m512i qm = q8_encode16<3>(_mm512_mul_ps(am, mi), _mm512_and_si512(h2, low16));
-    qm = _mm512_ternarylogic_epi32(qm, _mm512_srli_epi32(mb, 24), _mm512_set1_epi32(0x80), 0xF8);  // | sign
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dm + j), _mm512_cvtepi32_epi8(qm));
-    const __m512 y = _mm512_mul_ps(_mm512_load_ps(x.r + j), vi);
-    __m512i qv = q8_encode16<4>(y, _mm512_srli_epi32(h2, 16));
-    // a nonzero sqrt(v) never rounds to code 0
-    qv = _mm512_mask_max_epi32(qv, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ), qv, _mm512_set1_epi32(1));
+    const __m512i qm = q8_encode16<3>(_mm512_mul_ps(am, mi), nm);
+    // (qm ^ 0x80) | sign in the low byte: the code with exp_avg's sign in bit 7
+    const __m512i cm = _mm512_ternarylogic_epi32(qm, _mm512_srli_epi32(mb, 24), _mm512_set1_epi32(0x80), 0xDA);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dm + j), _mm512_cvtepi32_epi8(cm));
+    const __m512i qv = q8_encode16<4>(_mm512_mul_ps(_mm512_load_ps(x.r + j), vi), nv);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dv + j), _mm512_cvtepi32_epi8(qv));
   }
 }

@@ -22,7 +22,8 @@ Random bits come from a counter-based hash of (seed, stream, step, element index
 parameter), the index is the element's place in it, so runs are reproducible and independent of
 threads, SIMD level and how the work is split. The master's rounding and the moments' draw from two
 streams of one key (the moments' key is :func:`_moment_key` of it): one hash per element when only
-the moments round (the common fp32-master case).
+the moments round (the common fp32-master case). The moments' hash (:func:`moment_bits`) is a
+cheaper one than the master's: the 8-bit kernel's second pass is compute-bound (issue 33).
 
 :func:`adam_step_lowbit_torch` is the same arithmetic in torch, operation by operation (fmas in
 float64, correctly rounded square roots), so it matches the native kernel bit for bit; it runs
@@ -42,8 +43,8 @@ import torch
 from elixir.plan.state_format import QUANT_BLOCK, check_state_formats, master_torch_dtype
 
 __all__ = [
-    "MASTER_CODE", "MOMENT_CODE", "QUANT_BLOCK", "stream_key", "random_bits", "new_state", "conform_state",
-    "decode_moments", "encode_moments", "adam_step_lowbit_torch", "kernel_consts", "master_dtype", "state_keys",
+    "MASTER_CODE", "MOMENT_CODE", "QUANT_BLOCK", "stream_key", "random_bits", "moment_bits", "new_state",
+    "conform_state", "decode_moments", "encode_moments", "adam_step_lowbit_torch", "kernel_consts", "master_dtype", "state_keys",
 ]
 
 MASTER_CODE = {"fp32": 0, "bf16-sr": 1, "bf16-kahan": 2}
@@ -104,6 +105,21 @@ def random_bits(key: int, offset: int, n: int, device: torch.device | str = "cpu
     """32 random bits (int64 tensor) for elements ``offset .. offset + n`` of stream ``key``."""
     idx = (torch.arange(n, dtype=torch.int64, device=device) + offset) & _M32
     return _mix32_t(((idx * _GOLDEN) & _M32) ^ key)
+
+
+_WEYL_MUL = 0x7FEB352D
+_MOM_MUL = 0x846CA68B
+
+
+def moment_bits(key: int, offset: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The moments' 32 random bits (int64 tensor) for elements ``offset .. offset + n`` of the
+    moments' stream ``key`` (``moment_bits`` in the kernel): a Weyl sequence
+    ``(key + index * golden) * 0x7FEB352D`` (one add per element in the kernel's SIMD loop), then
+    half of :func:`_mix32` (xorshift, multiply, xorshift)."""
+    idx = (torch.arange(n, dtype=torch.int64, device=device) + offset) & _M32
+    x = ((((idx * _GOLDEN) + key) & _M32) * _WEYL_MUL) & _M32
+    x = ((x ^ (x >> 16)) * _MOM_MUL) & _M32
+    return x ^ (x >> 16)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +185,7 @@ def _store_moments(m: torch.Tensor, v: torch.Tensor, sq: Optional[torch.Tensor],
     rounded with the moments' stream of ``key`` from element ``offset``."""
     if moments == "fp32":
         return {"exp_avg": m, "exp_avg_sq": v}
-    h2 = random_bits(_moment_key(key), offset, m.numel(), m.device)
+    h2 = moment_bits(_moment_key(key), offset, m.numel(), m.device)
     hm, hv = h2 & 0xFFFF, h2 >> 16
     if moments == "bf16":
         return {"exp_avg": _sr_bf16(m, hm), "exp_avg_sq": _sr_bf16(v, hv)}
@@ -259,18 +275,33 @@ def kernel_consts(*, step: int, lr: float, beta1: float, beta2: float, eps: floa
     bc2 = 1.0 - beta2**step if bias_correction else 1.0
     w = _f32(1.0 - beta1)
     from_m = abs(w) < 0.5
-    return dict(
+    c = dict(
         scale=div_scale != 1.0, div_scale=_f32(div_scale),
         wd_mode=(2 if adamw_mode else 1) if weight_decay != 0.0 else 0, wd=_f32(weight_decay),
         decay=_f32(1.0 - lr * weight_decay), lerp_w=w if from_m else _f32(w - 1.0), lerp_from_m=from_m,
         beta2=_f32(beta2), c2=_f32(1.0 - beta2), bc2_sqrt=_f32(math.sqrt(bc2)), eps=_f32(eps), neg_step=_f32(-(lr / bc1)),
     )
+    # 8-bit moments divide once (csrc q8_step, q8_eps): p + (neg_step * bc2_sqrt * m) / (sqrt(v) + eps * bc2_sqrt)
+    c["q8_step"], c["q8_eps"] = _f32(c["neg_step"] * c["bc2_sqrt"]), _f32(c["eps"] * c["bc2_sqrt"])
+    return c
 
 
 def _fma(a: torch.Tensor, b, c: torch.Tensor) -> torch.Tensor:
     """fp32 ``a * b + c`` rounded once (the product of two floats is exact in float64)."""
     b64 = b.double() if isinstance(b, torch.Tensor) else b
     return (a.double() * b64 + c.double()).float()
+
+
+def _moments_for_update(st: dict, moments: str, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``exp_avg`` and ``exp_avg_sq * beta2`` as the kernel computes them: for 8-bit moments
+    ``d * d * (scale * scale * beta2)`` with ``d`` the decoded code (csrc q8_v_factor)."""
+    if moments != "int8":
+        m0, v0 = decode_moments(st, moments)
+        return m0, v0 * beta2
+    m0 = decode_moments(st, moments)[0]
+    d = _decode(st["exp_avg_sq"].reshape(-1), 4)
+    vs = st["exp_avg_sq_absmax"]
+    return m0, (d * d) * _per_element((vs * vs) * beta2, d.numel())
 
 
 def adam_step_lowbit_torch(p: torch.Tensor, g: torch.Tensor, st: dict, out: Optional[torch.Tensor], *, master: str,
@@ -285,16 +316,18 @@ def adam_step_lowbit_torch(p: torch.Tensor, g: torch.Tensor, st: dict, out: Opti
     pf = p.reshape(-1).float()
     if master == "bf16-kahan":
         pf = pf + st["master_comp"].reshape(-1).float()
-    m0, v0 = decode_moments(st, moments)
+    m0, v_beta2 = _moments_for_update(st, moments, c["beta2"])
     if c["wd_mode"] == 1:
         gf = _fma(pf, c["wd"], gf)
     if c["wd_mode"] == 2:
         pf = pf * c["decay"]
     mn = _fma(gf - m0, c["lerp_w"], m0 if c["lerp_from_m"] else gf)
-    vn = _fma(gf * c["c2"], gf, v0 * c["beta2"])
+    vn = _fma(gf * c["c2"], gf, v_beta2)
     sq = torch.sqrt(vn.double()).float()  # correctly rounded, like the sqrt instruction
-    denom = sq / torch.tensor(c["bc2_sqrt"], dtype=torch.float32) + c["eps"]
-    pf = pf + (mn * c["neg_step"]) / denom
+    if moments == "int8":
+        pf = pf + (mn * c["q8_step"]) / (sq + c["q8_eps"])
+    else:
+        pf = pf + (mn * c["neg_step"]) / (sq / torch.tensor(c["bc2_sqrt"], dtype=torch.float32) + c["eps"])
     if master == "fp32":
         p.copy_(pf.view(p.shape))
     elif master == "bf16-sr":
