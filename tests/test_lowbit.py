@@ -126,6 +126,24 @@ def test_stochastic_rounding_is_unbiased():
     assert abs(dv[sel].sqrt().mean().item() - 0.3) < 1e-3
 
 
+def test_moment_stream_is_as_uncorrelated_as_the_master_stream():
+    # the moments' cheaper hash against mix32 (the master's): each 16-bit half uniform, neighbours
+    # and the two halves uncorrelated, within sampling error (4 standard errors of a correlation)
+    n = 1 << 16
+    bound = 4 / n**0.5
+
+    def stats(h):
+        halves = [(h & 0xFFFF).double() / 65536, (h >> 16).double() / 65536]
+        corr = [torch.corrcoef(torch.stack([u[:-k], u[k:]]))[0, 1].abs().item() for u in halves for k in (1, 2, 16)]
+        corr.append(torch.corrcoef(torch.stack(halves))[0, 1].abs().item())
+        return max(corr), max((u.mean() - 0.5).abs().item() for u in halves)
+
+    for key in (L.stream_key(0, 3, 1), L.stream_key(1, 0, 7)):
+        ref_corr, ref_mean = stats(L.random_bits(key, 0, n))
+        corr, mean = stats(L.moment_bits(key, 0, n))
+        assert corr < max(bound, 2 * ref_corr) and mean < max(bound, 2 * ref_mean)
+
+
 def test_small_second_moment_never_rounds_to_zero():
     v = torch.zeros(QUANT_BLOCK)
     v[0], v[1] = 1.0, 1e-30  # 1e-15 relative in sqrt: far below the code's range
