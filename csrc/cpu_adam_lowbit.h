@@ -176,24 +176,18 @@ ELIXIR_AVX512 int64_t hash_avx512(uint32_t key, uint32_t idx0, uint32_t* h, int6
 #include "cpu_adam_lowbit_q8.h"  // the fused 8-bit-moment block
 #endif
 
-// h[j] = mix32(key ^ (idx0 + j) * 0x9E3779B9) for j < len.
-template <bool AVX512>
-__attribute__((always_inline)) inline void fill_hash(uint32_t key, uint32_t idx0, uint32_t* h, int64_t len) {
+// h[j] for j < len: the master's stream mix32(key ^ (idx0 + j) * 0x9E3779B9), or with MOMENTS the
+// moments' cheaper moment_bits(key, idx0 + j).
+template <bool AVX512, bool MOMENTS>
+__attribute__((always_inline)) inline void fill_bits(uint32_t key, uint32_t idx0, uint32_t* h, int64_t len) {
   int64_t j0 = 0;
 #ifdef ELIXIR_ADAM_X86
-  if constexpr (AVX512) j0 = hash_avx512(key, idx0, h, len);
+  if constexpr (AVX512) j0 = MOMENTS ? moment_bits_avx512(key, idx0, h, len) : hash_avx512(key, idx0, h, len);
 #endif
-  for (int64_t j = j0; j < len; ++j) h[j] = mix32(key ^ ((idx0 + static_cast<uint32_t>(j)) * 0x9E3779B9u));
-}
-
-// h[j] = moment_bits(key, idx0 + j) for j < len.
-template <bool AVX512>
-__attribute__((always_inline)) inline void fill_moment_bits(uint32_t key, uint32_t idx0, uint32_t* h, int64_t len) {
-  int64_t j0 = 0;
-#ifdef ELIXIR_ADAM_X86
-  if constexpr (AVX512) j0 = moment_bits_avx512(key, idx0, h, len);
-#endif
-  for (int64_t j = j0; j < len; ++j) h[j] = moment_bits(key, idx0 + static_cast<uint32_t>(j));
+  for (int64_t j = j0; j < len; ++j) {
+    const uint32_t idx = idx0 + static_cast<uint32_t>(j);
+    h[j] = MOMENTS ? moment_bits(key, idx) : mix32(key ^ (idx * 0x9E3779B9u));
+  }
 }
 
 // The update on len elements: cpu_adam.cpp's adam_one, operation by operation, or with the 8-bit
@@ -232,8 +226,8 @@ __attribute__((always_inline)) inline void low_block(const Consts& c, const LowO
   alignas(64) float g[kQBlock], p[kQBlock], m[kQBlock], v[kQBlock], r[kQBlock];
   alignas(64) uint32_t h[kQBlock], h2[kQBlock];  // the master's and the moments' random bits
   const uint32_t idx0 = s.offset + static_cast<uint32_t>(b);
-  if (o.master == kMasterBF16SR) fill_hash<AVX512>(s.key, idx0, h, len);
-  if (o.moments != kMomF32) fill_moment_bits<AVX512>(moment_key(s.key), idx0, h2, len);
+  if (o.master == kMasterBF16SR) fill_bits<AVX512, false>(s.key, idx0, h, len);
+  if (o.moments != kMomF32) fill_bits<AVX512, true>(moment_key(s.key), idx0, h2, len);
   // gradient
   if (o.grad == kF32) {
     const float* src = static_cast<const float*>(s.g) + b;
