@@ -23,7 +23,11 @@ def test_matmul_flops_of_a_linear_layer_are_exact():
     costs = memory_profiling(m, {"x": torch.randn(8, 64)}, _linear_step).op_costs
     # forward addmm and the weight-gradient mm, 2 * 8 * 64 * 32 FLOPs each (the input needs no gradient)
     assert costs.matmul_flops == 2 * 2 * 8 * 64 * 32
-    assert sum(n for n, _ in costs.matmul.values()) == 2
+    assert sum(v[0] for v in costs.matmul.values()) == 2
+    # operand bytes, read and written: addmm(bias, x, W^T) -> 8 x 32; mm(grad_out^T, x) -> 32 x 64
+    fwd = 32 + 8 * 64 + 64 * 32 + 8 * 32
+    wgrad = 32 * 8 + 8 * 64 + 32 * 64
+    assert costs.matmul_bytes == 4 * (fwd + wgrad)
     x = torch.randn(8, 64, requires_grad=True)
     assert memory_profiling(m, {"x": x}, _linear_step).op_costs.matmul_flops == 3 * 2 * 8 * 64 * 32
     assert costs.ops > 3 and costs.memory_bytes > 0  # the sum, its backward, the bias gradient...
@@ -41,11 +45,31 @@ def test_attention_counts_as_matmul():
 
 
 def test_op_costs_combine_and_json_round_trip():
-    a = OpCosts({10: [2.0, 3000.0]}, {5: [1.0, 40.0]}, 7)
-    b = OpCosts({10: [1.0, 1500.0], 12: [1.0, 5000.0]}, {}, 3)
+    a = OpCosts({10: [2.0, 3000.0, 600.0]}, {5: [1.0, 40.0]}, 7)
+    b = OpCosts({10: [1.0, 1500.0, 100.0], 12: [1.0, 5000.0, 70.0]}, {}, 3)
     c = a.combine(b, 2.0, -1.0)  # 2a - b
-    assert c.matmul == {10: [3.0, 4500.0]} and c.memory == {5: [2.0, 80.0]} and c.ops == 11
+    assert c.matmul == {10: [3.0, 4500.0, 1100.0]} and c.memory == {5: [2.0, 80.0]} and c.ops == 11
     assert OpCosts.from_json(c.to_json()) == c
+    # a profile traced before matmul bytes were recorded reads as 0 bytes (FLOPs-only pricing)
+    old = OpCosts.from_json({"matmul": {"10": [1, 100]}, "memory": {}, "ops": 1})
+    assert old.matmul == {10: [1.0, 100.0, 0.0]}
+
+
+def test_skinny_matmuls_pay_their_operand_bytes():
+    flat = dataclasses.replace(load_profile("8xA100-40GB"), matmul_curve={"float32": BandwidthCurve.flat(1e12)},
+                               elementwise=BandwidthCurve.flat(1e11), op_overhead_s=0.0)
+    with_bytes = dataclasses.replace(flat, matmul_bytes_curve={"float32": BandwidthCurve.flat(1e10)})
+    costs = OpCosts({20: [4.0, 4e9, 8e8]}, {}, 0)
+    assert flat.op_compute_time(costs, "float32") == pytest.approx(4e9 / 1e12)  # not measured: FLOPs only
+    assert with_bytes.op_compute_time(costs, "float32") == pytest.approx(4e9 / 1e12 + 8e8 / 1e10)
+    # the bytes' rate is compute: shared by a CPU box's ranks and scaled by the compute calibration
+    cal = dataclasses.replace(with_bytes, calibration={"8": {"compute": 2.0}})
+    assert cal.per_rank(8).op_compute_time(costs, "float32") == pytest.approx(2 * (4e9 / 1e12 + 8e8 / 1e10))
+    # a traced skinny product (8 rows against a 1024 x 1024 weight) is priced above its FLOPs
+    m = nn.Linear(1024, 1024, bias=False)
+    traced = memory_profiling(m, {"x": torch.randn(8, 1024)}, _linear_step).op_costs
+    assert traced.matmul_bytes >= 2 * 4 * 1024 * 1024  # the weight read, its gradient written
+    assert with_bytes.op_compute_time(traced, "float32") > 10 * flat.op_compute_time(traced, "float32")
 
 
 def test_roofline_per_op_adds_overhead_flops_and_bytes():

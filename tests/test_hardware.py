@@ -98,6 +98,9 @@ def test_measure_tiny_on_this_machine(tmp_path):
     assert prof.all_gather is None and prof.collective_world == 0
     assert prof.optimizer_params_per_s["host"] > 0 and prof.disk_write_bytes_per_s > 1
     assert prof.train_flops["float32"].bytes_per_s[0] > 0
+    skinny = prof.matmul_bytes_curve["float32"]  # one point per skinny width, bytes growing
+    assert len(skinny.sizes) == 2 and skinny.sizes[0] < skinny.sizes[1] and min(skinny.bytes_per_s) > 0
+    assert "8-row products" in prof.source["matmul_bytes_curve"]
     assert not list(tmp_path.iterdir())  # the disk test cleans up
     prof.save(tmp_path / "hw.json")
     assert HardwareProfile.load(tmp_path / "hw.json") == prof

@@ -6,6 +6,7 @@ one stage but a tied embedding on the first and last) and the priced extras to t
 """
 
 import argparse
+import dataclasses
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from elixir.plan.tensor_plans import local_shapes, style_plan
 from elixir.search.mesh_profile import search_mesh, stage_names, stage_profiles, tensor_profile
 from elixir.search.optimal import search_profile
 from elixir.search.step_profile import profile_from_module
+from elixir.tracer.op_costs import OpCosts
 
 HW = load_profile("8xH100-80GB")
 G = 1 << 30
@@ -65,6 +67,11 @@ def test_tensor_profile_holds_the_runtimes_local_shapes():
     held = sum(math.prod(s) for s in shapes.values())
     assert prof.total_numel / 4 < held < prof.total_numel / 2  # the norms stay whole
     assert tp.matmul_param_numel < prof.matmul_param_numel
+    # each rank's matmuls move its slice of the weights: FLOPs and operand bytes scale together
+    traced = dataclasses.replace(prof, op_costs=OpCosts({20: [4.0, 4e6, 3e5]}, {10: [2.0, 2e3]}, 9))
+    cut = tensor_profile(traced, shapes, 4).op_costs
+    share = tp.matmul_param_numel / prof.matmul_param_numel
+    assert cut.matmul_flops == pytest.approx(4e6 * share) and cut.matmul_bytes == pytest.approx(3e5 * share)
     # Korthikanti et al.: (10 + 24/t) / 34 of the activations without sequence parallelism, 1/t with
     assert tp.activation_bytes == int(prof.activation_bytes * (10 + 24 / 4) / 34)
     assert tensor_profile(prof, shapes, 4, sequence_parallel=True).activation_bytes == prof.activation_bytes // 4

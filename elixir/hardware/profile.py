@@ -163,6 +163,14 @@ class HardwareProfile:
             does not. Empty in reference profiles (``matmul_flops`` is used then).
         matmul_curve: per dtype, matmul throughput (FLOP/s) by the FLOPs of one matmul, with the
             fixed cost of an op taken out (that is ``op_overhead_s``); empty: use ``matmul_flops``.
+        matmul_bytes_curve: per dtype, the rate (bytes per second) at which a matmul moves its
+            operands beyond the time its FLOPs take at ``matmul_curve``, by the bytes of one
+            matmul: timed on skinny products (8 rows against a square weight, forward and
+            weight-gradient shapes, the weights cycled through more memory than the caches hold),
+            whose time the FLOPs alone under-price 2-6x on a CPU (packing a whole weight for a
+            few rows of work). A matmul costs its FLOPs' time plus its bytes' time: for a square
+            product the bytes add a few percent, for a skinny one they are most of it. Empty
+            (profiles written before it, reference profiles): the FLOPs alone.
         elementwise: throughput (bytes read + written per second) of a memory-bound op by its
             bytes, fixed cost taken out; None: twice ``device_copy`` (a copy reads and writes).
         all_reduce: all-reduce bus-bandwidth curve (bus bytes ``2 (w - 1) / w`` of the message);
@@ -250,6 +258,7 @@ class HardwareProfile:
     overlap: bool
     train_flops: dict[str, BandwidthCurve] = field(default_factory=dict)
     matmul_curve: dict[str, BandwidthCurve] = field(default_factory=dict)
+    matmul_bytes_curve: dict[str, BandwidthCurve] = field(default_factory=dict)
     elementwise: Optional[BandwidthCurve] = None
     optimizer_format_ratio: dict[str, dict[str, float]] = field(default_factory=dict)
     op_overhead_s: float = 0.0
@@ -311,6 +320,7 @@ class HardwareProfile:
             matmul_flops={d: v * fc for d, v in self.matmul_flops.items()},
             train_flops={d: c.scaled(fc) for d, c in self.train_flops.items()},
             matmul_curve={d: c.scaled(fc) for d, c in self.matmul_curve.items()},
+            matmul_bytes_curve={d: c.scaled(fc) for d, c in self.matmul_bytes_curve.items()},
             elementwise=self.elementwise.scaled(fc) if (cpu and self.elementwise is not None) else self.elementwise,
             disk_read_bytes_per_s=self.disk_read_bytes_per_s * f,
             disk_write_bytes_per_s=self.disk_write_bytes_per_s * f,
@@ -325,6 +335,8 @@ class HardwareProfile:
             matmul_flops={d: v / c for d, v in self.matmul_flops.items()},
             train_flops={d: v.scaled(1 / c) for d, v in self.train_flops.items()},
             matmul_curve={d: v.scaled(1 / float(cal.get(f"compute_{d}", c))) for d, v in self.matmul_curve.items()},
+            matmul_bytes_curve={d: v.scaled(1 / float(cal.get(f"compute_{d}", c)))
+                                for d, v in self.matmul_bytes_curve.items()},
             elementwise=(self.elementwise or self.device_copy.scaled(2.0)).scaled(1 / c),
             op_overhead_s=float(cal.get("op_overhead_s", self.op_overhead_s * c)),
             all_gather=self.all_gather.scaled(1 / col) if self.all_gather is not None else None,
@@ -418,13 +430,17 @@ class HardwareProfile:
     def op_compute_time(self, costs: Any, dtype: str) -> float:
         """Seconds of forward/backward compute for a step with the traced
         :class:`~elixir.tracer.op_costs.OpCosts` ``costs``: every op pays ``op_overhead_s``;
-        matmul-like ops add their FLOPs at the matmul throughput for their size; other ops add
-        their bytes at the elementwise bandwidth for their size."""
+        matmul-like ops add their FLOPs at the matmul throughput for their size and their operand
+        bytes at :attr:`matmul_bytes_curve` (where measured); other ops add their bytes at the
+        elementwise bandwidth for their size."""
         mm = self.matmul_curve.get(dtype) or self.matmul_curve.get("float32")
+        mb = self.matmul_bytes_curve.get(dtype) or self.matmul_bytes_curve.get("float32")
         ew = self.elementwise or self.device_copy.scaled(2.0)
         t = costs.ops * self.op_overhead_s
-        for n, flops in costs.matmul.values():
+        for n, flops, *moved in costs.matmul.values():
             t += n * mm.time(flops / n) if mm is not None else self.matmul_time(flops, dtype)
+            if mb is not None and moved and moved[0] > 0:
+                t += n * mb.time(moved[0] / n)
         for n, nbytes in costs.memory.values():
             t += n * ew.time(nbytes / n)
         return t
@@ -447,6 +463,7 @@ class HardwareProfile:
             d[k] = None if v is None else v.to_json()
         d["train_flops"] = {k: v.to_json() for k, v in self.train_flops.items()}
         d["matmul_curve"] = {k: v.to_json() for k, v in self.matmul_curve.items()}
+        d["matmul_bytes_curve"] = {k: v.to_json() for k, v in self.matmul_bytes_curve.items()}
         return d
 
     @classmethod
@@ -463,6 +480,7 @@ class HardwareProfile:
                 kw[k] = BandwidthCurve.from_json(kw[k])
         kw["train_flops"] = {k: BandwidthCurve.from_json(v) for k, v in kw.get("train_flops", {}).items()}
         kw["matmul_curve"] = {k: BandwidthCurve.from_json(v) for k, v in kw.get("matmul_curve", {}).items()}
+        kw["matmul_bytes_curve"] = {k: BandwidthCurve.from_json(v) for k, v in kw.get("matmul_bytes_curve", {}).items()}
         return cls(**kw)
 
     def save(self, path: str | os.PathLike) -> None:

@@ -20,6 +20,7 @@ from elixir.profiling.measurement import (
     measure_elementwise_curve,
     measure_first_touch,
     measure_matmul,
+    measure_matmul_bytes_curve,
     measure_matmul_curve,
     measure_op_overhead,
     measure_optimizer,
@@ -29,5 +30,5 @@ from elixir.profiling.measurement import (
 __all__ = [
     "Calibration", "calibrate", "calibrate_profile", "MeasureOptions", "local_backend", "measure",
     "measure_collectives", "measure_copy_curve", "measure_disk", "measure_elementwise_curve", "measure_first_touch",
-    "measure_matmul", "measure_matmul_curve", "measure_op_overhead", "measure_optimizer", "measure_train_flops",
+    "measure_matmul", "measure_matmul_bytes_curve", "measure_matmul_curve", "measure_op_overhead", "measure_optimizer", "measure_train_flops",
 ]

@@ -45,6 +45,9 @@ class MeasureOptions:
         disk_bytes: file size for the disk test (0 skips it).
         matmul_n: side of the square matmul timed per dtype.
         matmul_sides, elementwise_sizes: points of the per-op matmul and elementwise curves.
+        skinny_widths, skinny_pool_bytes: the square weights (by width) of the skinny products
+            that measure ``matmul_bytes_curve``, and the memory their weights are cycled through
+            (more than the caches hold, as a training step's weights are).
         train_widths: widths of the reference transformer stacks timed for ``train_flops``.
         offload_dir: where the disk test writes (a temporary file, removed after).
     """
@@ -57,6 +60,8 @@ class MeasureOptions:
     train_widths: tuple[int, ...] = (128, 256, 512)
     matmul_sides: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
     elementwise_sizes: tuple[int, ...] = (4 * 1024, 64 * 1024, 1 * MiB, 16 * MiB, 64 * MiB)
+    skinny_widths: tuple[int, ...] = (64, 256, 1024, 2048)
+    skinny_pool_bytes: int = 128 * MiB
     offload_dir: str = tempfile.gettempdir()
 
     @classmethod
@@ -73,6 +78,7 @@ class MeasureOptions:
         return cls(
             sizes=(64 * 1024, 1 * MiB), repeats=1, optimizer_params=64 * 1024, disk_bytes=4 * MiB,
             matmul_n=128, train_widths=(64,), matmul_sides=(32, 64), elementwise_sizes=(4096, 65536),
+            skinny_widths=(32, 64), skinny_pool_bytes=1 * MiB,
             offload_dir=offload_dir or tempfile.gettempdir(),
         )
 
@@ -315,6 +321,47 @@ def measure_matmul_curve(dtype: torch.dtype, device: torch.device, repeats: int,
         flops.append(int(f))
         rates.append(f / max(t - floor, t * 0.05))
     return BandwidthCurve(tuple(flops), tuple(rates))
+
+
+SKINNY_ROWS = 8
+"""Rows of the skinny products behind ``matmul_bytes_curve``: a batch of 1 x seq 8, the shape at
+which issue 35's regret grid found matmuls running at 5-25 GFLOP/s against a square curve's 66-75."""
+
+
+def measure_matmul_bytes_curve(dtype: torch.dtype, device: torch.device, repeats: int, flops_curve: BandwidthCurve,
+                               widths: tuple[int, ...] = (64, 256, 1024, 2048),
+                               pool_bytes: int = 128 * MiB) -> BandwidthCurve:
+    """The rate (bytes/s) at which a matmul moves its operands beyond its FLOPs' time on
+    ``flops_curve`` (:attr:`HardwareProfile.matmul_bytes_curve`), by the bytes of one matmul.
+
+    Per width ``n``: :data:`SKINNY_ROWS` rows times an ``n x n`` weight (the forward's shape) and
+    the weight-gradient's shape (``n x rows`` times ``rows x n``, a fresh weight-sized output),
+    the weights cycled through ``pool_bytes`` so each is read cold, as in a training step. The
+    time beyond a 1x1 product's and the FLOPs' time, over the operands' bytes, is the rate."""
+    sync = _sync(device)
+    one = torch.ones(1, 1, device=device, dtype=dtype)
+    floor = _per_call(lambda: torch.mm(one, one), sync, repeats)
+    rows, moved, rates = SKINNY_ROWS, [], []
+    for n in widths:
+        nbytes = (2 * rows * n + n * n) * dtype.itemsize
+        count = max(2, pool_bytes // (n * n * dtype.itemsize))
+        weights = [torch.randn(n, n, device=device).to(dtype) for _ in range(count)]
+        grads = [torch.randn(rows, n, device=device).to(dtype) for _ in range(min(count, 64))]
+        x = torch.randn(rows, n, device=device).to(dtype)
+        xt = x.t().contiguous()
+
+        def sweep(weights=weights, grads=grads, x=x, xt=xt) -> None:
+            for i, w in enumerate(weights):
+                torch.mm(x, w)
+                torch.mm(xt, grads[i % len(grads)])
+
+        with widened_gemms(dtype, device):
+            t = _median_time(sweep, max(3, repeats), sync) / (2 * count)
+        spare = t - floor - flops_curve.time(2.0 * rows * n * n)
+        moved.append(int(nbytes))
+        rates.append(nbytes / max(spare, t * 0.05))
+        del weights, grads
+    return BandwidthCurve(tuple(moved), tuple(rates))
 
 
 def measure_elementwise_curve(device: torch.device, repeats: int,
@@ -561,6 +608,9 @@ def _measure_compute(o: MeasureOptions, d: torch.device, src: dict[str, str],
         say("per-op costs")
         mm_curve = {name: measure_matmul_curve(getattr(torch, name), d, o.repeats, o.matmul_sides)
                     for name in ("float32", "bfloat16") + (() if cpu_only else ("float16",))}
+        mb_curve = {name: measure_matmul_bytes_curve(getattr(torch, name), d, o.repeats, curve, o.skinny_widths,
+                                                     o.skinny_pool_bytes)
+                    for name, curve in mm_curve.items()}
         ew_curve = measure_elementwise_curve(d, o.repeats, o.elementwise_sizes)
         op_overhead = measure_op_overhead(d, o.repeats)
         first_touch = measure_first_touch(repeats=o.repeats) if cpu_only else 0.0
@@ -572,12 +622,16 @@ def _measure_compute(o: MeasureOptions, d: torch.device, src: dict[str, str],
                           f"batch 2, seq 128, forward+backward{one}")
     src["matmul_curve"] = (f"measured: square torch.mm {min(o.matmul_sides)} to {max(o.matmul_sides)} wide, "
                            f"less a 1x1 product's time{one}")
+    src["matmul_bytes_curve"] = (f"measured: {SKINNY_ROWS}-row products against cold square weights "
+                                 f"{min(o.skinny_widths)} to {max(o.skinny_widths)} wide (forward and "
+                                 f"weight-gradient shapes), time beyond the FLOPs' on matmul_curve{one}")
     src["elementwise"] = (f"measured: a + b into a new tensor, {min(o.elementwise_sizes)} to {max(o.elementwise_sizes)} "
                           f"bytes each, less a 1-element op's time{one}")
     src["op_overhead_s"] = "measured: a chain of 200 one-element multiplications, forward and backward, per dispatched op"
     src["first_touch_bytes_per_s"] = ("measured: a new 64 MiB tensor filled, less a reused one's fill (page faults)"
                                       if cpu_only else "not measured: an accelerator's caching allocator reuses blocks")
-    return dict(matmul_flops=flops, train_flops=train, matmul_curve=mm_curve, elementwise=ew_curve,
+    return dict(matmul_flops=flops, train_flops=train, matmul_curve=mm_curve, matmul_bytes_curve=mb_curve,
+                elementwise=ew_curve,
                 op_overhead_s=op_overhead, first_touch_bytes_per_s=first_touch)
 
 

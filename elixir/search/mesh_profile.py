@@ -132,18 +132,20 @@ def stage_names(profile: StepProfile, pp: int) -> list[frozenset[str]]:
 
 
 def _scaled(costs: Optional[OpCosts], matmul: float, memory: float) -> Optional[OpCosts]:
-    """``costs`` with each matmul's FLOPs times ``matmul`` (its bucket moved with them) and each
-    other op's bytes times ``memory``; the op counts stay (each rank still runs every op)."""
+    """``costs`` with each matmul's FLOPs and operand bytes times ``matmul`` (its bucket moved
+    with the FLOPs) and each other op's bytes times ``memory``; the op counts stay (each rank
+    still runs every op)."""
     if costs is None:
         return None
 
     def move(hist: dict[int, list[float]], f: float) -> dict[int, list[float]]:
         shift = int(round(math.log2(f))) if f > 0 else 0
         out: dict[int, list[float]] = {}
-        for k, (n, v) in hist.items():
-            cell = out.setdefault(max(0, k + shift), [0.0, 0.0])
+        for k, (n, *amounts) in hist.items():
+            cell = out.setdefault(max(0, k + shift), [0.0] * (1 + len(amounts)))
             cell[0] += n
-            cell[1] += v * f
+            for i, v in enumerate(amounts, 1):
+                cell[i] += v * f
         return out
 
     return OpCosts(move(costs.matmul, matmul), move(costs.memory, memory), costs.ops)

@@ -3,13 +3,16 @@
 The tracer sees every aten op of a training step (on meta tensors, with shapes but no data). That
 is enough for a roofline-style estimate of compute time on any machine, given what the machine
 can do (:class:`~elixir.hardware.HardwareProfile`): matmul-like ops cost their FLOPs at the
-matmul throughput for their size; every other op costs the bytes it reads and writes at the
-elementwise memory bandwidth for its size; and every op, views included, costs one dispatch
-(framework overhead and kernel launch).
+matmul throughput for their size, plus the bytes of their operands at the rate a matmul moves
+them (what a skinny product, a few rows against a whole weight, is bound by); every other op
+costs the bytes it reads and writes at the elementwise memory bandwidth for its size; and every
+op, views included, costs one dispatch (framework overhead and kernel launch).
 
 Sizes matter (a 256-wide matmul runs far below peak), so FLOPs and bytes are kept as histograms
 over power-of-two size buckets: bucket ``k`` holds ops of size in ``[2^k, 2^(k+1))``. The
-histograms add, scale and extrapolate by layer repetition like plain numbers.
+histograms add, scale and extrapolate by layer repetition like plain numbers. A matmul bucket
+also sums its ops' operand bytes (read plus written); the bucket's ops are priced at their mean
+bytes, as at their mean FLOPs.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ class OpCosts:
     """Histograms of one step's ops (see the module docstring).
 
     Attributes:
-        matmul: bucket -> [ops, FLOPs] of matmul-like ops (mm, bmm, addmm, convolution, attention).
+        matmul: bucket (of FLOPs) -> [ops, FLOPs, bytes] of matmul-like ops (mm, bmm, addmm,
+            convolution, attention); bytes are the operands read plus the output written.
         memory: bucket -> [ops, bytes] of other ops that move data (bytes read plus written).
         ops: every dispatched op, views included.
     """
@@ -47,22 +51,27 @@ class OpCosts:
         return sum(v[1] for v in self.matmul.values())
 
     @property
+    def matmul_bytes(self) -> float:
+        return sum(v[2] for v in self.matmul.values())
+
+    @property
     def memory_bytes(self) -> float:
         return sum(v[1] for v in self.memory.values())
 
     def combine(self, other: OpCosts, a: float = 1.0, b: float = 1.0) -> OpCosts:
         """``a * self + b * other``, bucket by bucket (counts may become fractional)."""
 
-        def mix(x: dict, y: dict) -> dict:
+        def mix(x: dict, y: dict, width: int) -> dict:
             out = {}
+            zero = [0.0] * width
             for k in set(x) | set(y):
-                u, v = x.get(k, [0.0, 0.0]), y.get(k, [0.0, 0.0])
-                w = [a * u[0] + b * v[0], a * u[1] + b * v[1]]
+                u, v = x.get(k, zero), y.get(k, zero)
+                w = [a * p + b * q for p, q in zip(u, v)]
                 if w[0] > 0 and w[1] > 0:
-                    out[k] = w
+                    out[k] = [w[0], w[1]] + [max(0.0, e) for e in w[2:]]
             return out
 
-        return OpCosts(mix(self.matmul, other.matmul), mix(self.memory, other.memory),
+        return OpCosts(mix(self.matmul, other.matmul, 3), mix(self.memory, other.memory, 2),
                        max(0, int(round(a * self.ops + b * other.ops))))
 
     def to_json(self) -> dict:
@@ -71,7 +80,8 @@ class OpCosts:
 
     @classmethod
     def from_json(cls, d: dict) -> OpCosts:
-        return cls({int(k): [float(x) for x in v] for k, v in d.get("matmul", {}).items()},
+        """Profiles written before the matmul bytes were traced hold [ops, FLOPs]: 0 bytes."""
+        return cls({int(k): ([float(x) for x in v] + [0.0])[:3] for k, v in d.get("matmul", {}).items()},
                    {int(k): [float(x) for x in v] for k, v in d.get("memory", {}).items()}, int(d.get("ops", 0)))
 
 
@@ -128,6 +138,7 @@ class OpCostCounter:
         c.ops += 1
         if getattr(func, "is_view", False):
             return
+        nbytes = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
         fn = self._formulas.get(getattr(func, "overloadpacket", None))
         if fn is not None:
             try:
@@ -135,11 +146,11 @@ class OpCostCounter:
             except Exception:  # a formula that does not accept this overload's arguments
                 flops = 0.0
             if flops > 0:
-                slot = c.matmul.setdefault(_bucket(flops), [0.0, 0.0])
+                slot = c.matmul.setdefault(_bucket(flops), [0.0, 0.0, 0.0])
                 slot[0] += 1
                 slot[1] += flops
+                slot[2] += nbytes
                 return
-        nbytes = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
         if nbytes > 0:
             slot = c.memory.setdefault(_bucket(nbytes), [0.0, 0.0])
             slot[0] += 1
