@@ -68,6 +68,11 @@ def render(profile, console=None) -> None:
     for k, c in profile.matmul_curve.items():
         t.add_row(f"matmul {k} by size", " ".join(f"{v / 1e9:.0f}" for v in c.bytes_per_s) + " GFLOP/s",
                   src.get("matmul_curve", ""))
+    for k, c in profile.matmul_bytes_curve.items():
+        t.add_row(f"matmul {k} operand bytes by size", " ".join(gbs(b) for b in c.bytes_per_s),
+                  src.get("matmul_bytes_curve", ""))
+    if not profile.matmul_bytes_curve:
+        t.add_row("matmul operand bytes", "not measured: matmuls priced by their FLOPs alone", "")
     if profile.elementwise is not None:
         t.add_row("elementwise by size", " ".join(gbs(b) for b in profile.elementwise.bytes_per_s), src.get("elementwise", ""))
     if profile.op_overhead_s:
