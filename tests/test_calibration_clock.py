@@ -7,7 +7,7 @@ import time
 import torch
 
 from elixir import distributed as edist
-from elixir.profiling.calibrate import _collectives_ratio, timed_collectives
+from elixir.profiling.calibrate import _all_reduce_ratio, _collectives_ratio, timed_collectives
 
 
 class _Work:
@@ -42,3 +42,9 @@ def test_the_collectives_factor_compares_gather_spans_with_predicted_gathers():
     # no gather seen (world 1, or no sharded chunk): the step's whole collective time, as before
     assert abs(_collectives_ratio({"gather_spans": 0.0, "collectives": 0.05}, pred) - 0.25) < 1e-12
     assert _collectives_ratio({"gather_spans": 0.0, "collectives": 0.0}, {"all_gather": 0.0, "collectives": 0.0}) == 1.0
+
+
+def test_the_all_reduce_factor_comes_from_the_replicated_run():
+    # the replicated run's collective time is its all-reduce: measured over predicted, apart from the gathers'
+    assert abs(_all_reduce_ratio({"collectives": 0.024}, {"collectives": 0.019}, fallback=2.0) - 0.024 / 0.019) < 1e-12
+    assert _all_reduce_ratio({"collectives": 0.0}, {"collectives": 0.0}, fallback=2.0) == 2.0  # none predicted

@@ -97,6 +97,16 @@ def test_calibration_scales_each_component_for_its_rank_count():
     assert cal.per_rank(4).all_gather_time(1 << 30, 8) == plain.per_rank(4).all_gather_time(1 << 30, 8)
 
 
+def test_the_all_reduce_has_its_own_calibration_factor():
+    base = dataclasses.replace(load_profile("8xA100-40GB"), all_reduce=BandwidthCurve.flat(1e11), calibration={})
+    own = dataclasses.replace(base, calibration={"8": {"collectives": 3.0, "all_reduce": 1.5}})
+    shared = dataclasses.replace(base, calibration={"8": {"collectives": 3.0}})  # profiles calibrated before it
+    t = base.per_rank(8).all_reduce_time(1 << 30, 8)
+    assert own.per_rank(8).all_reduce_time(1 << 30, 8) == pytest.approx(1.5 * t)
+    assert shared.per_rank(8).all_reduce_time(1 << 30, 8) == pytest.approx(3.0 * t)
+    assert own.per_rank(8).all_gather_time(1 << 30, 8) == pytest.approx(3.0 * base.per_rank(8).all_gather_time(1 << 30, 8))
+
+
 def test_cost_model_compute_comes_from_the_traced_ops():
     m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     prof = profile_step(m, {"x": torch.randn(4, 32)}, lambda mod, b: mod(b["x"]).sum().backward())
@@ -115,8 +125,9 @@ def test_calibration_runs_the_runtime_on_this_machine():
     hw = load_profile("cpu-box")
     cal = calibrate_profile(hw, (1,), steps=2)
     f = cal.calibration["1"]
-    assert set(f) == {"compute", "compute_bfloat16", "op_overhead_s", "collectives", "optimizer", "overlap"}
-    assert 0 < f["compute"] < 100 and 0 < f["compute_bfloat16"] < 100 and 0 <= f["op_overhead_s"] < 1e-3 and f["collectives"] == 1.0
+    assert set(f) == {"compute", "compute_bfloat16", "op_overhead_s", "collectives", "all_reduce", "optimizer", "overlap"}
+    assert 0 < f["compute"] < 100 and 0 < f["compute_bfloat16"] < 100 and 0 <= f["op_overhead_s"] < 1e-3
+    assert f["collectives"] == f["all_reduce"] == 1.0  # one rank: nothing to reduce
     assert "ReferenceLM" in cal.source["calibration"] and "measured compute" in cal.source["calibration"]
 
 

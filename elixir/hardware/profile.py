@@ -215,7 +215,8 @@ class HardwareProfile:
             resource: ``elixir hwprofile`` does not measure them (each needs a training run at a
             known peak) and writes the defaults above, measured as said, naming them in ``source``.
         calibration: per number of ranks per node (a string key), measured / predicted time of the
-            step components ``compute``, ``collectives`` and ``optimizer`` when elixir's runtime
+            step components ``compute``, ``collectives`` (the all-gathers and reduce-scatters),
+            ``all_reduce`` (where measured; else ``collectives``) and ``optimizer`` when elixir's runtime
             trains a reference model on this machine (:mod:`elixir.calibrate`), and the measured
             ``op_overhead_s`` that replaces the profile's own there (``compute_<dtype>``, where
             present, replaces ``compute`` for that dtype's matmuls); applied by
@@ -341,7 +342,8 @@ class HardwareProfile:
             op_overhead_s=float(cal.get("op_overhead_s", self.op_overhead_s * c)),
             all_gather=self.all_gather.scaled(1 / col) if self.all_gather is not None else None,
             reduce_scatter=self.reduce_scatter.scaled(1 / col) if self.reduce_scatter is not None else None,
-            all_reduce=self.all_reduce.scaled(1 / col) if self.all_reduce is not None else None,
+            all_reduce=(self.all_reduce.scaled(1 / float(cal.get("all_reduce", col)))
+                        if self.all_reduce is not None else None),
             optimizer_params_per_s={w: v / o for w, v in self.optimizer_params_per_s.items()},
             overlap_fraction=float(cal.get("overlap", self.overlap_fraction)),
             calibration={},

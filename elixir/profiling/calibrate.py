@@ -269,6 +269,11 @@ class Calibration:
         collectives: measured / predicted time of the all-gathers, each from its call to the end of
             its wait (the larger size, without prefetch, so each is waited on at once); the step's
             other collectives are asynchronous and show the host their wait only.
+        all_reduce: measured / predicted time of the gradients' all-reduce, on the largest size's
+            replicated plan (whose only collective it is). Its own factor: the all-gather factor
+            follows the all-gather curve's noise (0.88-2.02 over three profiles of one 2-core box,
+            while this one held at 1.27-1.29), and scaling the all-reduce by it priced the
+            replicated plans of issue 35's communication-bound workloads 20-24% fast.
         optimizer: measured / predicted optimizer-step time.
         overlap: the fraction of the hideable gather time (all gathers but the first, up to the
             compute time) that prefetching hid, from the larger size with and without prefetch.
@@ -283,10 +288,12 @@ class Calibration:
     optimizer: float
     overlap: float
     runs: tuple
+    all_reduce: float = 1.0
 
     def factors(self) -> dict[str, float]:
         return {"compute": self.compute, "compute_bfloat16": self.compute_bfloat16, "op_overhead_s": self.op_overhead_s,
-                "collectives": self.collectives, "optimizer": self.optimizer, "overlap": self.overlap}
+                "collectives": self.collectives, "all_reduce": self.all_reduce, "optimizer": self.optimizer,
+                "overlap": self.overlap}
 
 
 def _clamp(x: float, lo: float = 0.05, hi: float = 20.0) -> float:
@@ -303,6 +310,13 @@ def _collectives_ratio(meas: dict, pred: dict) -> float:
     if m > 0 and p > 0:
         return _clamp(m / p)
     return _clamp(meas["collectives"] / pred["collectives"]) if pred["collectives"] > 0 else 1.0
+
+
+def _all_reduce_ratio(meas: dict, pred: dict, fallback: float) -> float:
+    """Measured over predicted collective time of a replicated run (fp32, the largest size), whose
+    only collective is the gradients' all-reduce; ``fallback`` (the all-gathers' factor) where the
+    run predicted none."""
+    return _clamp(meas["collectives"] / pred["collectives"]) if pred["collectives"] > 0 else fallback
 
 
 def _prefetch_overlap(res: list, big: int, steps: int, meas: dict, pred: dict, first_gather: float) -> float:
@@ -434,12 +448,13 @@ def calibrate(hw: Any, ranks: int, steps: int = 10, timeout: float = 600.0) -> C
         return _clamp(meas[big][key] / preds[big][key]) if preds[big][key] > 0 else 1.0
 
     coll = _collectives_ratio(meas[big], preds[big]) if ranks > 1 else 1.0
+    all_reduce = _all_reduce_ratio(meas[n - 1], preds[n - 1], coll) if ranks > 1 else 1.0
     first_gather = per_rank.all_gather_time(chunk * 4, ranks) if ranks > 1 else 0.0
     overlap = _prefetch_overlap(res, big, steps, meas[big], preds[big], first_gather * coll) if ranks > 1 else 0.0
 
     return Calibration(
         ranks=ranks, compute=_clamp(a), compute_bfloat16=_clamp(a_bf16), op_overhead_s=_clamp(b, 0.0, 1e-3),
-        collectives=coll, optimizer=ratio("optimizer"), overlap=overlap,
+        collectives=coll, all_reduce=all_reduce, optimizer=ratio("optimizer"), overlap=overlap,
         runs=tuple({"size": runs[i][0], "dtype": runs[i][2], "mode": runs[i][3], "measured": meas[i],
                     "predicted": preds[i]} for i in range(len(runs))),
     )
@@ -468,7 +483,8 @@ def calibrate_profile(hw: Any, ranks: tuple[int, ...], steps: int = 10, say: Opt
                           f"(elixir.calibrate.ReferenceLM, batch {BATCH}, (width, heads, seq, layers) in {list(SIZES)}); "
                           "compute fitted as a * (matmul + memory time) + b * ops, non-negative least squares of the relative "
                           "residuals over every size, on the search's plans with every chunk replicated (no sharded "
-                          "chunk's work), bf16 matmuls refitted on a bf16 run of the largest; collectives as the all-gathers' spans, call to end of wait (no "
+                          "chunk's work), bf16 matmuls refitted on a bf16 run of the largest; the all-reduce as measured / predicted "
+                          "collective time on the largest size's replicated plan (fp32); collectives as the all-gathers' spans, call to end of wait (no "
                           "prefetch: waited at once), measured / predicted, and the optimizer as measured / predicted, on "
                           "the largest size's minimum-waste (sharded) plan (fp32); " + " | ".join(notes))
     return dataclasses.replace(hw, calibration=cal, source=src)
