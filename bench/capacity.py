@@ -673,12 +673,12 @@ def plan_rungs(args, system: str, ladder: list) -> dict:
     """``--plan-only``: each rung's plan (no bisection: nothing is trained, so nothing passes)."""
     out = []
     for rung in ladder:
+        need, free = _disk_need(rung, args.vocab, system, _formats(args), args.frozen), shutil.disk_usage(args.offload_dir).free
         r = run_trial(args, system, rung)
-        r["rung"] = rung
+        r.update(rung=rung, disk_need=need, disk_free=free)
         print(f"  {SYSTEMS[system]}: {rung} ({_count(n_params(*rung, args.vocab))}): "
               + ("; ".join(r.get("notes", [])) or "FAIL: " + r["reason"])
-              + f"; disk pre-check {r.get('disk_need', 0) / GIB:.1f} GiB of {r.get('disk_free', 0) / GIB:.1f} GiB free",
-              flush=True)
+              + f"; the trial's disk pre-check: {need / GIB:.1f} GiB, {free / GIB:.1f} GiB free", flush=True)
         out.append(r)
     return {"plans": out}
 
