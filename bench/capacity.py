@@ -1,11 +1,12 @@
-"""The largest LLaMA-style model each system trains on this machine (batch 1, seq 256, 3 steps).
+"""The largest LLaMA-style model each system trains on this machine (batch 1, seq 256, 3 steps by default).
 
 Systems: (a) plain torch AdamW fp32, (b) plain torch bf16 autocast, (c) FSDP2 with
 ``CPUOffloadPolicy``, (d) DeepSpeed ZeRO-3 with NVMe offload (or CPU offload when its async-I/O op
 cannot be built; the error is recorded), (e) elixir built on meta with ``optimal_search`` placing
 every chunk (disk included). The LoRA line (rank 8 on every attention and MLP projection, the base
 frozen in bf16, adapters fp32): (f) plain PEFT on torch, (g) PEFT under FSDP2 with
-``CPUOffloadPolicy`` (bf16 all-gathers), (h) elixir: PEFT built on meta, frozen chunks in bf16 with no
+``CPUOffloadPolicy`` (bf16 all-gathers), (h) elixir: PEFT built on meta, frozen chunks in bf16 (or,
+with ``--frozen nf4|int8``, stored quantised: ``MixedPrecisionPolicy.frozen``, issue 33) with no
 gradient, master or optimizer state, ``optimal_search`` placing them (disk included: read for
 each gather, never written back). A size passes when 3 steps finish with finite, falling losses under
 the memory cap. Sizes come from a ladder of LLaMA configs; each system's largest passing rung is
@@ -20,6 +21,8 @@ size, step time, peak RSS, disk bytes read and written per step, and what stoppe
     python bench/capacity.py --tiny --systems a,e  # a smoke test at toy sizes (a minute)
     python bench/capacity.py --systems e --master bf16-sr --moments int8  # (e) with low-precision state
                                                    # (issue 33: 4 B/param on disk instead of 12)
+    python bench/capacity.py --systems h --frozen nf4 --seq 64 --rungs 20 --plan-only  # (h)'s plan
+                                                   # for a 64.9B NF4 base, on meta (seconds; nothing trained)
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 from rss_cap import tree_rss  # bench/rss_cap.py: the RSS cap step_time.py enforces too
 
-from elixir.plan.state_format import MASTER_FORMATS, MOMENT_FORMATS
+from elixir.plan.state_format import FROZEN_FORMATS, MASTER_FORMATS, MOMENT_FORMATS
 
 SYSTEMS = {
     "a": "torch fp32 AdamW",
@@ -53,9 +57,10 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # (hidden, layers): parameters grow roughly 12 * hidden^2 * layers
 LADDER = [(1024, 8), (1536, 12), (1792, 14), (2048, 16), (2048, 22), (2304, 22), (2560, 24), (2816, 24),
           (3072, 26), (3328, 26), (3584, 28), (3840, 28), (4096, 30), (4096, 36), (5120, 36), (5120, 44),
-          (6144, 44), (6656, 52), (7168, 56), (8192, 60)]  # 165M .. 48.8B, about 1.2-1.4x per rung
+          (6144, 44), (6656, 52), (7168, 56), (8192, 60), (8192, 80), (9216, 80)]  # 165M .. 82.1B, ~1.2-1.4x per rung
 TINY = [(64, 1), (64, 2), (128, 2), (128, 4)]
 GIB = 2**30
+SHAPE = (1, 256)  # (batch, seq): the default trial
 FP32_STATE = ("fp32", "fp32")  # (master, moments): MixedPrecisionPolicy's defaults
 
 
@@ -99,7 +104,8 @@ def _lora(model):
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS))
 
 
-def _build_lora(system: str, cfg, offload: str, mem_cap: int):
+def _build_lora(system: str, cfg, offload: str, mem_cap: int, frozen: Optional[str] = None,
+                shape: tuple[int, int] = SHAPE):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -129,31 +135,86 @@ def _build_lora(system: str, cfg, offload: str, mem_cap: int):
                     p.to_local().zero_() if "lora_B" in n else p.to_local().normal_(0.0, 0.02)
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     if system == "h":
-        from elixir.search import optimal_search
         from elixir.wrapper import ElixirModule, ElixirOptimizer
 
-        with torch.device("meta"):
-            model = _lora(AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)).train()
-        batch = {"input_ids": torch.zeros(1, 256, dtype=torch.long)}
-
-        def step_fn(m, b):
-            loss = m(input_ids=b["input_ids"], labels=b["input_ids"]).loss
-            loss.backward()
-            return loss
-
-        # the frozen shards may stream from disk (read per gather, never written back) when RAM binds
-        plan = optimal_search(model, 1, unified_dtype=torch.bfloat16, optimizer_type="AdamW", inp=batch,
-                              step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap,
-                              disk=int(shutil.disk_usage(offload).free * 0.9))
-        where = sorted({c.shard_placement.value for c in plan.frozen_chunks})
-        print(json.dumps({"note": f"plan: {len(plan.frozen_chunks)} frozen chunks of {plan.frozen_chunks[0].chunk_size:,} "
-                                  f"el on {where}, {len(plan.chunks)} trainable chunks, predicted peak "
-                                  f"{(plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes) / GIB:.2f} GiB"}),
-              flush=True)
-        _print_predicted_peak(plan)
-        em = ElixirModule(model, plan, dtype=torch.bfloat16, offload_dir=offload)
+        model, plan, policy = _plan_lora_elixir(cfg, offload, mem_cap, frozen, shape)
+        em = ElixirModule(model, plan, offload_dir=offload, mp_policy=policy)
         return em, ElixirOptimizer(em, torch.optim.AdamW([p for p in em.parameters() if p.requires_grad], lr=lr))
     raise ValueError(system)
+
+
+def _traced_step(shape: tuple[int, int]):
+    """The batch (``shape``: batch x seq, as the trial trains on) and the step the search traces."""
+    import torch
+
+    batch = {"input_ids": torch.zeros(*shape, dtype=torch.long)}
+
+    def step_fn(m, b):
+        loss = m(input_ids=b["input_ids"], labels=b["input_ids"]).loss
+        loss.backward()
+        return loss
+
+    return batch, step_fn
+
+
+def _plan_lora_elixir(cfg, offload: str, mem_cap: int, frozen: Optional[str], shape: tuple[int, int]):
+    """System (h)'s model (PEFT on meta) and plan: ``optimal_search`` with the cap as the one
+    memory pool and the free disk (the search keeps its own margin, ``MemoryPolicy.disk_margin``),
+    given the ``MixedPrecisionPolicy`` the run trains with, so it prices the frozen base in the
+    format the policy stores it in (``frozen``: None for bf16, ``"nf4"`` or ``"int8"``) and the
+    plan records it. The frozen shards may stream from disk (read per gather, never written back)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from elixir.search import optimal_search
+    from elixir.wrapper.policies import MixedPrecisionPolicy
+
+    with torch.device("meta"):
+        model = _lora(AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)).train()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, frozen=frozen)
+    batch, step_fn = _traced_step(shape)
+    plan = optimal_search(model, 1, unified_dtype=torch.bfloat16, optimizer_type="AdamW", inp=batch,
+                          step_fn=step_fn, device_memory=mem_cap, host_memory=mem_cap,
+                          disk=shutil.disk_usage(offload).free, mp_policy=policy)
+    figures = _lora_plan_figures(plan, frozen)
+    print(json.dumps({"note": _lora_plan_note(figures), "plan": figures}), flush=True)
+    _print_predicted_peak(plan)
+    return model, plan, policy
+
+
+def _placements(chunks) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in chunks:
+        out[c.shard_placement.value] = out.get(c.shard_placement.value, 0) + 1
+    return out
+
+
+def _lora_plan_figures(plan, frozen: Optional[str]) -> dict:
+    """System (h)'s plan in numbers: its chunks and where they are, the frozen shards' bytes (the
+    library's rule, ``frozen_shard_bytes``: the runtime books by it) and the search's predictions."""
+    from elixir.plan.state_format import frozen_shard_bytes
+
+    fbytes = [frozen_shard_bytes(frozen, c.shard_size(plan.world_size), 2) for c in plan.frozen_chunks]
+    on_disk = sum(b for b, c in zip(fbytes, plan.frozen_chunks) if c.shard_placement.value == "disk")
+    numel = sum(math.prod(s) for c in plan.frozen_chunks for s in c.shapes)
+    p = plan.prediction
+    return {"frozen_format": plan.frozen_format or "bf16", "frozen_chunks": len(plan.frozen_chunks),
+            "frozen_chunk_size": plan.frozen_chunks[0].chunk_size if plan.frozen_chunks else 0,
+            "frozen_placements": _placements(plan.frozen_chunks), "trainable_chunks": len(plan.chunks),
+            "trainable_placements": _placements(plan.chunks), "cache_blocks": plan.cache_blocks,
+            "frozen_params": numel, "frozen_bytes": sum(fbytes), "frozen_disk_bytes": on_disk,
+            "frozen_bytes_per_param": sum(fbytes) / max(1, numel),
+            "predicted_peak": p.peak_device_bytes + p.peak_host_bytes, "predicted_disk": p.peak_disk_bytes,
+            "predicted_step_s": p.step_time_s, "breakdown": p.breakdown}
+
+
+def _lora_plan_note(f: dict) -> str:
+    return (f"plan: {f['frozen_chunks']} frozen chunks ({f['frozen_format']}) of {f['frozen_chunk_size']:,} el on "
+            f"{f['frozen_placements']}, {f['frozen_bytes_per_param']:.3f} B/frozen param "
+            f"({f['frozen_disk_bytes'] / GIB:.1f} GiB on disk), {f['trainable_chunks']} trainable chunks on "
+            f"{f['trainable_placements']}, {f['cache_blocks']} cache blocks, predicted peak "
+            f"{f['predicted_peak'] / GIB:.2f} GiB (+{f['predicted_disk'] / GIB:.1f} GiB disk), step "
+            f"{f['predicted_step_s']:.1f} s")
 
 
 def deepspeed_config(cfg, offload: str, where: str = "nvme") -> dict:
@@ -268,12 +329,15 @@ def _build_deepspeed(cfg, offload: str):
     return engine, ("deepspeed", where)
 
 
-def _build(system: str, cfg, offload: str, mem_cap: int, formats: tuple[str, str] = FP32_STATE):
+def _build(system: str, cfg, offload: str, mem_cap: int, formats: tuple[str, str] = FP32_STATE,
+           frozen: Optional[str] = None, shape: tuple[int, int] = SHAPE):
+    """The model and optimizer of ``system``; elixir's (e, h) planned for batches of ``shape``
+    (batch, seq), (e)'s state in ``formats``, (h)'s frozen base stored in ``frozen``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if system in LORA_SYSTEMS:
-        return _build_lora(system, cfg, offload, mem_cap)
+        return _build_lora(system, cfg, offload, mem_cap, frozen, shape)
 
     if system in ("a", "b"):
         model = AutoModelForCausalLM.from_config(cfg).train()
@@ -296,30 +360,35 @@ def _build(system: str, cfg, offload: str, mem_cap: int, formats: tuple[str, str
     if system == "d":
         return _build_deepspeed(cfg, offload)
     if system == "e":
-        return _build_elixir(cfg, offload, mem_cap, formats)
+        return _build_elixir(cfg, offload, mem_cap, formats, shape)
     raise ValueError(system)
 
 
-def _build_elixir(cfg, offload: str, mem_cap: int, formats: tuple[str, str]):
+def _build_elixir(cfg, offload: str, mem_cap: int, formats: tuple[str, str], shape: tuple[int, int] = SHAPE):
     """System (e): built on meta, ``optimal_search`` places every chunk (disk included); bf16
     chunks, HybridAdam, the optimizer state in ``formats`` (master, moments)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from elixir.optim import HybridAdam
-    from elixir.search import optimal_search
     from elixir.wrapper import ElixirModule, ElixirOptimizer
     from elixir.wrapper.policies import MixedPrecisionPolicy
 
+    model, plan = _plan_elixir(cfg, offload, mem_cap, formats, shape)
+    em = ElixirModule(model, plan, offload_dir=offload,
+                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, master=formats[0], moments=formats[1]))
+    return em, ElixirOptimizer(em, HybridAdam(em.parameters(), lr=1e-4))
+
+
+def _plan_elixir(cfg, offload: str, mem_cap: int, formats: tuple[str, str], shape: tuple[int, int]):
+    """System (e)'s model (on meta) and plan."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from elixir.search import optimal_search
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg).train()
-    batch = {"input_ids": torch.zeros(1, 256, dtype=torch.long)}
-
-    def step_fn(m, b):
-        loss = m(input_ids=b["input_ids"], labels=b["input_ids"]).loss
-        loss.backward()
-        return loss
-
+    batch, step_fn = _traced_step(shape)
     disk = shutil.disk_usage(offload).free
     # bf16 chunks with fp32 masters (mixed precision, as (b) computes) unless --master/--moments ask
     # for low-precision state; on a CPU box device and host are one pool, so the cap budgets both;
@@ -339,9 +408,7 @@ def _build_elixir(cfg, offload: str, mem_cap: int, formats: tuple[str, str]):
                               f"(+{plan.prediction.peak_disk_bytes / GIB:.1f} GiB disk), step "
                               f"{plan.prediction.step_time_s:.1f} s"}), flush=True)
     _print_predicted_peak(plan)
-    em = ElixirModule(model, plan, offload_dir=offload,
-                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, master=formats[0], moments=formats[1]))
-    return em, ElixirOptimizer(em, HybridAdam(em.parameters(), lr=1e-4))
+    return model, plan
 
 
 def _print_predicted_peak(plan) -> None:
@@ -350,15 +417,36 @@ def _print_predicted_peak(plan) -> None:
     print(json.dumps({"predicted_peak": plan.prediction.peak_device_bytes + plan.prediction.peak_host_bytes}), flush=True)
 
 
-def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: int, offload: str, mem_cap: int,
-          formats: tuple[str, str] = FP32_STATE) -> dict:
+def plan_trial(system: str, hidden: int, layers: int, vocab: int, shape: tuple[int, int], offload: str,
+               mem_cap: int, formats: tuple[str, str] = FP32_STATE, frozen: Optional[str] = None) -> dict:
+    """``--plan-only``: elixir's plan for the rung, made exactly as its trial makes it (same process
+    kind, same call), printed; nothing is materialised or trained."""
     import torch
 
     torch.manual_seed(0)
     cfg = llama_config(hidden, layers, vocab)
-    model, opt = _build(system, cfg, offload, mem_cap, formats)
+    t0 = time.perf_counter()
+    if system == "e":
+        _plan_elixir(cfg, offload, mem_cap, formats, shape)
+    elif system == "h":
+        _plan_lora_elixir(cfg, offload, mem_cap, frozen, shape)
+    else:
+        raise ValueError(f"--plan-only plans elixir's systems (e, h) only, not {system!r}")
+    return {"ok": True, "planned_only": True, "plan_s": time.perf_counter() - t0, "peak_rss": _vm_hwm(),
+            "reason": "", "losses": []}
+
+
+def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: int, offload: str, mem_cap: int,
+          formats: tuple[str, str] = FP32_STATE, frozen: Optional[str] = None, batch: int = 1) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    cfg = llama_config(hidden, layers, vocab)
+    t0 = time.perf_counter()
+    model, opt = _build(system, cfg, offload, mem_cap, formats, frozen, (batch, seq))
+    build_s = time.perf_counter() - t0
     build_peak, step_peaks = _vm_hwm(), []  # where the peak comes from: the build or which step
-    ids = torch.randint(0, vocab, (1, seq))
+    ids = torch.randint(0, vocab, (batch, seq))
     losses, times, io = [], [], []
     for _ in range(steps):
         r0, w0 = _io()
@@ -381,7 +469,8 @@ def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: in
     ok = all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     later = io[1:] or io
     return {
-        "ok": ok, "losses": losses, "step_s": sum(times[1:]) / max(1, len(times) - 1),
+        "ok": ok, "losses": losses, "step_s": sum(times[1:]) / max(1, len(times) - 1), "build_s": build_s,
+        "steps_s": times,
         "peak_rss": _vm_hwm(), "peak_rss_build": build_peak, "peak_rss_after_step": step_peaks,
         "read_per_step": sum(r for r, _ in later) // len(later), "written_per_step": sum(w for _, w in later) // len(later),
         "reason": "" if ok else f"losses not finite and falling: {losses}",
@@ -418,20 +507,32 @@ def _formats_label(formats: tuple[str, str]) -> str:
     return f"{formats[0]}/{formats[1]}, {disk_bytes_per_element(formats=formats)} B/param on disk"
 
 
-def _disk_need(rung: tuple[int, int], vocab: int, system: str = "e", formats: tuple[str, str] = FP32_STATE) -> int:
+# LoRA's elixir (h) packs its frozen weights greedily, in use order, into chunks as large as the
+# largest frozen tensor (the embedding, or the untied lm_head): the pre-check bounds the padding at
+# 1.5x the weights (its plans: 1.30x at 20.3B in bf16)
+FROZEN_PADDING = 1.5
+
+
+def _disk_need(rung: tuple[int, int], vocab: int, system: str = "e", formats: tuple[str, str] = FP32_STATE,
+               frozen: Optional[str] = None) -> int:
     """The most offload space a rung can take: elixir (e) keeps the master and Adam moments in
     ``formats``, at the footprint rule's bytes (``disk_bytes_per_element``: fp32/fp32 12 B/param,
     bf16-sr/int8 4; a chunk whose shard is on disk too derives it from the master, so no
     compute-dtype copy; its search checks the exact need, padding included, against the free disk
     less its own margin); the other systems 16 B/param;
     DeepSpeed (d) also swaps fp32 gradients out (measured: 18.0 B/param of swap files); LoRA's
-    elixir (h) only its frozen bf16 weights, in chunks padded to the largest frozen tensor (the
-    search planned 2.6 B/param at 20.3B)."""
+    elixir (h) only its frozen weights, in ``frozen``'s format at the library's rule
+    (``frozen_element_bytes``: bf16 2 B/param, NF4 0.516, int8 1.06), in chunks padded to the
+    largest frozen tensor (:data:`FROZEN_PADDING`; the search planned 2.6 B/param at 20.3B in bf16)."""
     if system == "e":
         from elixir.plan import disk_bytes_per_element
 
         return disk_bytes_per_element(formats=formats) * n_params(*rung, vocab)
-    return {"d": 18, "h": 3}.get(system, 16) * n_params(*rung, vocab)
+    if system == "h":
+        from elixir.plan.state_format import frozen_element_bytes
+
+        return int(FROZEN_PADDING * frozen_element_bytes(frozen, 2) * n_params(*rung, vocab))
+    return {"d": 18}.get(system, 16) * n_params(*rung, vocab)
 
 
 # glibc raises its mmap threshold to the size of each large block freed (up to 32 MB), after which
@@ -444,14 +545,16 @@ DEEPSPEED_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 def run_trial(args, system: str, rung: tuple[int, int]) -> dict:
     free = shutil.disk_usage(args.offload_dir).free
-    need = _disk_need(rung, args.vocab, system, _formats(args))
-    if system in OFFLOADS_TO_DISK and free < need:
+    need = _disk_need(rung, args.vocab, system, _formats(args), args.frozen)
+    if system in OFFLOADS_TO_DISK and free < need and not args.plan_only:
         return {"ok": False, "peak_rss": 0, "reason": f"not run: {args.offload_dir} has {free / GIB:.1f} GiB free, "
                 f"the rung may need {need / GIB:.1f} GiB of offload space"}
     offload = tempfile.mkdtemp(prefix=f"capacity-{system}-", dir=args.offload_dir)
     cmd = [sys.executable, os.path.abspath(__file__), "--trial", system, "--rung", f"{rung[0]}x{rung[1]}",
            "--vocab", str(args.vocab), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--trial-dir", offload, "--mem-cap", str(args.mem_cap), "--master", args.master, "--moments", args.moments]
+           "--trial-dir", offload, "--mem-cap", str(args.mem_cap), "--master", args.master, "--moments", args.moments,
+           "--batch", str(args.batch), *(["--frozen", args.frozen] if args.frozen else []),
+           *(["--plan-only"] if args.plan_only else [])]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                **(DEEPSPEED_MALLOC_ENV if system == "d" else {}))
@@ -475,12 +578,13 @@ def run_trial(args, system: str, rung: tuple[int, int]) -> dict:
         shutil.rmtree(offload, ignore_errors=True)
     with open(log + ".out") as fo, open(log + ".err") as fe:
         out, err = fo.read(), fe.read()
-    result, notes, predicted = None, [], None
+    result, notes, predicted, plan = None, [], None, None
     for line in out.splitlines():
         if line.startswith("{"):
             d = json.loads(line)
             if "note" in d:
                 notes.append(d["note"])
+                plan = d.get("plan", plan)
             elif "predicted_peak" in d:
                 predicted = d["predicted_peak"]
             else:
@@ -493,8 +597,7 @@ def run_trial(args, system: str, rung: tuple[int, int]) -> dict:
     if result is None:
         return {"ok": False, "reason": _exception_line(err)[:300] + f" (log: {log}.err)", "peak_rss": peak, "notes": notes,
                 "predicted_peak": predicted}
-    result["notes"] = notes
-    result["predicted_peak"] = predicted
+    result.update(notes=notes, predicted_peak=predicted, plan=plan, disk_need=need, disk_free=free)
     return result
 
 
@@ -522,13 +625,14 @@ def search(args, system: str, ladder: list) -> dict:
     return {"best": best, "first_fail": fail}
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default="a,b,c,d,e")
     p.add_argument("--tiny", action="store_true", help="toy sizes (a smoke test)")
     p.add_argument("--mem-cap", type=float, default=None, help="GiB (default: 90%% of this machine's RAM)")
     p.add_argument("--offload-dir", default=tempfile.gettempdir())
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=SHAPE[0], help="sequences per step (default %(default)s)")
+    p.add_argument("--seq", type=int, default=SHAPE[1], help="tokens per sequence (default %(default)s)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -539,19 +643,52 @@ def main() -> None:
                    help="elixir (e)'s master format (MixedPrecisionPolicy.master; default fp32)")
     p.add_argument("--moments", default="fp32", choices=MOMENT_FORMATS,
                    help="elixir (e)'s Adam moment format (MixedPrecisionPolicy.moments; default fp32)")
+    p.add_argument("--frozen", default=None, choices=[f for f in FROZEN_FORMATS if f],
+                   help="LoRA elixir (h)'s frozen base format (MixedPrecisionPolicy.frozen; default: bf16, unquantised)")
+    p.add_argument("--plan-only", action="store_true",
+                   help="elixir's systems (e, h): plan every given rung on meta, as its trial would, and print "
+                   "the plan; nothing is materialised or trained")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--log-dir", default=None, help="each trial's stdout/stderr (default: a new temporary directory)")
     p.add_argument("--trial", help=argparse.SUPPRESS)
     p.add_argument("--rung", help=argparse.SUPPRESS)
     p.add_argument("--trial-dir", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def _trial_here(args) -> None:
+    """The trial process: one rung of one system, its result as the last JSON line."""
+    h, layers = (int(x) for x in args.rung.split("x"))
+    cap = int(args.mem_cap * GIB)
+    if args.plan_only:
+        r = plan_trial(args.trial, h, layers, args.vocab, (args.batch, args.seq), args.trial_dir, cap, _formats(args),
+                       args.frozen)
+    else:
+        r = trial(args.trial, h, layers, args.vocab, args.seq, args.steps, args.trial_dir, cap, _formats(args),
+                  args.frozen, args.batch)
+    print(json.dumps(r), flush=True)
+
+
+def plan_rungs(args, system: str, ladder: list) -> dict:
+    """``--plan-only``: each rung's plan (no bisection: nothing is trained, so nothing passes)."""
+    out = []
+    for rung in ladder:
+        need, free = _disk_need(rung, args.vocab, system, _formats(args), args.frozen), shutil.disk_usage(args.offload_dir).free
+        r = run_trial(args, system, rung)
+        r.update(rung=rung, disk_need=need, disk_free=free)
+        print(f"  {SYSTEMS[system]}: {rung} ({_count(n_params(*rung, args.vocab))}): "
+              + ("; ".join(r.get("notes", [])) or "FAIL: " + r["reason"])
+              + f"; the trial's disk pre-check: {need / GIB:.1f} GiB, {free / GIB:.1f} GiB free", flush=True)
+        out.append(r)
+    return {"plans": out}
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.mem_cap is None:
         args.mem_cap = 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     if args.trial:
-        h, layers = (int(x) for x in args.rung.split("x"))
-        r = trial(args.trial, h, layers, args.vocab, args.seq, args.steps, args.trial_dir, int(args.mem_cap * GIB),
-                  _formats(args))
-        print(json.dumps(r), flush=True)
+        _trial_here(args)
         return
     ladder = TINY if args.tiny else LADDER
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="capacity-logs-")
@@ -564,17 +701,21 @@ def main() -> None:
             sys.exit(f"capacity: --rungs takes indices 0..{len(ladder) - 1} of the ladder, comma-separated; got {args.rungs!r}")
     if args.tiny:
         args.vocab = min(args.vocab, 512)
-    free = shutil.disk_usage(args.offload_dir).free
-    to_disk = set(args.systems.split(",")) & OFFLOADS_TO_DISK
-    need = max((_disk_need(ladder[0], args.vocab, s, _formats(args)) for s in to_disk), default=0)
-    if to_disk and free < need:
-        sys.exit(f"capacity: {args.offload_dir} has {free / GIB:.1f} GiB free; the smallest rung needs up to "
-                 f"{need / GIB:.1f} GiB of offload space. Free some, pass --offload-dir elsewhere, or use --tiny.")
-    results = {}
-    for s in args.systems.split(","):
-        print(f"{SYSTEMS[s]}:", flush=True)
-        results[s] = search(args, s, ladder)
-    _report(results, args)
+    systems = args.systems.split(",")
+    if args.plan_only:
+        results = {s: plan_rungs(args, s, ladder) for s in systems}
+    else:
+        free = shutil.disk_usage(args.offload_dir).free
+        to_disk = set(systems) & OFFLOADS_TO_DISK
+        need = max((_disk_need(ladder[0], args.vocab, s, _formats(args), args.frozen) for s in to_disk), default=0)
+        if to_disk and free < need:
+            sys.exit(f"capacity: {args.offload_dir} has {free / GIB:.1f} GiB free; the smallest rung needs up to "
+                     f"{need / GIB:.1f} GiB of offload space. Free some, pass --offload-dir elsewhere, or use --tiny.")
+        results = {}
+        for s in systems:
+            print(f"{SYSTEMS[s]}:", flush=True)
+            results[s] = search(args, s, ladder)
+        _report(results, args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({s: r for s, r in results.items()}, f, indent=2, default=str)
@@ -592,7 +733,7 @@ def _report(results: dict, args) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"Largest LLaMA-style model trained (batch 1, seq {args.seq}, {args.steps} steps, cap {args.mem_cap:.1f} GiB)")
+    t = Table(title=f"Largest LLaMA-style model trained (batch {args.batch}, seq {args.seq}, {args.steps} steps, cap {args.mem_cap:.1f} GiB)")
     for col in ("system", "largest", "params", "step (s)", "peak RSS", "measured / predicted", "disk read/step",
                 "disk written/step", "stopped by"):
         t.add_column(col)
@@ -601,6 +742,7 @@ def _report(results: dict, args) -> None:
         why = (f or {}).get("reason", "the ladder's top") if f else "the ladder's top"
         # elixir's row names its state formats and their bytes on disk per parameter (the rule)
         name = SYSTEMS[s] + (f", state {_formats_label(_formats(args))}" if s == "e" else "")
+        name += f", frozen base {args.frozen}" if s == "h" and args.frozen else ""
         if b is None:
             t.add_row(name, "none", "", "", "", "", "", "", why)
             continue
