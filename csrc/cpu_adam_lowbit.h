@@ -11,7 +11,9 @@
 // Rounding:
 // - bf16-sr master and bf16 moments: stochastic rounding, adding 16 random bits below bf16's
 //   mantissa and truncating. bf16-kahan: round to nearest even, the residual kept in the
-//   compensation buffer (master = p + comp).
+//   compensation buffer (master = p + comp); the optional copy `out` (fp32, fp16 or bf16) gets
+//   the compensated value p + comp, so a compute copy finer than bf16 sees every update at once
+//   (given p alone, the forward lags the master by up to half a bf16 ulp: issue 33's +3% at 124M).
 // - int8 moments: exp_avg as sign + a 7-bit float code (4 exponent, 3 mantissa bits),
 //   sqrt(exp_avg_sq) as an unsigned 8-bit float code (4 exponent, 4 mantissa bits), each relative
 //   to its block's absmax (a dynamic code: 15 binades below the block's largest value, then a
@@ -35,7 +37,7 @@ struct LowSpan {
   float* ms;         // int8 only: per-block absmax of exp_avg
   float* vs;         // int8 only: per-block absmax of sqrt(exp_avg_sq)
   uint16_t* comp;    // bf16-kahan only: the compensation buffer
-  void* out;         // optional fp16/bf16 copy of the new master
+  void* out;         // optional fp32/fp16/bf16 copy of the new master (bf16-kahan: p + comp)
   int64_t n;
   uint32_t key;      // random stream of this span's chunk and step
   uint32_t offset;   // index of the span's first element in its stream
@@ -299,9 +301,10 @@ __attribute__((always_inline)) inline void low_block(const Consts& c, const LowO
     for (int64_t j = 0; j < len; ++j) {
       const uint16_t q = f32_to_bf16(p[j]);
       const float stored = bf16_to_f32(q);
-      cmp[j] = f32_to_bf16(p[j] - stored);
+      const uint16_t r = f32_to_bf16(p[j] - stored);
+      cmp[j] = r;
       dst[j] = q;
-      p[j] = stored;
+      p[j] = stored + bf16_to_f32(r);  // the compensated master: what the compute copy holds
     }
   }
   // moments back
@@ -333,7 +336,10 @@ __attribute__((always_inline)) inline void low_block(const Consts& c, const LowO
       dv[j] = static_cast<uint8_t>(q + static_cast<int32_t>((q == 0) & (y > 0.f)));
     }
   }
-  if (o.out == kBF16) {
+  if (o.out == kF32) {
+    float* dst = static_cast<float*>(s.out) + b;
+    for (int64_t j = 0; j < len; ++j) dst[j] = p[j];
+  } else if (o.out == kBF16) {
     uint16_t* dst = static_cast<uint16_t*>(s.out) + b;
     for (int64_t j = 0; j < len; ++j) dst[j] = f32_to_bf16(p[j]);
   } else if (o.out == kF16) {
@@ -443,7 +449,7 @@ void register_lowbit(py::module_& m) {
         if (grad_dtype < kF32 || grad_dtype > kBF16) throw std::invalid_argument("grad_dtype must be 0, 1 or 2");
         if (master < kMasterF32 || master > kMasterBF16Kahan) throw std::invalid_argument("master must be 0, 1 or 2");
         if (moments < kMomF32 || moments > kMomQ8) throw std::invalid_argument("moments must be 0, 1 or 2");
-        if (out_dtype < kF16 || out_dtype > kNone) throw std::invalid_argument("out_dtype must be 1, 2 or 3");
+        if (out_dtype < kF32 || out_dtype > kNone) throw std::invalid_argument("out_dtype must be 0, 1, 2 or 3");
         const LowOpts o{grad_dtype, master, moments, out_dtype};
         const std::vector<LowSpan> list = to_low_spans(spans, o);
         const LowRangeFn fn = pick_low(resolve_level(simd));
@@ -456,6 +462,6 @@ void register_lowbit(py::module_& m) {
       py::arg("adamw_mode"), py::arg("bias_correction"), py::arg("div_scale"), py::arg("num_threads"),
       py::arg("simd") = "",
       "Adam/AdamW step with low-precision state over spans (p, g, m, v, m_scale, v_scale, comp, out, n, key, "
-      "offset): master 0 fp32, 1 bf16 stochastic rounding, 2 bf16 + Kahan comp; moments 0 fp32, 1 bf16, 2 "
+      "offset): master 0 fp32, 1 bf16 stochastic rounding, 2 bf16 + Kahan comp (out: p + comp); moments 0 fp32, 1 bf16, 2 "
       "8-bit codes with per-256-block fp32 absmax scales (m_scale, v_scale). Releases the GIL.");
 }

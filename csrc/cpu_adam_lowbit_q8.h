@@ -70,7 +70,8 @@ ELIXIR_AVX512 inline __m512 q8_master16(const LowSpan& s, int64_t i) {
   return p;
 }
 
-// Store the new master p in its format (h: the element hashes, bf16-sr); returns the value stored.
+// Store the new master p in its format (h: the element hashes, bf16-sr); returns the value stored
+// (bf16-kahan: the bf16 master plus its compensation).
 template <int MASTER>
 ELIXIR_AVX512 inline __m512 q8_store_master16(const LowSpan& s, int64_t i, __m512 p, __m512i h) {
   if constexpr (MASTER == kMasterF32) {
@@ -86,13 +87,18 @@ ELIXIR_AVX512 inline __m512 q8_store_master16(const LowSpan& s, int64_t i, __m51
   }
   const __m256i q = f32x16_to_bf16(p);
   const __m512 stored = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(q), 16));
+  const __m256i r = f32x16_to_bf16(_mm512_sub_ps(p, stored));
   _mm256_storeu_si256(dst, q);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.comp + i), f32x16_to_bf16(_mm512_sub_ps(p, stored)));
-  return stored;
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.comp + i), r);
+  return _mm512_add_ps(stored, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));  // p + comp
 }
 
 ELIXIR_AVX512 inline void q8_out16(int out, void* dst, int64_t i, __m512 p) {
   if (out == kNone) return;
+  if (out == kF32) {
+    _mm512_storeu_ps(static_cast<float*>(dst) + i, p);
+    return;
+  }
   __m256i* d = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(dst) + i);
   if (out == kBF16) _mm256_storeu_si256(d, f32x16_to_bf16(p));
   else _mm256_storeu_si256(d, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

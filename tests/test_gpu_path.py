@@ -174,11 +174,11 @@ def test_fused_backward_step_refreshes_host_masters_on_the_copy_stream(monkeypat
 
 
 def test_step_refreshes_only_the_chunks_the_kernel_did_not_write(monkeypatch):
-    real = fused_step_mod.lowp_target
+    real = fused_step_mod.shard_target
     states = {}
     for patched in (False, True):
         if patched:  # the kernel does not write chunk 0's compute shard (as for a device shard beside a host master)
-            monkeypatch.setattr(fused_step_mod, "lowp_target", lambda c: c.index != 0 and real(c))
+            monkeypatch.setattr(fused_step_mod, "shard_target", lambda c: c.index != 0 and real(c))
         em = _module(Placement.HOST, Placement.HOST)
         opt = ElixirOptimizer(em, HybridAdam([p for p in em.parameters() if p.requires_grad], lr=1e-2), fused_step=False)
         calls = _refreshes(monkeypatch)

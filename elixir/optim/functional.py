@@ -38,7 +38,8 @@ import torch
 from elixir._native import get_native, warn_fallback
 from elixir.optim import lowbit
 
-__all__ = ["adam_step", "adam_step_multi", "adam_step_lowbit", "kernel_available", "kernel_level", "GRAD_DTYPES", "LOWP_DTYPES"]
+__all__ = ["adam_step", "adam_step_multi", "adam_step_lowbit", "kernel_available", "kernel_level", "GRAD_DTYPES", "LOWP_DTYPES",
+           "LOWBIT_OUT_DTYPES"]
 
 #: Gradient dtypes the kernel reads.
 GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -47,6 +48,9 @@ LOWP_DTYPES = (torch.float16, torch.bfloat16)
 
 _GRAD_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _OUT_CODE = {torch.float16: 1, torch.bfloat16: 2, None: 3}
+#: the low-precision-state kernel's ``out`` also takes fp32 (the compensated bf16-kahan master)
+LOWBIT_OUT_DTYPES = (torch.float32, *LOWP_DTYPES)
+_LOWBIT_OUT_CODE = {torch.float32: 0, **_OUT_CODE}
 
 _forced_simd = ""  # test hook, see _simd_override
 
@@ -196,7 +200,8 @@ def adam_step_lowbit(
     in the master's dtype (fp32, or bf16 for ``bf16-sr``/``bf16-kahan``), ``states[i]`` the state
     dict of ``params[i]`` in format ``moments`` (:func:`lowbit.new_state`), ``keys[i]`` and
     ``offsets[i]`` its random stream (:func:`lowbit.stream_key`) and the index of its first
-    element there. The native kernel on contiguous CPU tensors, else torch with the same arithmetic
+    element there. ``out_lowps[i]`` (optional, fp32, fp16 or bf16) receives the
+    new master: for ``bf16-kahan`` the compensated value ``p + comp``, what the forward should see. The native kernel on contiguous CPU tensors, else torch with the same arithmetic
     (bitwise the same results)."""
     n = len(params)
     outs = list(out_lowps) if out_lowps is not None else [None] * n
@@ -210,8 +215,8 @@ def adam_step_lowbit(
             raise TypeError(f"master={master!r} steps {pdt} parameters, got {p.dtype}")
         if g.dtype not in GRAD_DTYPES or g.numel() != p.numel():
             raise TypeError(f"grad must be one of {GRAD_DTYPES} with {p.numel()} elements, got {g.dtype} ({g.numel()})")
-        if o is not None and (o.dtype not in LOWP_DTYPES or o.numel() != p.numel()):
-            raise TypeError(f"out_lowp must be one of {LOWP_DTYPES} with {p.numel()} elements")
+        if o is not None and (o.dtype not in LOWBIT_OUT_DTYPES or o.numel() != p.numel()):
+            raise TypeError(f"out_lowp must be one of {LOWBIT_OUT_DTYPES} with {p.numel()} elements")
     consts = lowbit.kernel_consts(**{k: hyper[k] for k in ("step", "lr", "beta1", "beta2", "eps", "weight_decay",
                                                           "adamw_mode", "bias_correction", "div_scale")})
     native = get_native() if hasattr(get_native(), "adam_update_lowbit") else None
@@ -236,7 +241,7 @@ def adam_step_lowbit(
                           0 if outs[i] is None else outs[i].data_ptr(), params[i].numel(), keys[i] & 0xFFFFFFFF,
                           offsets[i] & 0xFFFFFFFF))
         native.adam_update_lowbit(
-            spans, _GRAD_CODE[gdt], lowbit.MASTER_CODE[master], lowbit.MOMENT_CODE[moments], _OUT_CODE[odt],
+            spans, _GRAD_CODE[gdt], lowbit.MASTER_CODE[master], lowbit.MOMENT_CODE[moments], _LOWBIT_OUT_CODE[odt],
             int(hyper["step"]), float(hyper["lr"]), float(hyper["beta1"]), float(hyper["beta2"]), float(hyper["eps"]),
             float(hyper["weight_decay"]), bool(hyper["adamw_mode"]), bool(hyper["bias_correction"]),
             float(hyper["div_scale"]), threads, _forced_simd,

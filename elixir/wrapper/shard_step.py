@@ -20,7 +20,7 @@ from elixir.offload.pipeline import run_pipelined
 from elixir.offload.state_binding import bind_state
 from elixir.wrapper.disk_faults import StepFaultPoints
 from elixir.wrapper.fragments import ShardFragments
-from elixir.wrapper.fused_step import fused_step, lowp_target, uses_fused_path
+from elixir.wrapper.fused_step import fused_step, uses_fused_path
 from elixir.wrapper.interfaces import ShardedOptimizer
 
 
@@ -56,7 +56,7 @@ class ShardStepper:
             div = 1.0 / float(factor)
             fresh = fused_step(self.eo, div, skip=disk)
             if disk:
-                self.step_disk(lambda i: fused_step(self.eo, div, only=i), UpdateKernel.FUSED)
+                self.step_disk(lambda i: fused_step(self.eo, div, only=i))
             return fresh | disk
         if self.kernel is UpdateKernel.PER_CHUNK:
             self.plain_step(factor)  # scaled in the fp32 copies, not in place in low precision
@@ -79,7 +79,7 @@ class ShardStepper:
             for c in self.eo.module.chunks:
                 if c.index not in disk:
                     self.plain_chunk(c.index, factor)
-            self.step_disk(lambda i: self.plain_chunk(i, factor), UpdateKernel.PER_CHUNK)
+            self.step_disk(lambda i: self.plain_chunk(i, factor))
             return
         if not self.disk_chunks:
             optim.step()
@@ -93,7 +93,7 @@ class ShardStepper:
             with shards.only(lambda p: id(p) in mine):
                 optim.step()
 
-        self.step_disk(one, UpdateKernel.INNER)
+        self.step_disk(one)
 
     def plain_chunk(self, i: int, factor: Optional[torch.Tensor] = None) -> None:
         """Step chunk ``i``'s fragments that have a gradient with the inner optimizer, on fp32
@@ -126,8 +126,7 @@ class ShardStepper:
         try:
             with c.storage.refreshing_shard():  # a disk shard: read in, rewritten, written back
                 if self.kernel is UpdateKernel.FUSED:
-                    fused_step(self.eo, 1.0, only=i)
-                    written = derived or lowp_target(c)
+                    written = derived or i in fused_step(self.eo, 1.0, only=i)
                 else:
                     self.plain_chunk(i)
                     written = derived
@@ -152,10 +151,10 @@ class ShardStepper:
 
         run_pipelined(self.eo.disk_store, self.disk_chunks if chunks is None else chunks, staged_work)
 
-    def step_disk(self, step_chunk: Callable[[int], None], kernel: UpdateKernel) -> None:
-        """Step the disk chunks that hold a gradient with ``step_chunk`` (an update by ``kernel``),
-        refreshing each compute shard while staged."""
-        kernel_writes_lowp = kernel is UpdateKernel.FUSED
+    def step_disk(self, step_chunk: Callable[[int], Optional[set[int]]]) -> None:
+        """Step the disk chunks that hold a gradient with ``step_chunk`` (the fused kernel's returns
+        the chunks whose compute shard it wrote, others None), refreshing each compute shard while
+        staged."""
         todo = [i for i in self.disk_chunks if any(self.shards.grad_of(f) is not None for f in self.shards.chunk_fragments(i))]
         # what backward freed (activations, gradient buffers) stays in malloc's heap under
         # device.keep_host_memory; staging buffers rarely fit its holes, so hand it back first
@@ -165,10 +164,10 @@ class ShardStepper:
         def work(i: int) -> None:
             c = self.eo.module.chunks[i]
             with c.storage.refreshing_shard():  # a disk shard: read in, rewritten, written back
-                step_chunk(i)
+                written = step_chunk(i)  # None but for the fused kernel
                 if c.storage.shard_is_derived():
                     return  # KK: the next gather derives the shard from the stepped master
-                if not (kernel_writes_lowp and lowp_target(c)):  # else the kernel wrote the shard already
+                if written is None or i not in written:  # else the kernel wrote the shard already
                     with torch.no_grad():
                         c.shard.copy_(c.master)
 
