@@ -126,7 +126,8 @@ class ShardStepper:
         try:
             with c.storage.refreshing_shard():  # a disk shard: read in, rewritten, written back
                 if self.kernel is UpdateKernel.FUSED:
-                    written = derived or i in fused_step(self.eo, 1.0, only=i)
+                    fresh = fused_step(self.eo, 1.0, only=i)
+                    written = derived or i in fresh
                 else:
                     self.plain_chunk(i)
                     written = derived
