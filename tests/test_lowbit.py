@@ -226,14 +226,14 @@ def _disk(plan):
         dataclasses.replace(c, optim_placement=Placement.DISK, shard_placement=Placement.HOST) for c in plan.chunks))
 
 
-def _wrapped(master, moments, disk=False, dtype=torch.float32):
+def _wrapped(master, moments, disk=False, dtype=torch.float32, fused_step=None):
     torch.manual_seed(0)
     model = build_gpt2(vocab=VOCAB)
     plan = minimum_waste_search(model, 1)
     em = ElixirModule(model, _disk(plan) if disk else plan,
                       mp_policy=MixedPrecisionPolicy(param_dtype=dtype, output_dtype=torch.float32, master=master,
                                                      moments=moments))
-    return em, ElixirOptimizer(em, CPUAdam(list(em.parameters()), lr=3e-3, weight_decay=0.01))
+    return em, ElixirOptimizer(em, CPUAdam(list(em.parameters()), lr=3e-3, weight_decay=0.01), fused_step=fused_step)
 
 
 def _train(em, eo, steps, first=0):
@@ -297,15 +297,20 @@ def test_lossy_state_trains_like_fp32_adamw(fp32_run, master, moments, disk, dty
         assert em.disk_store.report()["bytes_written"] > 0
 
 
-@pytest.mark.parametrize("disk,kernel_writes", [(False, True), (True, True), (False, False), (True, False)])
-def test_kahan_forward_sees_the_compensated_master(monkeypatch, disk, kernel_writes):
+@pytest.mark.parametrize("disk,kernel_writes,in_backward", [
+    (False, True, False), (True, True, False), (False, False, False), (True, False, False), (False, True, True),
+    (True, False, True),
+])
+def test_kahan_forward_sees_the_compensated_master(monkeypatch, disk, kernel_writes, in_backward):
     """bf16-kahan with fp32 compute: after the steps, the compute shard the forward gathers holds
     the optimizer's compensated master (the bf16 master plus its Kahan buffer, added here in
     torch), not the bf16 master alone: host and disk placement, the shard written by the kernel
-    or (``kernel_writes=False``, as for a device shard beside a host master) after it."""
+    or (``kernel_writes=False``, as for a device shard beside a host master) after it, stepped
+    after backward or chunk by chunk during it (``in_backward``)."""
     if not kernel_writes:
         monkeypatch.setattr(fused_step_mod, "shard_target", lambda c: False)
-    em, eo = _wrapped("bf16-kahan", "fp32", disk=disk)
+    em, eo = _wrapped("bf16-kahan", "fp32", disk=disk, fused_step=in_backward)
+    assert (eo.backward_step is not None) == in_backward
     _train(em, eo, 3)
     seen = 0
     with staged(em.disk_store, [c.index for c in em.chunks if c.master is not None], write_back=False):
