@@ -200,9 +200,10 @@ def adam_step_lowbit(
     in the master's dtype (fp32, or bf16 for ``bf16-sr``/``bf16-kahan``), ``states[i]`` the state
     dict of ``params[i]`` in format ``moments`` (:func:`lowbit.new_state`), ``keys[i]`` and
     ``offsets[i]`` its random stream (:func:`lowbit.stream_key`) and the index of its first
-    element there. ``out_lowps[i]`` (optional, fp32, fp16 or bf16) receives the
-    new master: for ``bf16-kahan`` the compensated value ``p + comp``, what the forward should see. The native kernel on contiguous CPU tensors, else torch with the same arithmetic
-    (bitwise the same results)."""
+    element there. ``out_lowps[i]`` (optional, fp32, fp16 or bf16) receives the new master: for
+    ``bf16-kahan`` the compensated value ``p + comp``, what the forward should see. The native
+    kernel on contiguous CPU tensors, else torch with the same arithmetic (bitwise the same
+    results)."""
     n = len(params)
     outs = list(out_lowps) if out_lowps is not None else [None] * n
     if not (len(grads) == len(states) == len(keys) == len(offsets) == len(outs) == n):
