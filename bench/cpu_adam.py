@@ -12,6 +12,7 @@ over the roofline probe's.
 
     python bench/cpu_adam.py                     # 100M params, 7 rounds
     python bench/cpu_adam.py --params 20e6 --rounds 3 --markdown
+    python bench/cpu_adam.py --params 20e6 --no-loop --baseline /tmp/old/_C.so   # A/B: an older build too
 
 fp32: ours vs torch fused / foreach / for-loop (and DeepSpeedCPUAdam when importable).
 Low-precision state (issue 33, ``elixir.optim.lowbit``): one row per (master, moments) format,
@@ -19,15 +20,22 @@ fp32 gradients in, its ratio to our fp32 kernel in the same rounds, and the int8
 throughput ratio on its own line (the issue's target: >= 0.9x).
 bf16 grads in, bf16 params out, loss scale: ours in one pass vs torch fused plus its casts
 (grad bf16->fp32 copy, fused AdamW with ``grad_scale``, param fp32->bf16 copy).
+``--baseline PATH``: another build of the extension (``elixir/_C*.so`` built from an older
+commit); its int8-moment rows run in the same rounds, on their own copies of the state, so a
+kernel change is measured before/after in one invocation.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import importlib.machinery
+import importlib.util
 import statistics
 import time
-from typing import Callable, Dict, List
+from types import ModuleType
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch.optim.adam import adam as torch_adam
@@ -47,6 +55,7 @@ BYTES = {
     "bf16-kahan/bf16": 12 + 8,
 }
 LOWBIT = (("fp32", "int8"), ("fp32", "bf16"), ("bf16-sr", "int8"), ("bf16-kahan", "bf16"))
+BASELINE = (("fp32", "int8"), ("bf16-sr", "int8"))  # the rows --baseline times with the other build
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 LOSS_SCALE = 1024.0
 
@@ -57,8 +66,35 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t
 
 
+def load_baseline(path: str) -> ModuleType:
+    """Another build of ``elixir._C`` (its init function is ``PyInit__C``) under its own name."""
+    loader = importlib.machinery.ExtensionFileLoader("elixir_baseline._C", path)
+    spec = importlib.util.spec_from_file_location("elixir_baseline._C", path, loader=loader)
+    if spec is None:
+        raise SystemExit(f"--baseline {path}: not a loadable extension; pass an elixir/_C*.so build")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    if not hasattr(module, "adam_update_lowbit"):
+        raise SystemExit(f"--baseline {path}: has no adam_update_lowbit; pass a build with the low-bit kernel")
+    return module
+
+
+@contextlib.contextmanager
+def native_module(module: Optional[ModuleType]) -> Iterator[None]:
+    """Route elixir.optim.functional's native calls to ``module`` (None: the installed build)."""
+    if module is None:
+        yield
+        return
+    saved = F.get_native
+    F.get_native = lambda: module
+    try:
+        yield
+    finally:
+        F.get_native = saved
+
+
 class Bench:
-    def __init__(self, n: int):
+    def __init__(self, n: int, baseline: Optional[ModuleType] = None):
         gen = torch.Generator().manual_seed(0)
         self.n = n
         self.p = torch.randn(n, generator=gen) * 0.02
@@ -72,6 +108,11 @@ class Bench:
         self.low = {}  # (master, moments) -> (master tensor, state)
         for master, moments in LOWBIT:
             self.low[(master, moments)] = (self.p.to(L.master_dtype(master)), L.new_state(n, master, moments))
+        self.baseline = baseline
+        if baseline is not None:  # its own copies: the two builds' steps do not feed each other
+            for master, moments in BASELINE:
+                self.low[(master, moments, "baseline")] = (self.p.to(L.master_dtype(master)),
+                                                           L.new_state(n, master, moments))
         self.step_t = torch.tensor(0.0)
         self.step = 0
         self.scale_t = torch.tensor(LOSS_SCALE)
@@ -92,11 +133,12 @@ class Bench:
                    beta1=HYPER["beta1"], beta2=HYPER["beta2"], lr=HYPER["lr"],
                    weight_decay=HYPER["weight_decay"], eps=HYPER["eps"])  # fmt: skip
 
-    def ours_lowbit(self, master: str, moments: str) -> None:
-        p, st = self.low[(master, moments)]
+    def ours_lowbit(self, master: str, moments: str, baseline: bool = False) -> None:
+        p, st = self.low[(master, moments, "baseline") if baseline else (master, moments)]
         step = self._next()
-        F.adam_step_lowbit([p], [self.g], [st], master=master, moments=moments, keys=[L.stream_key(0, 0, step)],
-                           offsets=[0], step=step, adamw_mode=True, bias_correction=True, div_scale=1.0, **HYPER)
+        with native_module(self.baseline if baseline else None):
+            F.adam_step_lowbit([p], [self.g], [st], master=master, moments=moments, keys=[L.stream_key(0, 0, step)],
+                               offsets=[0], step=step, adamw_mode=True, bias_correction=True, div_scale=1.0, **HYPER)
 
     # --- bf16 grads in, bf16 params out -----------------------------------------------------
     def ours_bf16(self) -> None:
@@ -151,11 +193,12 @@ def main() -> None:
     ap.add_argument("--loop", action="store_true", help="also time torch's for-loop and foreach (slow)")
     ap.add_argument("--no-loop", dest="loop", action="store_false")
     ap.add_argument("--markdown", action="store_true", help="print rows for docs/benchmarks.md")
+    ap.add_argument("--baseline", metavar="SO", help="another build of elixir/_C*.so: its int8 rows in the same rounds")
     ap.set_defaults(loop=True)
     args = ap.parse_args()
 
     n = int(args.params)
-    b = b_ = Bench(n)
+    b = b_ = Bench(n, load_baseline(args.baseline) if args.baseline else None)
     variants: Dict[str, tuple] = {  # name -> (fn, bytes key, group, peer of the group)
         "copy_ probe": (b.copy_probe, None, "probe", None),
         "in-place mul_ probe": (b.rmw_probe, None, "probe", None),
@@ -168,6 +211,11 @@ def main() -> None:
     for master, moments in LOWBIT:
         variants[f"elixir {master} master, {moments} moments"] = (
             lambda a=master, b=moments: b_.ours_lowbit(a, b), f"{master}/{moments}", "lowbit", "elixir CPUAdam kernel")
+    if b.baseline is not None:
+        for master, moments in BASELINE:
+            variants[f"baseline {master} master, {moments} moments"] = (
+                lambda a=master, b=moments: b_.ours_lowbit(a, b, baseline=True), f"{master}/{moments}", "lowbit",
+                "elixir CPUAdam kernel")
     if args.loop:
         variants["torch AdamW foreach"] = (lambda: b.torch_fp32(False, True), "fp32", "fp32", None)
         variants["torch AdamW for-loop"] = (lambda: b.torch_fp32(False, False), "fp32", "fp32", None)
@@ -223,6 +271,11 @@ def main() -> None:
     int8 = "elixir fp32 master, int8 moments"
     ratio = statistics.median(a / b for a, b in zip(times["elixir CPUAdam kernel"], times[int8]))
     print(f"int8 moments / fp32 kernel throughput (params/s, median of paired rounds): {ratio:.2f}x (target >= 0.9x)")
+    if b.baseline is not None:
+        base8 = "baseline fp32 master, int8 moments"
+        old = statistics.median(a / b for a, b in zip(times["elixir CPUAdam kernel"], times[base8]))
+        gain = statistics.median(a / b for a, b in zip(times[base8], times[int8]))
+        print(f"  the same with --baseline's build: {old:.2f}x; this build over the baseline, int8 params/s: {gain:.2f}x")
     print(f"bandwidth probes (median): copy_ {copy_gbs:.1f} GB/s, in-place mul_ {rmw_gbs:.1f} GB/s, "
           f"roofline (the update's traffic, no math) {roof_gbs:.1f} GB/s; "
           f"effective GB/s counts {BYTES['fp32']} B/param fp32, {BYTES['bf16']} ours bf16, "
