@@ -185,6 +185,49 @@ def deepspeed_variant(b: Bench):
     return step
 
 
+def make_variants(b: "Bench", loop: bool) -> Dict[str, tuple]:
+    """name -> (fn, bytes key, group, peer of the group), in timing order."""
+    variants: Dict[str, tuple] = {
+        "copy_ probe": (b.copy_probe, None, "probe", None),
+        "in-place mul_ probe": (b.rmw_probe, None, "probe", None),
+        "roofline probe": (b.roofline_probe, "fp32", "probe", None),
+        "torch AdamW fused": (lambda: b.torch_fp32(True, False), "fp32", "fp32", None),
+        "elixir CPUAdam kernel": (b.ours_fp32, "fp32", "fp32", "torch AdamW fused"),
+        "torch fused + casts": (b.torch_bf16, "bf16_torch", "bf16", None),
+        "elixir fused bf16": (b.ours_bf16, "bf16", "bf16", "torch fused + casts"),
+    }
+    for master, moments in LOWBIT:
+        variants[f"elixir {master} master, {moments} moments"] = (
+            lambda a=master, m=moments: b.ours_lowbit(a, m), f"{master}/{moments}", "lowbit", "elixir CPUAdam kernel")
+    if b.baseline is not None:
+        for master, moments in BASELINE:
+            variants[f"baseline {master} master, {moments} moments"] = (
+                lambda a=master, m=moments: b.ours_lowbit(a, m, baseline=True), f"{master}/{moments}", "lowbit",
+                "elixir CPUAdam kernel")
+    if loop:
+        variants["torch AdamW foreach"] = (lambda: b.torch_fp32(False, True), "fp32", "fp32", None)
+        variants["torch AdamW for-loop"] = (lambda: b.torch_fp32(False, False), "fp32", "fp32", None)
+    ds = deepspeed_variant(b)
+    if ds is not None:
+        variants["DeepSpeedCPUAdam"] = (ds, "fp32", "fp32", None)
+    return variants
+
+
+def print_int8_ratio(times: Dict[str, List[float]], baseline: bool) -> None:
+    """The issue's target line: int8 moments over the fp32 kernel, paired per round (and the
+    baseline build's, with --baseline)."""
+
+    def paired(ref: str, name: str) -> float:
+        return statistics.median(a / b for a, b in zip(times[ref], times[name]))
+
+    fp32, int8, base8 = "elixir CPUAdam kernel", "elixir fp32 master, int8 moments", "baseline fp32 master, int8 moments"
+    print(f"int8 moments / fp32 kernel throughput (params/s, median of paired rounds): {paired(fp32, int8):.2f}x "
+          "(target >= 0.9x)")
+    if baseline:
+        print(f"  the same with --baseline's build: {paired(fp32, base8):.2f}x; this build over the baseline, int8 "
+              f"params/s: {paired(base8, int8):.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=100e6, help="number of parameters (one flat tensor)")
@@ -198,30 +241,8 @@ def main() -> None:
     args = ap.parse_args()
 
     n = int(args.params)
-    b = b_ = Bench(n, load_baseline(args.baseline) if args.baseline else None)
-    variants: Dict[str, tuple] = {  # name -> (fn, bytes key, group, peer of the group)
-        "copy_ probe": (b.copy_probe, None, "probe", None),
-        "in-place mul_ probe": (b.rmw_probe, None, "probe", None),
-        "roofline probe": (b.roofline_probe, "fp32", "probe", None),
-        "torch AdamW fused": (lambda: b.torch_fp32(True, False), "fp32", "fp32", None),
-        "elixir CPUAdam kernel": (b.ours_fp32, "fp32", "fp32", "torch AdamW fused"),
-        "torch fused + casts": (b.torch_bf16, "bf16_torch", "bf16", None),
-        "elixir fused bf16": (b.ours_bf16, "bf16", "bf16", "torch fused + casts"),
-    }
-    for master, moments in LOWBIT:
-        variants[f"elixir {master} master, {moments} moments"] = (
-            lambda a=master, b=moments: b_.ours_lowbit(a, b), f"{master}/{moments}", "lowbit", "elixir CPUAdam kernel")
-    if b.baseline is not None:
-        for master, moments in BASELINE:
-            variants[f"baseline {master} master, {moments} moments"] = (
-                lambda a=master, b=moments: b_.ours_lowbit(a, b, baseline=True), f"{master}/{moments}", "lowbit",
-                "elixir CPUAdam kernel")
-    if args.loop:
-        variants["torch AdamW foreach"] = (lambda: b.torch_fp32(False, True), "fp32", "fp32", None)
-        variants["torch AdamW for-loop"] = (lambda: b.torch_fp32(False, False), "fp32", "fp32", None)
-    ds = deepspeed_variant(b)
-    if ds is not None:
-        variants["DeepSpeedCPUAdam"] = (ds, "fp32", "fp32", None)
+    b = Bench(n, load_baseline(args.baseline) if args.baseline else None)
+    variants = make_variants(b, args.loop)
 
     print(f"{n / 1e6:.0f}M params, {torch.get_num_threads()} threads, kernel {F.kernel_level()}, "
           f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})")  # fmt: skip
@@ -268,14 +289,7 @@ def main() -> None:
         rows.append((name, cells))
     Console(width=150).print(table)
     print("* low-precision rows: vs elixir's fp32 kernel (elixir CPUAdam kernel), paired per round")
-    int8 = "elixir fp32 master, int8 moments"
-    ratio = statistics.median(a / b for a, b in zip(times["elixir CPUAdam kernel"], times[int8]))
-    print(f"int8 moments / fp32 kernel throughput (params/s, median of paired rounds): {ratio:.2f}x (target >= 0.9x)")
-    if b.baseline is not None:
-        base8 = "baseline fp32 master, int8 moments"
-        old = statistics.median(a / b for a, b in zip(times["elixir CPUAdam kernel"], times[base8]))
-        gain = statistics.median(a / b for a, b in zip(times[base8], times[int8]))
-        print(f"  the same with --baseline's build: {old:.2f}x; this build over the baseline, int8 params/s: {gain:.2f}x")
+    print_int8_ratio(times, b.baseline is not None)
     print(f"bandwidth probes (median): copy_ {copy_gbs:.1f} GB/s, in-place mul_ {rmw_gbs:.1f} GB/s, "
           f"roofline (the update's traffic, no math) {roof_gbs:.1f} GB/s; "
           f"effective GB/s counts {BYTES['fp32']} B/param fp32, {BYTES['bf16']} ours bf16, "
