@@ -112,11 +112,12 @@ ELIXIR_AVX512 inline void q8_out16(int out, void* dst, int64_t i, __m512 p) {
 
 // Software prefetch distance of pass 1's streams, in elements. The loop runs about four times
 // as many instructions per element as the fp32 kernel's, so the out-of-order window reaches
-// only ~100 elements ahead and the hardware prefetchers alone leave it waiting on DRAM:
-// 20M params, 2 threads, A/B in one process (2026-11-28): the fp32 kernel / this one 1.01x
-// without prefetch, 1.06x at 1024 ahead (quiet memory); 1.49-1.53x at 512 and 1024,
-// 1.36-1.41x at 1536 and 2048, 1.29-1.35x at 1024 into L2 only (T1) (loaded memory).
-constexpr int64_t kQ8Prefetch = 512;
+// only ~100 elements ahead and the hardware prefetchers alone leave it waiting on DRAM.
+// 20M params, A/B in one process (2026-11-28, docs/benchmarks.md): the fp32 kernel / this one,
+// 2 threads, 1.01x without prefetch and 1.06x at 1024 ahead (quiet memory); loaded memory,
+// 64 B-aligned buffers, 3 runs: 1.31-1.44x at 512, 1.35-1.48x at 768, 1.38-1.48x at 1024,
+// 1.34-1.36x at 256, 1.31-1.37x adding 2048 ahead into L2; 1 thread 0.98x, 1.08x, 1.06x, 1.04x.
+constexpr int64_t kQ8Prefetch = 768;
 
 ELIXIR_AVX512 inline void q8_prefetch(const void* base, int64_t byte_offset) {
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(byte_offset)),
