@@ -101,6 +101,9 @@ def test_measure_tiny_on_this_machine(tmp_path):
     skinny = prof.matmul_bytes_curve["float32"]  # one point per skinny width, bytes growing
     assert len(skinny.sizes) == 2 and skinny.sizes[0] < skinny.sizes[1] and min(skinny.bytes_per_s) > 0
     assert "8-row products" in prof.source["matmul_bytes_curve"]
+    decode = prof.frozen_decode_elements_per_s  # every quantised format, into each compute dtype
+    assert set(decode) == {"nf4", "int8"} and all(set(r) == {"bfloat16", "float32"} for r in decode.values())
+    assert min(v for r in decode.values() for v in r.values()) > 0 and "decode" in prof.source["frozen_decode_elements_per_s"]
     assert not list(tmp_path.iterdir())  # the disk test cleans up
     prof.save(tmp_path / "hw.json")
     assert HardwareProfile.load(tmp_path / "hw.json") == prof

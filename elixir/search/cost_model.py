@@ -564,7 +564,7 @@ def per_hardware(st: Setting, layout: Layout, name: str, make: Callable[[], Any]
     identity; tuples also by equality): the same for every configuration the search prices on one machine
     (fp32 gradients, the lean one, the report's unconstrained one), which differ in what they
     keep, not in what they move."""
-    key = (name, id(st.hardware), st.elem, st.reduce_elem, st.world, st.dtype)
+    key = (name, id(st.hardware), st.elem, st.reduce_elem, st.world, st.dtype, st.frozen_format)
     hit = layout.figures.get(key)
     if (hit is None or hit[0] is not st.hardware
             or not all(a is b or (isinstance(a, tuple) and a == b) for a, b in zip(hit[1], inputs))):
@@ -1033,7 +1033,7 @@ def _collectives(layout: Layout, st: Setting, zero: tuple[ChunkPlacement, ...]) 
     per = _LayoutCollectives(
         gather_full=gather(layout.chunk_size * st.elem),
         gather_own=tuple(gather(c * st.elem) for c in own),
-        gather_frozen=gather(layout.frozen_chunk_size * st.elem),
+        gather_frozen=frozen_gather_time(layout, st),
         reduce_scatter=(n * reduction(Sharding.SHARDED, layout.chunk_size, rs) if n else 0.0)
         + sum(reduction(Sharding.SHARDED, c, rs) for c in own)
         + sum(reduction(k.sharding, c, rs) for c, k in zc),
@@ -1042,6 +1042,26 @@ def _collectives(layout: Layout, st: Setting, zero: tuple[ChunkPlacement, ...]) 
         publish=sum(publish(k.sharding, c) for c, k in zc) if zc else None,
     )
     return per
+
+
+def frozen_gather_time(layout: Layout, st: Setting) -> float:
+    """Seconds of one gather of one frozen chunk of ``layout``, as the runtime does it
+    (:meth:`elixir.chunk.storage.ChunkStorage.decode_gather` for a quantised one): an unquantised
+    chunk is all-gathered in the compute dtype (a device copy at world size 1); a quantised one
+    all-gathers its ranks' packed shards (``world x`` :meth:`Setting.frozen_shard` bytes on the
+    wire, none at world size 1) and decodes the whole chunk at the profile's measured rate
+    (:meth:`~elixir.hardware.HardwareProfile.frozen_decode_time`). Either way the payload is
+    allocated for the gather (its first touch on a CPU box), and so is a quantised gather's
+    receive buffer at world size > 1."""
+    hw, w, n = st.hardware, st.world, layout.frozen_chunk_size
+    if not n:
+        return 0.0
+    payload = n * st.elem
+    if st.frozen_format is None:
+        return hw.all_gather_time(payload, w) + hw.first_touch_time(payload)
+    wire = w * st.frozen_shard(layout) if w > 1 else 0
+    return (hw.all_gather_time(wire, w) + hw.first_touch_time(wire + payload)
+            + hw.frozen_decode_time(n, st.frozen_format, st.dtype))
 
 
 def place(
@@ -1463,13 +1483,19 @@ def _copy_seconds(p: _Priced) -> tuple[float, float]:
     st, layout, hw = p.st, p.layout, p.st.hardware
     t_h2d = float(p.g[p.host_shard].sum() * p.h2d) if p.n else 0.0
     if p.frozen_where is not Placement.DEVICE and layout.n_frozen:
-        t_h2d += float(p.g_frozen.sum()) * hw.h2d_time(p.fshard, st.pin)
+        t_h2d += float(p.g_frozen.sum()) * _frozen_h2d(p)
     # a disk shard is derived from its fp32 master, read before each of its gathers
     # (synchronously: nothing hides it)
     t_shard_reads = float(p.g[p.disk_shard].sum() * hw.disk_time(p.shard * st.master_elem, 0)) if p.n else 0.0
     if p.frozen_where is Placement.DISK and layout.n_frozen:  # read for each gather, never written back
         t_shard_reads += float(p.g_frozen.sum()) * hw.disk_time(p.fshard, 0)
     return t_h2d, t_shard_reads
+
+
+def _frozen_h2d(p: _Priced) -> float:
+    """Seconds to bring one off-device frozen shard to the device for its gather: none on a
+    CPU-only profile, where the runtime gathers (or decodes) from the host shard itself."""
+    return 0.0 if unified_memory(p.st.hardware) else p.st.hardware.h2d_time(p.fshard, p.st.pin)
 
 
 def _placed_bytes(p: _Priced) -> tuple[int, int, int, int]:
@@ -1511,8 +1537,7 @@ def _step_seconds(p: _Priced, comm: dict[str, float], t_h2d: float, t_shard_read
     t_sync = n_sync * (hw.all_gather_time(layout.chunk_size * st.elem, st.world) + p.h2d)
     if p.frozen_where is Placement.DISK and layout.n_frozen:
         n_sync += int(p.g_frozen.sum())
-        t_sync += float(p.g_frozen.sum()) * (hw.all_gather_time(layout.frozen_chunk_size * st.elem, st.world)
-                                             + hw.h2d_time(p.fshard, st.pin))
+        t_sync += float(p.g_frozen.sum()) * (_layout_collectives(layout, st, p.zero).gather_frozen + _frozen_h2d(p))
     fb_comm = comm["all_gather"] + comm["reduce_scatter"] + comm["all_reduce"] + t_h2d - t_sync
     n_async = n_gathers - n_sync
     if hw.overlap and depth >= 1 and (n_sh or layout.n_frozen):
@@ -1558,7 +1583,7 @@ def _windowed_gathers(p: _Priced, profile: StepProfile, depth: int, compute: flo
     if p.frozen_where is Placement.DISK:
         sync[layout.n_sharded:] = True
     elif p.frozen_where is Placement.HOST and n_frozen:
-        seconds[layout.n_sharded:] += st.hardware.h2d_time(p.fshard, st.pin)
+        seconds[layout.n_sharded:] += _frozen_h2d(p)
     keep = ~sync[ids]
     return float(np.minimum(seconds[ids[keep]], windows[keep] * compute).sum())
 
