@@ -1737,7 +1737,9 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     r = RD if all(c.optim_placement is Placement.DEVICE for c in repl) else RH
     blocks = plan.cache_blocks
     fwhere = plan.frozen_chunks[0].shard_placement if plan.frozen_chunks else Placement.DEVICE
-    if st.world == 1 and all(k.shard is Placement.DEVICE for k in kinds) and fwhere is Placement.DEVICE:
+    quantised = st.frozen_format is not None and lay.n_frozen > 0  # gathered at each use even at world size 1
+    if (st.world == 1 and all(k.shard is Placement.DEVICE for k in kinds) and fwhere is Placement.DEVICE
+            and not quantised):
         g, blocks = np.zeros(n_sh + lay.n_frozen, dtype=np.int64), 0  # nothing goes through the cache
     else:
         g = simulate_layout(lay, blocks)
