@@ -103,3 +103,41 @@ def test_world2_puts_the_packed_shards_on_the_wire(profile):
     assert nf4 == pytest.approx(hw.all_gather_time(wire, 2), rel=1e-6)
     assert bf16 == pytest.approx(hw.all_gather_time(2 * n, 2))
     assert nf4 < bf16 / 3
+
+
+class _Count:
+    """An observer of one chunk (Chunk.observers): its gathers."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def gathered(self, chunk=None) -> None:
+        self.n += 1
+
+    def released(self, chunk=None) -> None:
+        pass
+
+
+def test_world1_counts_the_frozen_gathers_the_runtime_makes(profile):
+    """At world size 1 the trainable (LoRA) chunks stay resident, in no rCache block: the frozen
+    chunks' gathers in a training step are what the prediction counts (the whole trace's Belady
+    count, trainable chunks in the cache too, had each adapter evict the frozen chunk in use)."""
+    from elixir.testing.reference import default_optimizer, train_wrapped
+    from elixir.wrapper import ElixirModule, ElixirOptimizer
+
+    case = CASES["llama-lora"]
+    hw = _with_rate(load_profile("cpu-box"), 1e9)
+    found = optimal_search(case.build(), 1, frozen="nf4", hardware=hw, host_memory=1 << 30, device_memory=1 << 30,
+                           inp=case.make_batch(BATCH, 0), step_fn=case.step_fn, process_bytes=0,
+                           unified_dtype=torch.bfloat16)
+    layout = layout_from_plan(profile, found)
+    for plan in (found, dataclasses.replace(found, cache_blocks=layout.min_blocks)):
+        assert all(c.shard_placement.value == "device" for c in plan.chunks)
+        ev = evaluate_plan(profile, plan, _setting(hw, 1, "nf4"))
+        em = ElixirModule(case.build(), plan, dtype=torch.bfloat16)
+        counts = [_Count() for _ in em.frozen_chunks]
+        for c, o in zip(em.frozen_chunks, counts):
+            c.observers.append(o)
+        opt = ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]))
+        train_wrapped(case, em, opt, steps=1, batch_size=BATCH)
+        assert sum(o.n for o in counts) == ev.gathers, (plan.cache_blocks, [o.n for o in counts])

@@ -159,6 +159,11 @@ class Layout:
         return {}
 
     @cached_property
+    def solo_frozen_gathers_by_blocks(self) -> dict[int, np.ndarray]:
+        """:func:`solo_resident_gathers`' simulations of the frozen chunks alone, by block count."""
+        return {}
+
+    @cached_property
     def figures(self) -> dict[tuple, tuple]:
         """Figures of this layout on one hardware (:func:`per_hardware`, which fills it)."""
         return {}
@@ -1202,7 +1207,7 @@ def _place_with(sc: _PlaceScan, rwhere: Placement, fwhere: Placement) -> Optiona
     if dev_free < 0 or host_free < 0:
         return None
     if sc.n == 0:
-        return price(sc.profile, layout, st, sc.own_kinds + repl_kinds, sc.blocks, sc.depth, sc.gathers, fwhere)
+        return price(sc.profile, layout, st, sc.own_kinds + repl_kinds, sc.blocks, sc.depth, _gathers(sc, True), fwhere)
     y, x, z, ok = _scan_counts(sc, fwhere, dev_free, host_free, constr)
     if not ok.any():
         # no plan keeps every shard resident: the whole of the least-gathered chunks on disk
@@ -1212,8 +1217,15 @@ def _place_with(sc: _PlaceScan, rwhere: Placement, fwhere: Placement) -> Optiona
             return None
         return price(sc.profile, layout, st, kk + sc.own_kinds + repl_kinds, sc.blocks, sc.depth, sc.gathers)
     codes = _cheapest_codes(sc, y, x, z, ok)
-    p = _priced_codes(layout, st, codes, sc.zero, repl_kinds, sc.gathers, fwhere)
+    p = _priced_codes(layout, st, codes, sc.zero, repl_kinds, _gathers(sc, not _HOST_SHARD[codes].any()), fwhere)
     return _price(sc.profile, layout, st, p, sc.blocks, sc.depth)
+
+
+def _gathers(sc: _PlaceScan, resident: bool) -> np.ndarray:
+    """The gathers a placement is priced with: at world size 1 with every trainable shard on the
+    device (``resident``), the frozen chunks' counts without the resident chunks in the cache
+    (:func:`solo_resident_gathers`); else the scan's."""
+    return solo_resident_gathers(sc.layout, sc.blocks, sc.gathers) if sc.solo and resident else sc.gathers
 
 
 def _scan_counts(sc: _PlaceScan, fwhere: Placement, dev_free: int,
@@ -1658,6 +1670,31 @@ def simulate_layout(layout: Layout, blocks: int) -> np.ndarray:
     return g
 
 
+def solo_resident_gathers(layout: Layout, blocks: int, gathers: np.ndarray) -> np.ndarray:
+    """``gathers`` (:func:`simulate_layout`'s) for a world-size-1 placement that keeps every
+    trainable chunk's shard on the device: the runtime keeps those whole and resident, in no
+    rCache block, so only the frozen chunks (quantised, or off the device) take the blocks, and
+    their counts come from a Belady simulation of their accesses alone. With the whole trace an
+    adapter's access between two base-weight ops evicted the frozen chunk in use (one block: a
+    LoRA step's frozen chunks priced ~15 gathers a step each for their two uses)."""
+    n_sh = layout.n_sharded
+    if not layout.n_frozen or not n_sh:
+        return gathers
+    blocks = max(blocks, layout.min_blocks)
+    g = layout.solo_frozen_gathers_by_blocks.get(blocks)
+    if g is None:
+        t = layout.trace
+        step_of = np.repeat(np.arange(t.n_steps), np.diff(t.offsets))
+        keep = t.chunks >= n_sh
+        counts = np.bincount(step_of[keep], minlength=t.n_steps)
+        offsets = np.concatenate([[0], np.cumsum(counts[counts > 0])]).astype(np.int64)
+        sub = AccessTrace(offsets, t.chunks[keep].astype(np.int32), t.n_chunks)
+        g = layout.solo_frozen_gathers_by_blocks[blocks] = simulate(sub, blocks, "belady").per_chunk
+    out = np.array(gathers, dtype=np.int64)
+    out[n_sh:] = g[n_sh:]
+    return out
+
+
 def collective_counts(ev: Evaluation, world: int) -> dict[str, int]:
     """The collectives a priced plan issues per training step, by the kinds
     :class:`~elixir.chunk.ChunkComm` counts (``issued``): ``all_gather`` the simulated gathers
@@ -1743,6 +1780,8 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
         g, blocks = np.zeros(n_sh + lay.n_frozen, dtype=np.int64), 0  # nothing goes through the cache
     else:
         g = simulate_layout(lay, blocks)
+        if st.world == 1 and all(k.shard is Placement.DEVICE for k in kinds):
+            g = solo_resident_gathers(lay, blocks, g)
     # sharded tied chunks are priced as DD, like the search does
     return price(profile, lay, st, kinds + (DD,) * lay.own + zero + (r,) * len(repl), blocks, plan.prefetch_depth, g,
                  fwhere)
