@@ -63,6 +63,11 @@ def render(profile, console=None) -> None:
                   src.get("optimizer_format_ratio", ""))
     if not profile.optimizer_format_ratio:
         t.add_row("Adam state formats (time vs fp32)", "not measured: priced at the fp32 rate", "")
+    for k, rates in profile.frozen_decode_elements_per_s.items():
+        t.add_row(f"{k} frozen shard decode", ", ".join(f"to {d} {v / 1e9:.2f} Gelem/s" for d, v in rates.items()),
+                  src.get("frozen_decode_elements_per_s", ""))
+    if not profile.frozen_decode_elements_per_s:
+        t.add_row("quantised frozen shard decode", "not measured: priced as a device copy of the decoded bytes", "")
     for k, v in profile.matmul_flops.items():
         t.add_row(f"matmul {k}", f"{v / 1e12:.3f} TFLOP/s", src.get("matmul_flops", ""))
     for k, c in profile.matmul_curve.items():

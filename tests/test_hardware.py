@@ -86,6 +86,12 @@ def test_per_rank_share_divides_node_quantities():
     assert one.optimizer_params_per_s["host"] == pytest.approx(2 * two.optimizer_params_per_s["host"])
     # two ranks on a CPU box get half the cores each: half the compute of one rank with all of them
     assert two.matmul_flops["float32"] == pytest.approx(one.matmul_flops["float32"] / 2)
+    # and half the threads for a frozen shard's decode (timed on all of them); a GPU's is its own
+    gpu = dataclasses.replace(p, frozen_decode_elements_per_s={"nf4": {"bfloat16": 1e9}})
+    assert gpu.per_rank(8).frozen_decode_time(1e9, "nf4", "bfloat16") == gpu.frozen_decode_time(1e9, "nf4", "bfloat16")
+    cpu = dataclasses.replace(base, frozen_decode_elements_per_s={"nf4": {"bfloat16": 1e9}})
+    assert cpu.per_rank(2).frozen_decode_time(1e9, "nf4", "bfloat16") == pytest.approx(
+        2 * cpu.per_rank(1).frozen_decode_time(1e9, "nf4", "bfloat16"))
 
 
 def test_measure_tiny_on_this_machine(tmp_path):
@@ -101,6 +107,9 @@ def test_measure_tiny_on_this_machine(tmp_path):
     skinny = prof.matmul_bytes_curve["float32"]  # one point per skinny width, bytes growing
     assert len(skinny.sizes) == 2 and skinny.sizes[0] < skinny.sizes[1] and min(skinny.bytes_per_s) > 0
     assert "8-row products" in prof.source["matmul_bytes_curve"]
+    decode = prof.frozen_decode_elements_per_s  # every quantised format, into each compute dtype
+    assert set(decode) == {"nf4", "int8"} and all(set(r) == {"bfloat16", "float32"} for r in decode.values())
+    assert min(v for r in decode.values() for v in r.values()) > 0 and "decode" in prof.source["frozen_decode_elements_per_s"]
     assert not list(tmp_path.iterdir())  # the disk test cleans up
     prof.save(tmp_path / "hw.json")
     assert HardwareProfile.load(tmp_path / "hw.json") == prof

@@ -119,6 +119,9 @@ STEP_MEMORY_FIELDS = ("step_untracked_bytes", "step_growth_bytes", "heap_slack_p
 """The profile's figures for what a training step holds beyond every counted term (see
 :class:`HardwareProfile`): defaults measured on the CPU box, not by ``elixir hwprofile``."""
 
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of the compute dtypes a frozen shard decodes into (by name)."""
+
 _CURVES = ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable", "device_copy", "all_gather", "reduce_scatter",
            "elementwise", "all_reduce")
 
@@ -156,6 +159,16 @@ class HardwareProfile:
             measured (profiles written before issue 33, reference profiles) is priced at the fp32
             rate (ratio 1): the shipped reference profiles' ``source`` says so, and
             ``elixir hwprofile --show`` says so for any profile without the field.
+        frozen_decode_elements_per_s: per quantised frozen format (``"nf4"``, ``"int8"``,
+            :mod:`elixir.plan.state_format`) and compute dtype name (``"bfloat16"``, ``"float32"``),
+            the elements per second at which the runtime's decode
+            (:meth:`elixir.chunk.quant.FrozenCodec.decode`: the native kernel for NF4 on a CPU,
+            the torch path elsewhere) dequantises a frozen shard into a reused payload on the
+            device, on the threads the runtime uses: what each gather of a quantised frozen chunk
+            costs beyond its wire bytes and its payload's first touch. A format or dtype not
+            measured (profiles written before it, reference profiles) is priced as a device copy
+            of the decoded bytes (the price every frozen gather had before; the native NF4
+            kernel measured as fast as that copy on the CPU box).
         matmul_flops: dense matmul throughput per dtype name (``"float32"``, ``"bfloat16"``, ...).
         train_flops: per dtype, the training throughput (FLOP/s) of a reference transformer stack
             against the FLOPs of one step (``6 * matmul weights * tokens``, as the cost model counts
@@ -262,6 +275,7 @@ class HardwareProfile:
     matmul_bytes_curve: dict[str, BandwidthCurve] = field(default_factory=dict)
     elementwise: Optional[BandwidthCurve] = None
     optimizer_format_ratio: dict[str, dict[str, float]] = field(default_factory=dict)
+    frozen_decode_elements_per_s: dict[str, dict[str, float]] = field(default_factory=dict)
     op_overhead_s: float = 0.0
     first_touch_bytes_per_s: float = 0.0
     step_untracked_bytes: int = 96 * MiB
@@ -318,6 +332,8 @@ class HardwareProfile:
             d2h_pageable=self.d2h_pageable.scaled(f),
             device_copy=self.device_copy.scaled(f) if cpu else self.device_copy,
             optimizer_params_per_s=rates,
+            frozen_decode_elements_per_s={k: {d: v * f if cpu else v for d, v in r.items()}
+                                          for k, r in self.frozen_decode_elements_per_s.items()},
             matmul_flops={d: v * fc for d, v in self.matmul_flops.items()},
             train_flops={d: c.scaled(fc) for d, c in self.train_flops.items()},
             matmul_curve={d: c.scaled(fc) for d, c in self.matmul_curve.items()},
@@ -381,6 +397,17 @@ class HardwareProfile:
         """Seconds to fault in ``nbytes`` of freshly allocated memory on its first write (0 where
         not measured)."""
         return nbytes / self.first_touch_bytes_per_s if self.first_touch_bytes_per_s > 0 and nbytes > 0 else 0.0
+
+    def frozen_decode_time(self, numel: float, fmt: str, dtype: str) -> float:
+        """Seconds to dequantise ``numel`` elements of a frozen shard in ``fmt`` into ``dtype``
+        (a name, ``"bfloat16"``) at the measured :attr:`frozen_decode_elements_per_s`; where not
+        measured, a device copy of the decoded bytes."""
+        if numel <= 0:
+            return 0.0
+        rate = self.frozen_decode_elements_per_s.get(fmt, {}).get(dtype)
+        if rate:
+            return numel / rate
+        return self.device_copy.time(numel * _DTYPE_BYTES.get(dtype, 2))
 
     def step_extra_bytes(self, activation_bytes: int, activations_on_host: bool, streams_from_disk: bool = False) -> int:
         """Host bytes a training step adds to the measured process beyond every counted term: the

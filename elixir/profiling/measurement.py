@@ -24,11 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from elixir import device as dev
 from elixir import distributed as edist
+from elixir.chunk.quant import FrozenCodec
 from elixir.hardware.profile import STEP_MEMORY_FIELDS, BandwidthCurve, HardwareProfile, MiB
 from elixir.launch import run_distributed
 from elixir.lowp_gemm import widened_gemms
 from elixir.optim import CPUAdam, HybridAdam
-from elixir.plan.state_format import MASTER_FORMATS, MOMENT_FORMATS, master_torch_dtype
+from elixir.plan.state_format import FROZEN_FORMATS, MASTER_FORMATS, MOMENT_FORMATS, master_torch_dtype
 
 # ---------------------------------------------------------------------------------------------
 # measurement
@@ -49,6 +50,7 @@ class MeasureOptions:
             that measure ``matmul_bytes_curve``, and the memory their weights are cycled through
             (more than the caches hold, as a training step's weights are).
         train_widths: widths of the reference transformer stacks timed for ``train_flops``.
+        decode_elements: elements of the frozen shard each quantised format's decode is timed on.
         offload_dir: where the disk test writes (a temporary file, removed after).
     """
 
@@ -62,6 +64,7 @@ class MeasureOptions:
     elementwise_sizes: tuple[int, ...] = (4 * 1024, 64 * 1024, 1 * MiB, 16 * MiB, 64 * MiB)
     skinny_widths: tuple[int, ...] = (64, 256, 1024, 2048)
     skinny_pool_bytes: int = 128 * MiB
+    decode_elements: int = 16 * MiB
     offload_dir: str = tempfile.gettempdir()
 
     @classmethod
@@ -78,7 +81,7 @@ class MeasureOptions:
         return cls(
             sizes=(64 * 1024, 1 * MiB), repeats=1, optimizer_params=64 * 1024, disk_bytes=4 * MiB,
             matmul_n=128, train_widths=(64,), matmul_sides=(32, 64), elementwise_sizes=(4096, 65536),
-            skinny_widths=(32, 64), skinny_pool_bytes=1 * MiB,
+            skinny_widths=(32, 64), skinny_pool_bytes=1 * MiB, decode_elements=64 * 1024,
             offload_dir=offload_dir or tempfile.gettempdir(),
         )
 
@@ -139,6 +142,33 @@ def measure_first_touch(nbytes: int = 64 * MiB, repeats: int = 5) -> float:
     fresh = _median_time(lambda: torch.empty(n).fill_(0), repeats, lambda: None)
     again = _median_time(lambda: reused.fill_(0), repeats, lambda: None)
     return nbytes / max(fresh - again, 1e-9)
+
+
+#: Least timed decodes per (format, dtype) in :func:`measure_frozen_decode` (milliseconds each).
+DECODE_ROUNDS = 7
+#: The compute dtypes a quantised frozen shard is timed decoding into.
+DECODE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def measure_frozen_decode(numel: int, device: torch.device, repeats: int) -> dict[str, dict[str, float]]:
+    """Per quantised frozen format and compute dtype name, the elements per second at which
+    :meth:`~elixir.chunk.quant.FrozenCodec.decode` (the runtime's decode: the native NF4 kernel
+    on a CPU where built, else the torch path) dequantises a shard of ``numel`` normal values
+    on ``device`` into one reused payload (its first touch is priced apart), on the threads
+    torch has (the runtime's); the median of at least :data:`DECODE_ROUNDS` timings after a
+    warm-up (:attr:`~elixir.hardware.HardwareProfile.frozen_decode_elements_per_s`)."""
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(numel, generator=gen)
+    out: dict[str, dict[str, float]] = {}
+    for fmt in (f for f in FROZEN_FORMATS if f is not None):
+        for dtype in DECODE_DTYPES:
+            codec = FrozenCodec(fmt, numel, dtype)
+            buf = codec.encode(values.to(device=device, dtype=dtype))
+            payload = torch.empty(numel, dtype=dtype, device=device)
+            t = _median_time(lambda c=codec, b=buf, p=payload: c.decode(b, out=p), max(DECODE_ROUNDS, repeats),
+                             _sync(device))
+            out.setdefault(fmt, {})[str(dtype).split(".")[-1]] = numel / t
+    return out
 
 
 def measure_collectives(sizes: tuple[int, ...], repeats: int, group=None) -> dict:
@@ -506,6 +536,12 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
     optimizer = _measure_optimizers(o, d, src, say)
     compute = _measure_compute(o, d, src, say)
     disk = _measure_disk_fields(o, src, say)
+    say("frozen shard decode")
+    decode = measure_frozen_decode(o.decode_elements, d, o.repeats)
+    src["frozen_decode_elements_per_s"] = (
+        f"measured: each quantised frozen format's decode of {o.decode_elements} elements into a reused payload "
+        f"({'the native NF4 kernel where built, ' if cpu_only else ''}the runtime's FrozenCodec.decode, "
+        f"{torch.get_num_threads()} threads), median of {max(DECODE_ROUNDS, o.repeats)}")
     for f in STEP_MEMORY_FIELDS:  # a training run's figures, not one resource's: the measured defaults
         src[f] = "not measured by hwprofile: the default, measured on the CPU box (see HardwareProfile)"
     return HardwareProfile(
@@ -528,6 +564,7 @@ def _measure_local(o: MeasureOptions, col: Optional[dict], name: Optional[str],
         **compute,
         **disk,
         **curves,
+        frozen_decode_elements_per_s=decode,
     )
 
 

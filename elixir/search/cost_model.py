@@ -159,6 +159,11 @@ class Layout:
         return {}
 
     @cached_property
+    def solo_frozen_gathers_by_blocks(self) -> dict[int, np.ndarray]:
+        """:func:`solo_resident_gathers`' simulations of the frozen chunks alone, by block count."""
+        return {}
+
+    @cached_property
     def figures(self) -> dict[tuple, tuple]:
         """Figures of this layout on one hardware (:func:`per_hardware`, which fills it)."""
         return {}
@@ -564,7 +569,7 @@ def per_hardware(st: Setting, layout: Layout, name: str, make: Callable[[], Any]
     identity; tuples also by equality): the same for every configuration the search prices on one machine
     (fp32 gradients, the lean one, the report's unconstrained one), which differ in what they
     keep, not in what they move."""
-    key = (name, id(st.hardware), st.elem, st.reduce_elem, st.world, st.dtype)
+    key = (name, id(st.hardware), st.elem, st.reduce_elem, st.world, st.dtype, st.frozen_format)
     hit = layout.figures.get(key)
     if (hit is None or hit[0] is not st.hardware
             or not all(a is b or (isinstance(a, tuple) and a == b) for a, b in zip(hit[1], inputs))):
@@ -1033,7 +1038,7 @@ def _collectives(layout: Layout, st: Setting, zero: tuple[ChunkPlacement, ...]) 
     per = _LayoutCollectives(
         gather_full=gather(layout.chunk_size * st.elem),
         gather_own=tuple(gather(c * st.elem) for c in own),
-        gather_frozen=gather(layout.frozen_chunk_size * st.elem),
+        gather_frozen=frozen_gather_time(layout, st),
         reduce_scatter=(n * reduction(Sharding.SHARDED, layout.chunk_size, rs) if n else 0.0)
         + sum(reduction(Sharding.SHARDED, c, rs) for c in own)
         + sum(reduction(k.sharding, c, rs) for c, k in zc),
@@ -1042,6 +1047,26 @@ def _collectives(layout: Layout, st: Setting, zero: tuple[ChunkPlacement, ...]) 
         publish=sum(publish(k.sharding, c) for c, k in zc) if zc else None,
     )
     return per
+
+
+def frozen_gather_time(layout: Layout, st: Setting) -> float:
+    """Seconds of one gather of one frozen chunk of ``layout``, as the runtime does it
+    (:meth:`elixir.chunk.storage.ChunkStorage.decode_gather` for a quantised one): an unquantised
+    chunk is all-gathered in the compute dtype (a device copy at world size 1); a quantised one
+    all-gathers its ranks' packed shards (``world x`` :meth:`Setting.frozen_shard` bytes on the
+    wire, none at world size 1) and decodes the whole chunk at the profile's measured rate
+    (:meth:`~elixir.hardware.HardwareProfile.frozen_decode_time`). Either way the payload is
+    allocated for the gather (its first touch on a CPU box), and so is a quantised gather's
+    receive buffer at world size > 1."""
+    hw, w, n = st.hardware, st.world, layout.frozen_chunk_size
+    if not n:
+        return 0.0
+    payload = n * st.elem
+    if st.frozen_format is None:
+        return hw.all_gather_time(payload, w) + hw.first_touch_time(payload)
+    wire = w * st.frozen_shard(layout) if w > 1 else 0
+    return (hw.all_gather_time(wire, w) + hw.first_touch_time(wire + payload)
+            + hw.frozen_decode_time(n, st.frozen_format, st.dtype))
 
 
 def place(
@@ -1182,7 +1207,7 @@ def _place_with(sc: _PlaceScan, rwhere: Placement, fwhere: Placement) -> Optiona
     if dev_free < 0 or host_free < 0:
         return None
     if sc.n == 0:
-        return price(sc.profile, layout, st, sc.own_kinds + repl_kinds, sc.blocks, sc.depth, sc.gathers, fwhere)
+        return price(sc.profile, layout, st, sc.own_kinds + repl_kinds, sc.blocks, sc.depth, _gathers(sc, True), fwhere)
     y, x, z, ok = _scan_counts(sc, fwhere, dev_free, host_free, constr)
     if not ok.any():
         # no plan keeps every shard resident: the whole of the least-gathered chunks on disk
@@ -1192,8 +1217,15 @@ def _place_with(sc: _PlaceScan, rwhere: Placement, fwhere: Placement) -> Optiona
             return None
         return price(sc.profile, layout, st, kk + sc.own_kinds + repl_kinds, sc.blocks, sc.depth, sc.gathers)
     codes = _cheapest_codes(sc, y, x, z, ok)
-    p = _priced_codes(layout, st, codes, sc.zero, repl_kinds, sc.gathers, fwhere)
+    p = _priced_codes(layout, st, codes, sc.zero, repl_kinds, _gathers(sc, not _HOST_SHARD[codes].any()), fwhere)
     return _price(sc.profile, layout, st, p, sc.blocks, sc.depth)
+
+
+def _gathers(sc: _PlaceScan, resident: bool) -> np.ndarray:
+    """The gathers a placement is priced with: at world size 1 with every trainable shard on the
+    device (``resident``), the frozen chunks' counts without the resident chunks in the cache
+    (:func:`solo_resident_gathers`); else the scan's."""
+    return solo_resident_gathers(sc.layout, sc.blocks, sc.gathers) if sc.solo and resident else sc.gathers
 
 
 def _scan_counts(sc: _PlaceScan, fwhere: Placement, dev_free: int,
@@ -1463,13 +1495,19 @@ def _copy_seconds(p: _Priced) -> tuple[float, float]:
     st, layout, hw = p.st, p.layout, p.st.hardware
     t_h2d = float(p.g[p.host_shard].sum() * p.h2d) if p.n else 0.0
     if p.frozen_where is not Placement.DEVICE and layout.n_frozen:
-        t_h2d += float(p.g_frozen.sum()) * hw.h2d_time(p.fshard, st.pin)
+        t_h2d += float(p.g_frozen.sum()) * _frozen_h2d(p)
     # a disk shard is derived from its fp32 master, read before each of its gathers
     # (synchronously: nothing hides it)
     t_shard_reads = float(p.g[p.disk_shard].sum() * hw.disk_time(p.shard * st.master_elem, 0)) if p.n else 0.0
     if p.frozen_where is Placement.DISK and layout.n_frozen:  # read for each gather, never written back
         t_shard_reads += float(p.g_frozen.sum()) * hw.disk_time(p.fshard, 0)
     return t_h2d, t_shard_reads
+
+
+def _frozen_h2d(p: _Priced) -> float:
+    """Seconds to bring one off-device frozen shard to the device for its gather: none on a
+    CPU-only profile, where the runtime gathers (or decodes) from the host shard itself."""
+    return 0.0 if unified_memory(p.st.hardware) else p.st.hardware.h2d_time(p.fshard, p.st.pin)
 
 
 def _placed_bytes(p: _Priced) -> tuple[int, int, int, int]:
@@ -1511,8 +1549,7 @@ def _step_seconds(p: _Priced, comm: dict[str, float], t_h2d: float, t_shard_read
     t_sync = n_sync * (hw.all_gather_time(layout.chunk_size * st.elem, st.world) + p.h2d)
     if p.frozen_where is Placement.DISK and layout.n_frozen:
         n_sync += int(p.g_frozen.sum())
-        t_sync += float(p.g_frozen.sum()) * (hw.all_gather_time(layout.frozen_chunk_size * st.elem, st.world)
-                                             + hw.h2d_time(p.fshard, st.pin))
+        t_sync += float(p.g_frozen.sum()) * (_layout_collectives(layout, st, p.zero).gather_frozen + _frozen_h2d(p))
     fb_comm = comm["all_gather"] + comm["reduce_scatter"] + comm["all_reduce"] + t_h2d - t_sync
     n_async = n_gathers - n_sync
     if hw.overlap and depth >= 1 and (n_sh or layout.n_frozen):
@@ -1558,7 +1595,7 @@ def _windowed_gathers(p: _Priced, profile: StepProfile, depth: int, compute: flo
     if p.frozen_where is Placement.DISK:
         sync[layout.n_sharded:] = True
     elif p.frozen_where is Placement.HOST and n_frozen:
-        seconds[layout.n_sharded:] += st.hardware.h2d_time(p.fshard, st.pin)
+        seconds[layout.n_sharded:] += _frozen_h2d(p)
     keep = ~sync[ids]
     return float(np.minimum(seconds[ids[keep]], windows[keep] * compute).sum())
 
@@ -1631,6 +1668,31 @@ def simulate_layout(layout: Layout, blocks: int) -> np.ndarray:
         g.flags.writeable = False
         layout.gathers_by_blocks[blocks] = g
     return g
+
+
+def solo_resident_gathers(layout: Layout, blocks: int, gathers: np.ndarray) -> np.ndarray:
+    """``gathers`` (:func:`simulate_layout`'s) for a world-size-1 placement that keeps every
+    trainable chunk's shard on the device: the runtime keeps those whole and resident, in no
+    rCache block, so only the frozen chunks (quantised, or off the device) take the blocks, and
+    their counts come from a Belady simulation of their accesses alone. With the whole trace an
+    adapter's access between two base-weight ops evicted the frozen chunk in use (one block: a
+    LoRA step's frozen chunks priced ~15 gathers a step each for their two uses)."""
+    n_sh = layout.n_sharded
+    if not layout.n_frozen or not n_sh:
+        return gathers
+    blocks = max(blocks, layout.min_blocks)
+    g = layout.solo_frozen_gathers_by_blocks.get(blocks)
+    if g is None:
+        t = layout.trace
+        step_of = np.repeat(np.arange(t.n_steps), np.diff(t.offsets))
+        keep = t.chunks >= n_sh
+        counts = np.bincount(step_of[keep], minlength=t.n_steps)
+        offsets = np.concatenate([[0], np.cumsum(counts[counts > 0])]).astype(np.int64)
+        sub = AccessTrace(offsets, t.chunks[keep].astype(np.int32), t.n_chunks)
+        g = layout.solo_frozen_gathers_by_blocks[blocks] = simulate(sub, blocks, "belady").per_chunk
+    out = np.array(gathers, dtype=np.int64)
+    out[n_sh:] = g[n_sh:]
+    return out
 
 
 def collective_counts(ev: Evaluation, world: int) -> dict[str, int]:
@@ -1712,10 +1774,14 @@ def evaluate_plan(profile: StepProfile, plan, st: Setting) -> Evaluation:
     r = RD if all(c.optim_placement is Placement.DEVICE for c in repl) else RH
     blocks = plan.cache_blocks
     fwhere = plan.frozen_chunks[0].shard_placement if plan.frozen_chunks else Placement.DEVICE
-    if st.world == 1 and all(k.shard is Placement.DEVICE for k in kinds) and fwhere is Placement.DEVICE:
+    quantised = st.frozen_format is not None and lay.n_frozen > 0  # gathered at each use even at world size 1
+    if (st.world == 1 and all(k.shard is Placement.DEVICE for k in kinds) and fwhere is Placement.DEVICE
+            and not quantised):
         g, blocks = np.zeros(n_sh + lay.n_frozen, dtype=np.int64), 0  # nothing goes through the cache
     else:
         g = simulate_layout(lay, blocks)
+        if st.world == 1 and all(k.shard is Placement.DEVICE for k in kinds):
+            g = solo_resident_gathers(lay, blocks, g)
     # sharded tied chunks are priced as DD, like the search does
     return price(profile, lay, st, kinds + (DD,) * lay.own + zero + (r,) * len(repl), blocks, plan.prefetch_depth, g,
                  fwhere)
