@@ -185,7 +185,7 @@ def deepspeed_variant(b: Bench):
     return step
 
 
-def make_variants(b: "Bench", loop: bool) -> Dict[str, tuple]:
+def make_variants(b: Bench, loop: bool) -> Dict[str, tuple]:
     """name -> (fn, bytes key, group, peer of the group), in timing order."""
     variants: Dict[str, tuple] = {
         "copy_ probe": (b.copy_probe, None, "probe", None),
