@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from tests.lm_cases import lm_steps
+
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
 FORMATS = [("fp32", "fp32"), ("bf16-sr", "int8"), ("bf16-kahan", "bf16")]
 
@@ -41,14 +43,7 @@ def test_disk_precheck_is_the_footprint_rule():
 
 def _three_steps(em, opt) -> list[float]:
     ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(1))
-    run = []
-    for _ in range(3):
-        loss = em(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        run.append(loss.item())
-    return run
+    return lm_steps(em, opt, [ids] * 3)
 
 
 def test_elixir_trains_in_the_asked_formats(tmp_path):

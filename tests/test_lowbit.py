@@ -36,6 +36,7 @@ from elixir.testing.zoo import build_gpt2
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 from elixir.wrapper import fused_step as fused_step_mod
 from elixir.wrapper.policies import MixedPrecisionPolicy
+from tests.lm_cases import lm_steps
 
 FORMATS = [(m, s) for m in ("fp32", "bf16-sr", "bf16-kahan") for s in ("fp32", "bf16", "int8")]
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True, bias_correction=True,
@@ -251,15 +252,7 @@ def _wrapped(master, moments, disk=False, dtype=torch.float32, fused_step=None):
 
 
 def _train(em, eo, steps, first=0):
-    losses = []
-    for s in range(first, first + steps):
-        ids = _batch(s)
-        loss = em(input_ids=ids, labels=ids).loss
-        loss.backward()
-        eo.step()
-        eo.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return lm_steps(em, eo, (_batch(s) for s in range(first, first + steps)))
 
 
 def _state_bytes_per_param(em, eo) -> float:
