@@ -271,6 +271,46 @@ def test_aio_round_trip(tmp_path, direct):
             f.close()
 
 
+def test_a_filled_prefix_is_all_that_moves_after_the_first_write(tmp_path):
+    """A record filled only in a prefix (a chunk's padding is its tail): its first write lays the
+    whole region down, later writes and every read move the prefix only, and a read (staging, a
+    derived shard's read-ahead, a converted read) zeroes the tail whatever memory held there."""
+    from elixir.offload import DiskStore
+    from elixir.offload.store import MASTER
+
+    store = DiskStore(None, str(tmp_path), need_bytes=0)
+    try:
+        n, filled = 1000, 613
+        master = torch.zeros(n)
+        master[:filled] = torch.randn(filled)
+        store.register_tensor(0, MASTER, master, filled=filled)
+        assert store.bytes_written == 4 * n  # laid down whole once
+        store.register_tensor(1, MASTER, torch.ones(8), filled=0)  # a shard of padding only
+        store.stage(0)
+        flat = store.chunks[0].flats[MASTER]
+        assert store.bytes_read == 4 * filled and torch.equal(flat[filled:], torch.zeros(n - filled))
+        expected = flat.clone()
+        flat[filled:] = 7.0  # stray values in the tail never reach the disk
+        store.offload(0)
+        assert store.bytes_written == 4 * n + 4 * 8 + 4 * filled  # both laid down, then the prefix
+        store.stage(0)
+        assert torch.equal(store.chunks[0].flats[MASTER], expected)
+        store.offload(0, write=False)
+        out = torch.full((n,), 5.0)
+        handle, nbytes, _ = store.read_flat(0, MASTER, out)
+        handle.wait()
+        assert nbytes == 4 * filled and torch.equal(out, expected)
+        half = torch.full((n,), 5.0, dtype=torch.bfloat16)
+        pieces = (torch.empty(100), torch.empty(100))
+        assert store.read_converted(0, MASTER, half, pieces) == 4 * filled
+        assert torch.equal(half, expected.to(torch.bfloat16))
+        store.stage(1)
+        assert torch.equal(store.chunks[1].flats[MASTER], torch.zeros(8))  # nothing read: all zero
+        store.offload(1)
+    finally:
+        store.close()
+
+
 # --------------------------------------------------------------------------------------------
 # offload_dir errors and cleanup (in-process)
 

@@ -309,6 +309,12 @@ def test_quantised_shards_on_the_host_and_on_disk_train_alike():
                        for c in plan.frozen_chunks)
         em = ElixirModule(model, dataclasses.replace(plan, frozen_chunks=frozen, cache_blocks=2),
                           mp_policy=MixedPrecisionPolicy(frozen="nf4"))
+        if where is Placement.DISK:  # the file reserved is the quantised bytes, not the compute dtype's
+            import os
+
+            quantised = sum(frozen_shard_bytes("nf4", c.shard_size(1), 4) for c in frozen)
+            size, regions = os.fstat(em.shard_store.location.file.fd).st_size, len(frozen)
+            assert quantised <= size <= quantised + regions * 4096  # regions start page-aligned
         opt = ElixirOptimizer(em, default_optimizer([p for p in em.parameters() if p.requires_grad]))
         runs[where] = (train_wrapped(case, em, opt, steps=STEPS, batch_size=BATCH).losses, em.memory_report())
     assert runs[Placement.DEVICE][0] == runs[Placement.HOST][0] == runs[Placement.DISK][0]

@@ -50,6 +50,8 @@ class ChunkSpec(ShardedBy):
             :mod:`elixir.chunk.quant`) and dequantised into the payload at each gather; such a
             chunk is always sharded (its payload is transient, even at world size 1). None: the
             shard holds compute-dtype values.
+        filled: elements holding parameters, a prefix of the flat chunk; the rest is padding that
+            stays zero (an offload file transfers only the filled part). None: the whole capacity.
     """
 
     index: int
@@ -67,6 +69,7 @@ class ChunkSpec(ShardedBy):
     kind: ChunkKind = ChunkKind.TRAINABLE
     master_dtype: torch.dtype = torch.float32
     frozen_format: Optional[str] = None
+    filled: Optional[int] = None
 
     @property
     def frozen(self) -> bool:
@@ -121,6 +124,12 @@ class ChunkSpec(ShardedBy):
     def shard_offset(self) -> int:
         """Offset of this rank's shard in the flat chunk."""
         return self.rank * self.shard_numel if self.state_sharded else 0
+
+    @property
+    def shard_filled(self) -> int:
+        """Elements of this rank's shard that hold parameters (the rest is padding: zero)."""
+        filled = self.capacity if self.filled is None else self.filled
+        return max(0, min(self.shard_numel, filled - self.shard_offset))
 
     @property
     def publishes(self) -> bool:

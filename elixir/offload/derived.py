@@ -186,11 +186,11 @@ class DerivedShards:
             return  # cast on the way in: read through the pieces at the gather
         self._allocate(rec, DiskState.READING)
         try:
-            handle, version = self.masters.read_flat(nxt, MASTER, rec.shard)
+            handle, nbytes, version = self.masters.read_flat(nxt, MASTER, rec.shard)
         except BaseException:
             self._free(nxt)
             raise
-        self.bytes_read += rec.nbytes
+        self.bytes_read += nbytes
         self._ahead = (nxt, handle, version)
 
     def _finish_ahead(self) -> tuple[int, bool]:

@@ -16,6 +16,7 @@ from elixir.chunk import MemoryLedger
 from elixir.offload.directory import OffloadDirError
 from elixir.offload.store import DiskStore
 from elixir.plan import Placement, SearchResult, disk_bytes_per_element
+from elixir.plan.state_format import frozen_shard_bytes
 
 # bytes per element reserved up front: the fp32 master and Adam's state, as the cost model
 # assumes (the optimizer is not known yet when the module is built); other optimizers' state
@@ -37,7 +38,7 @@ class StoreSite:
 
     def open(self, elements: list[int], bytes_per_element: int) -> Optional[DiskStore]:
         """This rank's store for disk chunks of ``elements`` elements each (None when there are
-        none), reserving ``bytes_per_element`` per element. A failure to open it on any rank is
+        none), reserving ``bytes_per_element`` per element (1 where ``elements`` are byte sizes). A failure to open it on any rank is
         raised on every rank: collective when there is a store to open and ``world_size > 1``."""
         if not elements:
             return None
@@ -67,11 +68,15 @@ def store_for_plan(plan: SearchResult, site: StoreSite, bytes_per_element: int =
                      bytes_per_element)
 
 
-def shard_store_for_plan(plan: SearchResult, site: StoreSite, element_size: int) -> Optional[DiskStore]:
+def shard_store_for_plan(plan: SearchResult, site: StoreSite, element_size: int,
+                         frozen_format: Optional[str] = None) -> Optional[DiskStore]:
     """The rank's DiskStore for the frozen compute shards the plan puts on disk (``shard_placement
-    == DISK``; ``element_size``: bytes per compute element), or None when there are none. A store
-    of its own: a gather reads only the shard. (A trainable chunk's disk shard is not stored: it is
-    its master cast down, :mod:`elixir.offload.derived`.)"""
+    == DISK``; ``element_size``: bytes per compute element; ``frozen_format``: the shards are
+    stored quantised, ``"nf4"`` or ``"int8"``, at that format's bytes), or None when there are
+    none. A store of its own: a gather reads only the shard. (A trainable chunk's disk shard is not
+    stored: it is its master cast down, :mod:`elixir.offload.derived`.)"""
     world = site.world_size
-    return site.open([cp.shard_size(world) for cp in plan.frozen_chunks if cp.sharded and cp.shard_placement is Placement.DISK],
-                     element_size)
+    sizes = [cp.shard_size(world) for cp in plan.frozen_chunks if cp.sharded and cp.shard_placement is Placement.DISK]
+    if frozen_format is None:
+        return site.open(sizes, element_size)
+    return site.open([frozen_shard_bytes(frozen_format, n, element_size) for n in sizes], 1)

@@ -8,6 +8,10 @@ identity and shape while the flat's storage is resized to 0 bytes between uses (
 chunk payload is): the host then holds none of the chunk's master or state, and a stray access
 raises instead of reading stale values.
 
+A record may be *filled* only in a prefix (a chunk's padding is its tail, and stays zero): after its
+first write, which lays the whole region down, reads and writes move the filled prefix only and a
+read zeroes the rest in memory, so padding costs no disk traffic.
+
 A chunk moves OFFLOADED -> READING -> RESIDENT -> WRITING -> OFFLOADED (checked): reads and writes
 are queued on the async I/O engine (:mod:`elixir.offload.aio`) and finished by :meth:`DiskStore.finish`.
 The master's host bytes are recorded in the runtime's memory ledger only while staged.
@@ -72,12 +76,19 @@ class DiskChunk:
 
     index: int
     numel: int
+    filled: Optional[int] = None  # elements transferred (a prefix; the rest is zero padding); None: all
     flats: dict[str, torch.Tensor] = field(default_factory=dict)
     regions: dict[str, Region] = field(default_factory=dict)
     state: DiskState = DiskState.RESIDENT
     pending: list = field(default_factory=list)
     reads: dict = field(default_factory=dict)  # flat key -> its read's handle, while READING
     version: int = 0  # bumped whenever the disk copy may change (a write queued, a writable mapping)
+    laid_down: set = field(default_factory=set)  # flat keys written whole once (the padding is on disk)
+
+    @property
+    def moved(self) -> int:
+        """Elements each transfer moves: the filled prefix."""
+        return self.numel if self.filled is None else self.filled
 
     @property
     def staged_bytes(self) -> int:
@@ -91,6 +102,13 @@ def _align(n: int) -> int:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+class _Done:
+    """The handle of a transfer of no bytes."""
+
+    def wait(self) -> None:
+        return None
 
 
 class DiskStore:
@@ -145,19 +163,23 @@ class DiskStore:
     def register(self, chunk) -> None:
         """Take over ``chunk``'s fp32 master (a resident, resizable 1-D tensor): write it to disk
         and free its host memory."""
-        self.register_tensor(chunk.index, MASTER, chunk.master, ledger_kind="master")
+        self.register_tensor(chunk.index, MASTER, chunk.master, ledger_kind="master", filled=chunk.spec.shard_filled)
 
-    def register_tensor(self, index: int, key: str, tensor: torch.Tensor, ledger_kind: Optional[str] = None) -> None:
+    def register_tensor(self, index: int, key: str, tensor: torch.Tensor, ledger_kind: Optional[str] = None,
+                        filled: Optional[int] = None) -> None:
         """Take over ``tensor`` (resident, resizable, 1-D, owning its storage exactly) as the only
         flat of a new record ``index`` under ``key``: write it to disk and free its host memory.
         ``ledger_kind``: the ledger entry (on ``host``) its bytes are booked under while staged;
-        the caller booked it already, as it is resident now."""
+        the caller booked it already, as it is resident now. ``filled``: elements holding values (a
+        prefix; the rest is zero padding, never transferred after this first write); None: all."""
         if index in self.chunks:
             raise ValueError(f"chunk {index} is already on disk")
         t = tensor
         if t.dim() != 1 or not t.is_contiguous() or t.storage_offset() != 0 or t.untyped_storage().nbytes() != _nbytes(t):
             raise ValueError(f"chunk {index}: a disk-placed {key} must own its storage exactly")
-        rec = DiskChunk(index, t.numel())
+        if filled is not None and not 0 <= filled <= t.numel():
+            raise ValueError(f"chunk {index}: {filled} filled elements of {t.numel()}")
+        rec = DiskChunk(index, t.numel(), filled)
         rec.flats[key] = t
         rec.regions[key] = self._region(_nbytes(t))
         if ledger_kind is not None:
@@ -226,13 +248,20 @@ class DiskStore:
         rec = self.chunks[index]
         self._move(rec, DiskState.READING)
         self._account(rec, +1)
-        f = self.location.file
         for key, flat in rec.flats.items():
-            region = rec.regions[key]
-            flat.untyped_storage().resize_(region.nbytes)
-            rec.reads[key] = self.io.read(f, region.offset, flat)
+            flat.untyped_storage().resize_(rec.regions[key].nbytes)
+            rec.reads[key], nbytes = self._read_prefix(rec, key, flat)
             rec.pending.append(rec.reads[key])
-            self.bytes_read += region.nbytes
+            self.bytes_read += nbytes
+
+    def _read_prefix(self, rec: DiskChunk, key: str, out: torch.Tensor) -> tuple[IOHandle, int]:
+        """Queue the read of flat ``key``'s filled prefix into ``out`` (its length) and zero the
+        rest; returns the handle and the bytes it reads."""
+        n = rec.moved
+        out[n:].zero_()
+        if n == 0:
+            return _Done(), 0
+        return self.io.read(self.location.file, rec.regions[key].offset, out[:n]), n * out.element_size()
 
     def start_write(self, index: int) -> None:
         """RESIDENT -> WRITING: queue the writes of every flat."""
@@ -241,8 +270,11 @@ class DiskStore:
         rec.version += 1
         f = self.location.file
         for key, flat in rec.flats.items():
-            rec.pending.append(self.io.write(f, rec.regions[key].offset, flat))
-            self.bytes_written += rec.regions[key].nbytes
+            part = flat if key not in rec.laid_down else flat[: rec.moved]
+            rec.laid_down.add(key)
+            if part.numel():
+                rec.pending.append(self.io.write(f, rec.regions[key].offset, part))
+                self.bytes_written += _nbytes(part)
 
     def finish(self, index: int) -> None:
         """Wait for the chunk's transfers: READING -> RESIDENT, WRITING -> OFFLOADED (flats freed)."""
@@ -354,7 +386,10 @@ class DiskStore:
             return 0
         region, f, step = rec.regions[key], self.location.file, pieces[0].numel()
         item = flat.element_size()
-        spans = [(lo, min(lo + step, rec.numel)) for lo in range(0, rec.numel, step)]
+        spans = [(lo, min(lo + step, rec.moved)) for lo in range(0, rec.moved, step)]
+        out[rec.moved :].zero_()
+        if not spans:
+            return 0
 
         def queue(k: int):
             lo, hi = spans[k]
@@ -374,20 +409,22 @@ class DiskStore:
             if k + 1 < len(spans):
                 handle = queue(k + 1)
             out[lo:hi].copy_(pieces[k % 2][: hi - lo])
-        return rec.numel * item
+        return rec.moved * item
 
-    def read_flat(self, index: int, key: str, out: torch.Tensor) -> tuple[IOHandle, int]:
+    def read_flat(self, index: int, key: str, out: torch.Tensor) -> tuple[IOHandle, int, int]:
         """Queue a read of flat ``key`` of offloaded chunk ``index`` straight into ``out`` (1-D, the
         flat's dtype and length: a derived shard's read-ahead); the record's state is unchanged.
-        Returns the read's handle and the record's :attr:`DiskChunk.version` now: a caller holding
-        the bytes must drop them once the version moved (the disk copy was rewritten)."""
+        Returns the read's handle, the bytes it reads (the filled prefix; the rest of ``out`` is
+        zeroed) and the record's :attr:`DiskChunk.version` now: a caller holding the bytes must
+        drop them once the version moved (the disk copy was rewritten)."""
         rec = self.chunks[index]
         if rec.state is not DiskState.OFFLOADED:
             raise RuntimeError(f"disk chunk {index} is {rec.state.name}: read it through the store")
         flat = rec.flats[key]
         if out.dtype != flat.dtype or out.numel() != rec.numel:
             raise ValueError(f"chunk {index}: reading {key} ({flat.dtype}, {rec.numel}) into {out.dtype}, {out.numel()}")
-        return self.io.read(self.location.file, rec.regions[key].offset, out), rec.version
+        handle, nbytes = self._read_prefix(rec, key, out)
+        return handle, nbytes, rec.version
 
     def is_current(self, index: int, version: int) -> bool:
         """Whether chunk ``index``'s disk copy is the one of ``version`` and nothing newer is staged."""

@@ -156,7 +156,7 @@ class ChunkBuilder:
         m = rt.mesh
         site = StoreSite(rt.ledger, m.shard_rank, m.shard_world, m.shard_group, self.offload.offload_dir, self.offload.direct)
         out.disk_store = store_for_plan(plan, site, disk_bytes_per_element(formats=rt.state_formats))
-        out.shard_store = shard_store_for_plan(plan, site, element_bytes(rt.dtype))
+        out.shard_store = shard_store_for_plan(plan, site, element_bytes(rt.dtype), rt.frozen_format)
         if out.disk_store is not None and any(cp.sharded and cp.shard_placement is Placement.DISK for cp in plan.chunks):
             out.derived_shards = DerivedShards(out.disk_store, rt.ledger)
 
@@ -183,6 +183,7 @@ class ChunkBuilder:
             pin_memory=bool(self.plan.info.get("pin_memory", True)),
             master_dtype=master_torch_dtype(rt.state_formats[0]),
             frozen_format=rt.frozen_format if quantised else None,
+            filled=cp.used,
         )
 
     def _build_one(self, ci: int, cp: Any, kind: ChunkKind, staging: torch.Tensor, named: dict, sync: bool) -> Chunk:
@@ -222,10 +223,11 @@ class ChunkBuilder:
     def _register_offload(self, chunk: Chunk) -> None:
         out, spec, ci = self.out, chunk.spec, chunk.spec.index
         if spec.master_on_disk:
-            out.disk_store.register(chunk)
+            out.disk_store.register(chunk)  # transfers the shard's filled part only (spec.shard_filled)
         if spec.shard_on_disk and spec.master_on_disk:  # KK: the shard is the master cast down
             out.derived_shards.register(ci, chunk.shard, ledger_kind=spec.shard_category)
             chunk.shard_store = out.derived_shards
         elif spec.shard_on_disk:
-            out.shard_store.register_tensor(ci, "shard", chunk.shard, ledger_kind=spec.shard_category)
+            filled = None if spec.frozen_format else spec.shard_filled  # a quantised shard is packed bytes
+            out.shard_store.register_tensor(ci, "shard", chunk.shard, ledger_kind=spec.shard_category, filled=filled)
             chunk.shard_store = out.shard_store
