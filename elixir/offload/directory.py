@@ -13,7 +13,9 @@ for, raises :class:`OffloadDirError` naming the fix.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
 import shutil
 import tempfile
@@ -145,3 +147,27 @@ def open_offload_file(offload_dir: Optional[str], need_bytes: int, rank: int = 0
     _cleanup_names(path, temp_dir)  # anonymous from now on: freed with the descriptors
     weakref.finalize(loc, _cleanup, f, path, temp_dir, created)
     return loc
+
+
+def page_cache_bytes(fd: int) -> int:
+    """Bytes of the file open as ``fd`` that the kernel holds in its page cache now (``mincore``):
+    not process memory, but charged to the same memory cgroup, and dirty pages among them must be
+    written back before they can be reclaimed. ``offload_direct=True`` keeps most transfers out of
+    it. 0 where it cannot be measured."""
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        page = mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # never written
+        view = ctypes.c_char.from_buffer(mm)
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            ok = libc.mincore(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(size), vec) == 0
+        finally:
+            del view
+            mm.close()
+        return (len(vec) - bytes(vec).count(0)) * page if ok else 0  # bit 0: resident
+    except (OSError, ValueError, TypeError, AttributeError, BufferError):
+        return 0

@@ -20,7 +20,6 @@ The master's host bytes are recorded in the runtime's memory ledger only while s
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
 import errno
 import mmap
@@ -32,7 +31,7 @@ from typing import Iterator, Optional, Protocol
 import torch
 
 from elixir.offload.aio import ALIGN, AsyncFileIO, IOHandle, make_io
-from elixir.offload.directory import open_offload_file
+from elixir.offload.directory import open_offload_file, page_cache_bytes
 
 MASTER = "master"
 
@@ -500,27 +499,8 @@ class DiskStore:
         }
 
     def page_cache_bytes(self) -> int:
-        """Bytes of the offload file the kernel holds in its page cache now (``mincore``): not
-        process memory, but charged to the same memory cgroup, and dirty pages among them must be
-        written back before they can be reclaimed. ``offload_direct=True`` keeps most transfers
-        out of it. 0 where it cannot be measured."""
-        try:
-            size = os.fstat(self.location.file.fd).st_size
-            if size == 0:
-                return 0
-            page = mmap.PAGESIZE
-            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-            mm = mmap.mmap(self.location.file.fd, size, access=mmap.ACCESS_COPY)  # never written
-            view = ctypes.c_char.from_buffer(mm)
-            try:
-                libc = ctypes.CDLL("libc.so.6", use_errno=True)
-                ok = libc.mincore(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(size), vec) == 0
-            finally:
-                del view
-                mm.close()
-            return (len(vec) - bytes(vec).count(0)) * page if ok else 0  # bit 0: resident
-        except (OSError, ValueError, TypeError, AttributeError, BufferError):
-            return 0
+        """Bytes of the offload file in the kernel's page cache now (:func:`page_cache_bytes`)."""
+        return page_cache_bytes(self.location.file.fd)
 
     def reset_peak(self) -> None:
         self.peak_staged_bytes = self.staged_bytes
