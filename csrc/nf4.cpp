@@ -1,4 +1,5 @@
-// NF4 dequantisation of a frozen shard (elixir/chunk/quant.py) over raw buffers.
+// NF4 dequantisation (and quantisation: nf4_encode, below) of a frozen shard
+// (elixir/chunk/quant.py) over raw buffers.
 //
 // Input: packed codes (two 4-bit codes per byte, the first element in the high nibble), one scale
 // per block of 64 elements (fp32 or bf16: the block's absmax, already dequantised), the 16 levels
@@ -8,6 +9,7 @@
 //
 // Variants (AVX-512: a 16-lane permute of the levels; AVX2: two 8-lane permutes and a blend;
 // scalar) are compiled here with target attributes and chosen at run time; OpenMP splits blocks.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -148,6 +150,65 @@ ELIXIR_NF4_AVX512 void blocks_avx512(const Args& a, int64_t b0, int64_t b1) {
 }
 #endif
 
+// ---- encode ------------------------------------------------------------------------------------
+//
+// The torch path (FrozenCodec.encode) step by step, each operation rounded as torch rounds it in
+// the compute dtype (bf16: the float result rounded to nearest even; fp32: as computed):
+// scaled = x / absmax; k = (the levels <= scaled) - 1, clamped to [0, 14]; the code is k + 1 when
+// |scaled - level[k+1]| < |scaled - level[k]|, else k. Two codes per byte, the first element high.
+
+struct EncodeArgs {
+  const void* values;  // padded to whole blocks
+  const void* absmax;  // one per block, zero replaced by one
+  uint8_t* codes;
+  const float* levels;  // the 16 levels in the compute dtype, as floats
+  bool bf16;
+};
+
+inline float value_of(const void* p, int64_t i, bool bf16) {
+  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+inline float rounded(float x, bool bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
+// One block at a time in fixed-length loops the compiler vectorises (the clones: AVX2 where the CPU
+// has it); the level search counts the levels at or below each value instead of branching.
+#if defined(ELIXIR_NF4_X86) && defined(__GNUC__) && !defined(__clang__)
+#define ELIXIR_NF4_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define ELIXIR_NF4_CLONES
+#endif
+
+ELIXIR_NF4_CLONES void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
+  float lv[16];
+  for (int j = 0; j < 16; ++j) lv[j] = a.levels[j];
+  for (int64_t b = b0; b < b1; ++b) {
+    const float s = value_of(a.absmax, b, a.bf16);
+    float x[kBlock];
+    int32_t k[kBlock];
+    uint8_t code[kBlock];
+    if (a.bf16) {
+      const uint16_t* v = static_cast<const uint16_t*>(a.values) + b * kBlock;
+      for (int64_t i = 0; i < kBlock; ++i) x[i] = rounded(bf16_to_f32(v[i]) / s, true);
+    } else {
+      const float* v = static_cast<const float*>(a.values) + b * kBlock;
+      for (int64_t i = 0; i < kBlock; ++i) x[i] = v[i] / s;
+    }
+    for (int64_t i = 0; i < kBlock; ++i) {  // searchsorted(right=True) - 1, clamped to [0, 14]
+      int32_t c = 0;
+      for (int j = 1; j < 15; ++j) c += lv[j] <= x[i] ? 1 : 0;
+      k[i] = c;
+    }
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const float below = std::fabs(rounded(x[i] - lv[k[i]], a.bf16));
+      const float above = std::fabs(rounded(x[i] - lv[k[i] + 1], a.bf16));
+      code[i] = static_cast<uint8_t>(k[i] + (above < below ? 1 : 0));
+    }
+    uint8_t* out = a.codes + b * (kBlock / 2);
+    for (int64_t i = 0; i < kBlock / 2; ++i) out[i] = static_cast<uint8_t>(code[2 * i] << 4 | code[2 * i + 1]);
+  }
+}
+
 using BlocksFn = void (*)(const Args&, int64_t, int64_t);
 
 BlocksFn pick(const std::string& requested) {
@@ -211,6 +272,30 @@ void register_nf4(py::module_& m) {
       "NF4 dequantisation over raw addresses: n_blocks blocks of 64 elements, 32 code bytes each (high "
       "nibble first), one scale per block (bf16 or fp32), 16 fp32 levels; out (bf16 or fp32) = level x "
       "scale, rounded once. Releases the GIL. `simd` forces a variant (tests), capped at the CPU's.");
+  m.def(
+      "nf4_encode",
+      [](uintptr_t values, uintptr_t absmax, uintptr_t codes, uintptr_t levels, int64_t n_blocks, bool bf16,
+         int num_threads) {
+        if (n_blocks < 0) throw std::invalid_argument("negative block count");
+        if (n_blocks > 0 && (!values || !absmax || !codes || !levels)) throw std::invalid_argument("null pointer");
+        const EncodeArgs a{reinterpret_cast<const void*>(values), reinterpret_cast<const void*>(absmax),
+                           reinterpret_cast<uint8_t*>(codes), reinterpret_cast<const float*>(levels), bf16};
+        py::gil_scoped_release release;
+        const int64_t per = 1024;  // blocks per task: 64K elements
+        const int64_t tasks = (n_blocks + per - 1) / per;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (tasks > 1)
+#endif
+        for (int64_t t = 0; t < tasks; ++t) {
+          const int64_t b0 = t * per, b1 = b0 + per < n_blocks ? b0 + per : n_blocks;
+          encode_blocks(a, b0, b1);
+        }
+      },
+      py::arg("values"), py::arg("absmax"), py::arg("codes"), py::arg("levels"), py::arg("n_blocks"), py::arg("bf16"),
+      py::arg("num_threads"),
+      "NF4 codes over raw addresses: n_blocks blocks of 64 values (bf16 or fp32) and their absmaxes (zero "
+      "replaced by one); each value scaled and matched to the nearest of the 16 levels as torch does it in "
+      "that dtype (FrozenCodec.encode); 32 code bytes per block, high nibble first. Releases the GIL.");
   m.def(
       "nf4_kernel_level", [](const std::string& simd) { return std::string(level_name(pick(simd))); },
       py::arg("simd") = "", "The variant nf4_decode runs for this `simd` request.");

@@ -110,6 +110,29 @@ def test_native_nf4_dequantiser_is_the_torch_path_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_nf4_quantiser_is_the_torch_path_bit_for_bit(dtype):
+    """csrc/nf4.cpp's encoder against the torch path (use_native=False) on values that hit every
+    level and the midpoints between levels (where the rounding of ``|x - level|`` decides), over
+    several threads' worth of blocks, a zero block and a partial last block."""
+    from elixir._native import get_native
+
+    native = get_native()
+    if native is None or not hasattr(native, "nf4_encode"):
+        pytest.skip("the native extension is not built")
+    n = 64 * 3000 + 40
+    x = _values(n, dtype, seed=5)
+    lv = torch.tensor(NF4_LEVELS)
+    edges = torch.cat([lv, (lv[1:] + lv[:-1]) / 2])  # levels and midpoints, scaled by a block's absmax
+    x[64 : 64 + len(edges)] = (edges * 0.5).to(dtype)
+    x[64 + len(edges)] = 0.5
+    x[640:704] = 0
+    codec = FrozenCodec("nf4", n, dtype)
+    got = codec.encode(x)
+    codec.use_native = False
+    assert torch.equal(got, codec.encode(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int8_is_its_definition(dtype):
     n = 64 * 50 + 5
     x = _values(n, dtype, seed=2)
