@@ -48,6 +48,7 @@ from typing import Optional, Union
 
 import torch
 
+from elixir import distributed as edist
 from elixir.checkpoint import atomic, hf_conversion
 from elixir.checkpoint.errors import CheckpointError, agree
 from elixir.checkpoint.format import Reader, write_tensors
@@ -55,6 +56,7 @@ from elixir.checkpoint.hf_target import base_key, peft_base, resolve
 from elixir.checkpoint.peft_adapter import save_adapter
 from elixir.fileio import fsync_file
 from elixir.offload.pipeline import staged
+from elixir.progress import Progress
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.state_dict import chunk_values
 
@@ -447,7 +449,9 @@ def _apply(em: ElixirModule, reader: Reader, source: dict, tensors: dict) -> Non
             t = tensors[first]
             if id(t) not in pname and id(t) not in fname_of:
                 t.copy_(src.read_all(reader).to(t.dtype))
-        for chunk in em.frozen_chunks:  # this rank's rows only, straight into the shard, in its dtype
+        progress = Progress(f"loading {os.path.basename(reader.root)}", len(em.frozen_chunks) + len(em.chunks),
+                            enabled=edist.get_rank() == 0)
+        for chunk in progress.over(em.frozen_chunks):  # this rank's rows only, into the shard, in its dtype
             pieces = [p for p in fmap.shard_pieces(chunk.spec) if p.param_index in by_frozen]
             if not pieces:
                 continue
@@ -455,7 +459,7 @@ def _apply(em: ElixirModule, reader: Reader, source: dict, tensors: dict) -> Non
                 for piece in pieces:
                     src = by_frozen[piece.param_index].read(reader, piece.start, piece.start + piece.hi - piece.lo)
                     shard[piece.lo : piece.hi].copy_(src)
-        for chunk in em.chunks:
+        for chunk in progress.over(em.chunks):
             spec = chunk.spec
             lo, hi = spec.shard_offset, spec.shard_offset + spec.shard_numel
             todo = [i for i in em.param_map.by_chunk[chunk.index] if i in by_param]

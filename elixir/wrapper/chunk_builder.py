@@ -24,6 +24,7 @@ from elixir.offload.store import DiskStore
 from elixir.plan import Placement
 from elixir.plan.footprint import disk_bytes_per_element, element_bytes, resident_sharding
 from elixir.plan.state_format import master_torch_dtype
+from elixir.progress import Progress
 from elixir.wrapper.materialize import Materializer, assign
 from elixir.wrapper.mesh import RunMesh
 from elixir.wrapper.param_map import ParamMap, ParamSlot
@@ -128,12 +129,14 @@ class ChunkBuilder:
         frozen_staging = torch.empty(max((cp.chunk_size for cp in plan.frozen_chunks), default=0), dtype=rt.dtype, device=rt.device)
         todo = [(ci, cp, ChunkKind.TRAINABLE) for ci, cp in enumerate(plan.chunks)]
         todo += [(len(plan.chunks) + j, cp, ChunkKind.FROZEN) for j, cp in enumerate(plan.frozen_chunks)]
+        progress = Progress("building chunks", len(todo), enabled=edist.get_rank() == 0)
         for ci, cp, kind in todo:
             frozen = kind is ChunkKind.FROZEN
             chunk = self._build_one(ci, cp, kind, frozen_staging if frozen else staging, named, sync)
             (out.frozen_chunks if frozen else out.chunks).append(chunk)
             if mat is not None:  # construction stays within the shards plus the staging area
                 dev.trim_host_memory()
+            progress.advance()
         del staging, frozen_staging
         if mat is not None:
             mat.finish(rt.device, skip={id(p) for p, _ in self.on_meta})
