@@ -27,7 +27,8 @@ that fits. A sharded tied chunk keeps its shard and optimizer state on the devic
   (``s(4 + k)`` on disk: :mod:`elixir.offload.derived`), up to :data:`DISK_SHARD_STAGING` shard
   staged while gathered or stepped, plus two fp32 read buffers of up to
   :data:`~elixir.plan.DERIVED_SHARD_PIECE_ELEMENTS` each. The search turns to ``KK`` only when
-  no plan fits with every shard resident: the least-gathered chunks first;
+  no plan fits with every shard resident: the least-gathered chunks first, as few as fit by the
+  pricing's own peak (:func:`_disk_shard_plan`);
   ``m`` is 4 for the fp32 master copy, 0 when the compute dtype is fp32 and shard and master live
   together (the runtime then uses one tensor); ``g`` is the shard gradient's element size (4 in
   fp32, 2 with bf16/fp16 ``grad_dtype``), and 0 with the fused backward-and-step, which frees each
@@ -55,7 +56,8 @@ frozen shards none: both run under :func:`elixir.device.return_host_memory`.
 **Time, per step** (seconds): compute (``flops`` over the profile's measured training
 throughput at that size, or its matmul throughput) + all-gathers (one per simulated
 gather, ``all_gather_time(C e)``) + reduce-scatters (one per sharded chunk) + all-reduces of
-replicated chunks + host->device copies of host shards at each gather + per-placement optimizer
+replicated chunks + host->device copies of host shards at each gather (none on a CPU-only
+profile: :func:`gather_h2d_seconds`) + per-placement optimizer
 phase (device Adam; or grad shard device->host, host Adam, updated shard host->device; plus disk
 read and write of master and state; a ``KK`` chunk's fp32 master is also read at each of its
 gathers, before the gather and not overlapped, to derive its shard). With ``overlap`` hardware and a prefetch depth >= 1,
@@ -1151,7 +1153,7 @@ def _place_scan(profile: StepProfile, layout: Layout, st: Setting, blocks: int, 
     ct = per_chunk_fixed_time(st, shard)
     g_sorted = np.sort(body_gathers)[::-1]  # most gathered first
     # host-shard gather cost if the n - x least gathered chunks have host shards
-    h2d_gather = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
+    h2d_gather = gather_h2d_seconds(st, shard * st.elem) if n else 0.0
     suffix = np.concatenate([np.cumsum(g_sorted[::-1])[::-1], [0]]) if n else np.zeros(1)
     # At world size 1 the runtime keeps device-placed chunks whole and resident (no cache block,
     # no gather, no reduction copy); only host-placed shards go through the rCache.
@@ -1204,18 +1206,21 @@ def _place_with(sc: _PlaceScan, rwhere: Placement, fwhere: Placement) -> Optiona
         return None  # at world size 1 blocks serve host (or quantised) shards only
     dev_free = dev_budget - sc.base_dev - rd
     host_free = host_budget - rh - st.process_bytes - (sc.base_dev + rd if sc.unified else 0)
-    if dev_free < 0 or host_free < 0:
+    if dev_free < 0:
         return None
     if sc.n == 0:
-        return price(sc.profile, layout, st, sc.own_kinds + repl_kinds, sc.blocks, sc.depth, _gathers(sc, True), fwhere)
-    y, x, z, ok = _scan_counts(sc, fwhere, dev_free, host_free, constr)
+        return price(sc.profile, layout, st, sc.own_kinds + repl_kinds, sc.blocks, sc.depth, _gathers(sc, True),
+                     fwhere) if host_free >= 0 else None
+    # the scan's plain sum of the terms never counts less than the pricing's peak (timeline_peak),
+    # so a count it accepts fits; one it refuses may still fit: the disk-shard scan prices
+    ok = np.zeros(1, dtype=bool)
+    if host_free >= 0:
+        y, x, z, ok = _scan_counts(sc, fwhere, dev_free, host_free, constr)
     if not ok.any():
         # no plan keeps every shard resident: the whole of the least-gathered chunks on disk
-        kk = _disk_shard_kinds(st, layout, sc.cb, sc.shard, sc.body_gathers, host_free + constr, disk_budget,
-                               sc.allow_disk and (sc.blocks > 0 or not sc.solo))
-        if kk is None:
+        if not (sc.allow_disk and (sc.blocks > 0 or not sc.solo)):
             return None
-        return price(sc.profile, layout, st, kk + sc.own_kinds + repl_kinds, sc.blocks, sc.depth, sc.gathers)
+        return _disk_shard_plan(sc, repl_kinds, fwhere, host_free + constr)
     codes = _cheapest_codes(sc, y, x, z, ok)
     p = _priced_codes(layout, st, codes, sc.zero, repl_kinds, _gathers(sc, not _HOST_SHARD[codes].any()), fwhere)
     return _price(sc.profile, layout, st, p, sc.blocks, sc.depth)
@@ -1300,24 +1305,56 @@ def _cheapest_codes(sc: _PlaceScan, y: np.ndarray, x: np.ndarray, z: np.ndarray,
     return codes
 
 
-def _disk_shard_kinds(st: Setting, layout: Layout, cb: dict, shard: int, gathers: np.ndarray, host_free: int,
-                      disk_budget: int, allow: bool) -> Optional[tuple[ChunkPlacement, ...]]:
-    """The placement of ``len(gathers)`` sharded chunks with every optimizer state on disk and
-    the fewest shards on disk too (``KK``, the least-gathered chunks; the rest ``HK``) that fits
-    ``host_free`` host bytes (transient bytes included) and the disk budget, or None."""
-    n = len(gathers)
-    if not allow or n == 0:
+def _disk_shard_plan(sc: _PlaceScan, repl_kinds: tuple[ChunkPlacement, ...], fwhere: Placement,
+                     host_free: int) -> Optional[Evaluation]:
+    """The sharded chunks with every optimizer state on disk and the fewest shards on disk too
+    (``KK``, the least-gathered chunks; the rest ``HK``) that fit the budgets, priced; or None.
+
+    Whether a count fits is the pricing's own rule (:func:`price`, then :func:`_fits`): on one
+    memory pool its host peak credits the terms that are never live at once
+    (``memory["not_at_once"]``), which a sum of per-chunk terms cannot see (GPT-2 124M in 1.8 GiB:
+    290 MiB, so the scan left that much of the budget unused and put chunks' shards on disk that
+    fit on the host). The sum (``host_free``: host bytes left for the chunks, transient bytes
+    included) still narrows the scan: it is never below the pricing's peak, so the most ``HK``
+    chunks it admits fit, and only the counts above are priced. With ``v`` of the ``n`` chunks
+    ``HK`` the host bytes grow with ``v`` while one ``KK`` chunk is left (the disk bytes do not
+    depend on ``v``), so the largest fitting ``v < n`` is found by bisection; ``v = n`` (no disk
+    shard: none staged) is priced on its own."""
+    st, layout, n = sc.st, sc.layout, sc.n
+    cb, order = sc.cb, sc.order  # most gathered first: they keep host shards
+
+    def priced(v: int) -> Evaluation:
+        kinds = [KK] * n
+        for c in order[:v].tolist():
+            kinds[c] = HK
+        return price(sc.profile, layout, st, tuple(kinds) + sc.own_kinds + repl_kinds, sc.blocks, sc.depth,
+                     sc.gathers, fwhere)
+
+    def fitting(v: int) -> Optional[Evaluation]:
+        ev = priced(v)
+        return ev if _fits(ev, sc.budgets, sc.unified) else None
+
+    if n * cb[HK][2] > sc.budgets[2]:  # the disk bytes, the same for every v
         return None
-    for v in range(n, -1, -1):  # v chunks keep a host shard (HK), n - v put it on disk (KK)
-        host = v * cb[HK][1] + (n - v) * cb[KK][1] + transient_host_bytes(layout, st, shard, n, n - v)
-        disk = v * cb[HK][2] + (n - v) * cb[KK][2]
-        if host <= host_free and disk <= disk_budget:
-            order = np.argsort(-gathers, kind="stable")  # most gathered first: they keep host shards
-            kinds = [KK] * n
-            for c in order[:v]:
-                kinds[c] = HK
-            return tuple(kinds)
-    return None
+    summed = next((v for v in range(n, -1, -1) if v * cb[HK][1] + (n - v) * cb[KK][1]
+                   + transient_host_bytes(layout, st, sc.shard, n, n - v) <= host_free), -1)
+    if summed == n:
+        return priced(n)
+    best = fitting(n)
+    if best is not None:
+        return best
+    lo, best = summed, (priced(summed) if summed >= 0 else fitting(0))
+    if best is None:
+        return None  # not even every shard on disk fits
+    lo, hi = max(lo, 0), n  # fits at lo, not at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ev = fitting(mid)
+        if ev is None:
+            hi = mid
+        else:
+            lo, best = mid, ev
+    return best
 
 
 def price(
@@ -1472,7 +1509,7 @@ def _priced_parts(layout: Layout, st: Setting, placements: tuple, kinds: tuple, 
         frozen_where=frozen_where, n=n, solo=solo,
         g=g, g_own=g_own, g_frozen=g_frozen, host_shard=host_shard, disk_shard=disk_shard, shard=shard,
         fshard=st.frozen_shard(layout),
-        h2d=st.hardware.h2d_time(shard * st.elem, st.pin) if n else 0.0,
+        h2d=gather_h2d_seconds(st, shard * st.elem) if n else 0.0,
         kinds_on_disk=sum(m for k, m in counts if k.on_disk), zero_on_disk=any(k.on_disk for k in zero),
     )
 
@@ -1504,10 +1541,16 @@ def _copy_seconds(p: _Priced) -> tuple[float, float]:
     return t_h2d, t_shard_reads
 
 
+def gather_h2d_seconds(st: Setting, nbytes: int) -> float:
+    """Seconds to bring one off-device shard of ``nbytes`` to the device for its gather (trainable
+    or frozen): none on a CPU-only profile, where host and device are one memory and the runtime
+    gathers (or decodes) from the host shard itself (``Chunk.gather`` copies only to an accelerator)."""
+    return 0.0 if unified_memory(st.hardware) else st.hardware.h2d_time(nbytes, st.pin)
+
+
 def _frozen_h2d(p: _Priced) -> float:
-    """Seconds to bring one off-device frozen shard to the device for its gather: none on a
-    CPU-only profile, where the runtime gathers (or decodes) from the host shard itself."""
-    return 0.0 if unified_memory(p.st.hardware) else p.st.hardware.h2d_time(p.fshard, p.st.pin)
+    """:func:`gather_h2d_seconds` of one off-device frozen shard."""
+    return gather_h2d_seconds(p.st, p.fshard)
 
 
 def _placed_bytes(p: _Priced) -> tuple[int, int, int, int]:
