@@ -1316,10 +1316,11 @@ def _disk_shard_plan(sc: _PlaceScan, repl_kinds: tuple[ChunkPlacement, ...], fwh
     290 MiB, so the scan left that much of the budget unused and put chunks' shards on disk that
     fit on the host). The sum (``host_free``: host bytes left for the chunks, transient bytes
     included) still narrows the scan: it is never below the pricing's peak, so the most ``HK``
-    chunks it admits fit, and only the counts above are priced. With ``v`` of the ``n`` chunks
-    ``HK`` the host bytes grow with ``v`` while one ``KK`` chunk is left (the disk bytes do not
-    depend on ``v``), so the largest fitting ``v < n`` is found by bisection; ``v = n`` (no disk
-    shard: none staged) is priced on its own."""
+    chunks it admits fit, and only the counts above are priced (where the pricing credits
+    anything: :func:`credits_below_sum`). With ``v`` of the ``n`` chunks ``HK`` the host bytes
+    grow with ``v`` while one ``KK`` chunk is left (the disk bytes do not depend on ``v``), so the
+    largest fitting ``v < n`` is found by bisection; ``v = n`` (no disk shard: none staged) is
+    priced on its own."""
     st, layout, n = sc.st, sc.layout, sc.n
     cb, order = sc.cb, sc.order  # most gathered first: they keep host shards
 
@@ -1338,15 +1339,17 @@ def _disk_shard_plan(sc: _PlaceScan, repl_kinds: tuple[ChunkPlacement, ...], fwh
         return None
     summed = next((v for v in range(n, -1, -1) if v * cb[HK][1] + (n - v) * cb[KK][1]
                    + transient_host_bytes(layout, st, sc.shard, n, n - v) <= host_free), -1)
-    if summed == n:
-        return priced(n)
+    if summed == n or not credits_below_sum(st):
+        return priced(summed) if summed >= 0 else None
     best = fitting(n)
     if best is not None:
         return best
-    lo, best = summed, (priced(summed) if summed >= 0 else fitting(0))
-    if best is None:
-        return None  # not even every shard on disk fits
-    lo, hi = max(lo, 0), n  # fits at lo, not at hi
+    lo = summed
+    if lo < 0:
+        lo, best = 0, fitting(0)
+        if best is None:
+            return None  # not even every shard on disk fits
+    hi = n  # fits at lo, not at hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
         ev = fitting(mid)
@@ -1354,7 +1357,7 @@ def _disk_shard_plan(sc: _PlaceScan, repl_kinds: tuple[ChunkPlacement, ...], fwh
             hi = mid
         else:
             lo, best = mid, ev
-    return best
+    return best if best is not None else priced(lo)
 
 
 def price(
@@ -1656,6 +1659,14 @@ def _fused_step_hidden(p: _Priced, compute: float, backward_share: float) -> Opt
     nbytes = layout.chunk_size // st.world * st.disk_elem
     t_disk = n_disk * st.hardware.disk_time(nbytes, nbytes)  # a KK chunk's step moves no shard either
     return min(t_disk - st.hardware.disk_time(nbytes, 0), backward_share * compute)
+
+
+def credits_below_sum(st: Setting) -> bool:
+    """Whether :func:`price` may count a plan's host bytes below the sum of its terms at their own
+    peaks (:func:`_memory_terms`): on one memory pool (the terms never live at once,
+    ``not_at_once``), or where a disk plan's process holds less heap slack than
+    ``st.process_bytes``. Elsewhere the sum is the pricing's count, and a scan on it is exact."""
+    return unified_memory(st.hardware) or st.heap_slack_bytes > 0
 
 
 def _memory_terms(profile: StepProfile, p: _Priced, fixed: dict, dev_var: int, host: int,
