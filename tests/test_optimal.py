@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -76,13 +77,16 @@ def oracle_fits(profile: StepProfile, world: int, budgets: tuple[int, int, int])
                 if d <= dev and (d + h if unified_memory(HW) else h) <= host and k_disk <= disk:
                     return True
     # the sum of the terms is never below the pricing's peak, but on one pool the pricing credits
-    # terms never live at once: a plan with every optimizer state on disk may fit by its rule alone
+    # terms never live at once: a plan with every optimizer state on disk may fit by its rule alone.
+    # Of those, the fewest bytes are every shard on disk, or none (each host shard adds its bytes;
+    # the last disk shard takes its staging with it): the search's scan of every count in between
+    # is checked on its own (test_disk_shard_scan_fills_the_pool_by_the_pricings_peak_...)
     return disk > 0 and any(_priced_fit(disk_shard_evaluation(profile, lay, stt, b, simulate_layout(lay, b), v, rw),
                                         (dev, host, disk))
                             for lay in layouts if lay.n_sharded - lay.own
                             for b in (max(1, lay.min_blocks),)
                             for rw in (Placement.DEVICE, Placement.HOST)
-                            for v in range(lay.n_sharded - lay.own + 1))
+                            for v in (0, lay.n_sharded - lay.own))
 
 
 def _priced_fit(ev, usable: tuple[int, int, int]) -> bool:
@@ -434,6 +438,49 @@ def test_host_shard_gathers_copy_to_the_device_only_where_it_is_not_the_host(wor
     # the fixed bytes) it prices no copy either
     got = place(profile, lay, cpu, blocks, 0, (on_cpu.device_bytes, 1 << 40, 0), False, g)
     assert got.placements == on_cpu.placements and got.step_time == pytest.approx(on_cpu.step_time)
+
+
+def test_scan_frees_what_moving_an_fp32_host_chunks_state_to_disk_frees():
+    """An fp32 ``HH`` chunk's master is its shard; moved to ``HK`` it keeps the shard on the host,
+    so it frees less than a ``DH`` chunk moved to ``DK``. The scan counted every move at the
+    ``DH`` rate, too few chunks went to disk, and a plan with the host shards that fits its
+    budget by its own terms was refused (nothing fit)."""
+    profile, world = ramped_stack(width=60_000, peak=100_000), 2
+    stt = Setting(layout=MeshLayout.data_parallel(world), elem=4, reduce_elem=4, opt_bytes=8, hardware=HW,
+                  dtype="float32", fused_step=True)
+    lay = pack(profile, chunk_size_candidates(profile, world)[0], world)
+    n, blocks = lay.n_sharded - lay.own, max(1, lay.min_blocks)
+    g = simulate_layout(lay, blocks)
+    shard = lay.chunk_size // world
+    cb = per_chunk_bytes(stt, shard)
+    assert cb[HH][1] - cb[HK][1] < cb[DH][1] - cb[DK][1]  # the setup: fp32, the master is the shard
+    z = n // 2  # the least gathered half on disk
+    kinds = [HH] * n
+    for c in np.argsort(-g[:n], kind="stable")[n - z:].tolist():
+        kinds[c] = HK
+    ev = price(profile, lay, stt, tuple(kinds), blocks, 0, g)
+    summed = ev.device_bytes + ev.host_bytes - ev.memory.get("not_at_once", 0)  # what the scan counts
+    got = place(profile, lay, stt, blocks, 0, (ev.device_bytes, summed, 1 << 40), True, g)
+    assert got is not None and got.device_bytes + got.host_bytes <= summed
+    assert got.step_time <= ev.step_time * (1 + 1e-12)
+
+
+def test_more_device_memory_never_slows_a_cpu_plan_whose_device_shards_only_cost():
+    """On a CPU box at world size > 1 a device shard with its optimizer state on the host (``DH``)
+    saves no copy at its gathers and costs one after each step: the scan, which put as many device
+    shards as fit, then answered a larger device cap with a slower plan (``DD`` x2 + ``DH`` x2 +
+    ``HH`` x8 where ``DD`` x2 + ``HH`` x10 is faster and fits)."""
+    profile, world = ramped_stack(width=60_000, peak=100_000), 2
+    stt = Setting(layout=MeshLayout.data_parallel(world), elem=4, reduce_elem=4, opt_bytes=8, hardware=HW, dtype="float32")
+    lay = pack(profile, chunk_size_candidates(profile, world)[0], world)
+    blocks = max(1, lay.min_blocks)
+    g = simulate_layout(lay, blocks)
+    all_dd = place(profile, lay, stt, blocks, 0, (1 << 40, 1 << 40, 0), False, g)
+    assert all_dd is not None and all(k == DD for k in all_dd.placements)
+    times = [ev.step_time for ev in (place(profile, lay, stt, blocks, 0, (cap, 1 << 40, 0), False, g)
+                                     for cap in np.linspace(all_dd.device_bytes / 3, all_dd.device_bytes, 24).astype(int))
+             if ev is not None]
+    assert len(times) > 12 and all(b <= a * (1 + 1e-12) for a, b in zip(times, times[1:])), times
 
 
 @pytest.mark.parametrize("body, kinds", [("sharded", {"sharded"}), ("zero", {"zero1", "zero2"})])

@@ -1235,31 +1235,39 @@ def _gathers(sc: _PlaceScan, resident: bool) -> np.ndarray:
 
 def _scan_counts(sc: _PlaceScan, fwhere: Placement, dev_free: int,
                  host_free: int, constr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """For each count ``y`` of sharded chunks with optimizer state on the device: the device
-    shards ``x`` that fit, the optimizer states ``z`` on disk that make host memory fit, and
-    whether that fits at all (``ok``)."""
+    """For each count ``y`` of sharded chunks with optimizer state on the device, twice: with as
+    many device shards ``x`` as fit, and with none beyond the ``y`` (``x = y``); the optimizer
+    states ``z`` on disk that make host memory fit, and whether that fits at all (``ok``).
+
+    A device shard whose state is on the host (``DH``, ``DK``) saves its gathers' host-to-device
+    copies and costs the updated shard's copy back after each step. Where the gathers copy
+    nothing (a CPU box, at world size > 1: :func:`gather_h2d_seconds`) it only costs, so the
+    most that fit is not always the fastest: the scan keeps both ends."""
     n, cb, layout, st = sc.n, sc.cb, sc.layout, sc.st
     y = np.arange(n + 1)
     dd_dev = cb[DD][0]
     s_dev = cb[DH][0]
-    # shards on device: all y DD chunks, plus as many DH/DK as fit
+    # shards on device: all y DD chunks, plus as many DH/DK as fit (or none)
     room = dev_free - y * dd_dev
     ok = room >= 0
     x = np.minimum(n, y + np.where(ok, room, 0) // max(1, s_dev)) if s_dev else np.full(n + 1, n)
+    y, x, ok = np.concatenate([y, y]), np.concatenate([x, y]), np.concatenate([ok, ok])
     # host: (x - y) DH chunks, (n - x) HH chunks; z of them move optimizer state to disk
     host_need = (x - y) * cb[DH][1] + (n - x) * cb[HH][1]
     if sc.unified:  # the chunks' device bytes come out of the same pool
         host_need = host_need + y * dd_dev + (x - y) * s_dev
-    free_per_disk = cb[DH][1] - cb[DK][1]  # equals HH - HK
+    # what moving one chunk's optimizer state to disk frees: HH -> HK (taken first) and DH -> DK
+    # differ where an fp32 HH chunk's master is its shard (HK keeps the shard, its master goes)
+    f_host, f_dev = cb[HH][1] - cb[HK][1], cb[DH][1] - cb[DK][1]
     over = host_need - host_free
-    if sc.allow_disk and free_per_disk > 0:
+    if sc.allow_disk and f_host > 0 and f_dev > 0:
         # one disk chunk stages one chunk's master + state; two or more stage up to DISK_STAGING
         # (priced at DISK_STAGING: two chunks stage two, a little less);
         # the staging replaces the construction's in the transient bytes (transient_host_bytes)
         extra1 = transient_host_bytes(layout, st, sc.shard, 1) - constr
         extra_n = transient_host_bytes(layout, st, sc.shard, DISK_STAGING) - constr
-        z1 = np.where(over > 0, -(-(over + extra1) // free_per_disk), 0)
-        zn = np.where(over > 0, -(-(over + extra_n) // free_per_disk), 0)
+        z1 = _chunks_to_disk(np.where(over > 0, over + extra1, 0), n - x, f_host, f_dev)
+        zn = _chunks_to_disk(np.where(over > 0, over + extra_n, 0), n - x, f_host, f_dev)
         z = np.where(z1 <= 1, z1, np.maximum(zn, 2))
     else:
         z = np.where(over > 0, n + 1, 0)
@@ -1273,6 +1281,15 @@ def _scan_counts(sc: _PlaceScan, fwhere: Placement, dev_free: int,
     return y, x, z, ok
 
 
+def _chunks_to_disk(need: np.ndarray, host_shards: np.ndarray, f_host: int, f_dev: int) -> np.ndarray:
+    """How many chunks must move their optimizer state to disk to free ``need`` host bytes (0
+    where none): first of the ``host_shards`` chunks whose shard is on the host (``f_host`` each),
+    then of those whose shard is on the device (``f_dev`` each), as :func:`_cheapest_codes` moves them."""
+    from_host = -(-need // f_host)
+    rest = need - host_shards * f_host
+    return np.where(need <= 0, 0, np.where(rest <= 0, from_host, host_shards - (-rest // f_dev)))
+
+
 # the body placements _cheapest_codes chooses from, by code, and what each is
 _SCAN_KINDS = (DD, DH, DK, HH, HK)
 _KIND_ARRAY = np.empty(len(_SCAN_KINDS), dtype=object)
@@ -1283,9 +1300,9 @@ _SOLO_GATHERED = np.asarray([collectives(Sharding.SHARDED, 1, k.shard).gathers_p
 
 
 def _cheapest_codes(sc: _PlaceScan, y: np.ndarray, x: np.ndarray, z: np.ndarray, ok: np.ndarray) -> np.ndarray:
-    """The sharded chunks' placements at the fastest fitting count ``y``, as indices into
-    :data:`_SCAN_KINDS`: the most gathered chunks get the device shards (in rank order: ``y``
-    ``DD``, then ``DH``, ``DK``, ``HH`` and last ``HK``)."""
+    """The sharded chunks' placements at the fastest fitting row of :func:`_scan_counts`, as
+    indices into :data:`_SCAN_KINDS`: the most gathered chunks get the device shards (in rank
+    order: ``y`` ``DD``, then ``DH``, ``DK``, ``HH`` and last ``HK``)."""
     n, ct = sc.n, sc.ct
     zc = np.minimum(z, n - y)
     # z disk chunks taken from the host-shard chunks first (HK), then DK
@@ -1296,8 +1313,8 @@ def _cheapest_codes(sc: _PlaceScan, y: np.ndarray, x: np.ndarray, z: np.ndarray,
     if sc.solo:
         t_h2d = t_h2d + sc.suffix[x] * sc.t_gather + (n - x) * sc.t_rs
     total = np.where(ok, t_opt + t_h2d, np.inf)
-    yi = int(np.argmin(total))
-    xi, hki, dki = int(x[yi]), int(hk[yi]), int(dk[yi])
+    row = int(np.argmin(total))
+    yi, xi, hki, dki = int(y[row]), int(x[row]), int(hk[row]), int(dk[row])
     # the rank at which each kind starts (nondecreasing: dk <= x - y, hk <= n - x)
     by_rank = np.searchsorted(np.asarray([yi, xi - dki, xi, n - hki]), np.arange(n), side="right")
     codes = np.empty(n, dtype=np.intp)
