@@ -291,7 +291,10 @@ def test_every_scored_candidate_reprices_to_its_own_prediction(world):
             assert got.step_time == pytest.approx(ev.step_time, rel=1e-12)
             assert got.breakdown == pytest.approx(ev.breakdown, rel=1e-12)
             checked.update(p.code for p in ev.placements)
-    assert checked >= {"DD", "DH", "HH", "DK", "HK", "RD", "RH"}  # the budgets exercise every placement
+    # the budgets exercise every placement the scan picks: on a CPU box at world size > 1 a device
+    # shard with its optimizer state on the host (DH, DK) saves no copy at its gathers and costs one
+    # after each step, so only world size 1 (where it saves its gathers) has them
+    assert checked >= {"DD", "HH", "HK", "RD", "RH"} | ({"DH", "DK"} if world == 1 else set())
 
 
 def test_chunk_placements_are_typed_and_plans_load_as_before(tmp_path):
