@@ -1331,50 +1331,65 @@ def _disk_shard_plan(sc: _PlaceScan, repl_kinds: tuple[ChunkPlacement, ...], fwh
     memory pool its host peak credits the terms that are never live at once
     (``memory["not_at_once"]``), which a sum of per-chunk terms cannot see (GPT-2 124M in 1.8 GiB:
     290 MiB, so the scan left that much of the budget unused and put chunks' shards on disk that
-    fit on the host). The sum (``host_free``: host bytes left for the chunks, transient bytes
-    included) still narrows the scan: it is never below the pricing's peak, so the most ``HK``
-    chunks it admits fit, and only the counts above are priced (where the pricing credits
-    anything: :func:`credits_below_sum`). With ``v`` of the ``n`` chunks ``HK`` the host bytes
-    grow with ``v`` while one ``KK`` chunk is left (the disk bytes do not depend on ``v``), so the
-    largest fitting ``v < n`` is found by bisection; ``v = n`` (no disk shard: none staged) is
-    priced on its own."""
-    st, layout, n = sc.st, sc.layout, sc.n
-    cb, order = sc.cb, sc.order  # most gathered first: they keep host shards
+    fit on the host): :func:`_most_host_shards`. The count is remembered per layout, blocks,
+    placement of the rest and budgets: the bytes do not depend on the prefetch depth, which the
+    search tries several of."""
+    memo = _memo(sc.st)
+    key = ("disk_shards", id(sc.layout), id(sc.profile), sc.blocks, repl_kinds[:1], fwhere, sc.budgets)
+    hit = memo.get(key)
+    if hit is None or hit[0] is not sc.layout or hit[1] is not sc.profile:
+        hit = memo[key] = (sc.layout, sc.profile, _most_host_shards(sc, repl_kinds, fwhere, host_free))
+    return None if hit[2] is None else _disk_shard_priced(sc, repl_kinds, fwhere, hit[2])
 
-    def priced(v: int) -> Evaluation:
-        kinds = [KK] * n
-        for c in order[:v].tolist():
-            kinds[c] = HK
-        return price(sc.profile, layout, st, tuple(kinds) + sc.own_kinds + repl_kinds, sc.blocks, sc.depth,
-                     sc.gathers, fwhere)
 
-    def fitting(v: int) -> Optional[Evaluation]:
-        ev = priced(v)
-        return ev if _fits(ev, sc.budgets, sc.unified) else None
+def _disk_shard_priced(sc: _PlaceScan, repl_kinds: tuple[ChunkPlacement, ...], fwhere: Placement,
+                       host_shards: int) -> Evaluation:
+    """:func:`price` of every body chunk's optimizer state on disk, the ``host_shards`` most
+    gathered keeping their shard on the host (``HK``), the rest on disk (``KK``)."""
+    kinds = [KK] * sc.n
+    for c in sc.order[:host_shards].tolist():
+        kinds[c] = HK
+    return price(sc.profile, sc.layout, sc.st, tuple(kinds) + sc.own_kinds + repl_kinds, sc.blocks, sc.depth,
+                 sc.gathers, fwhere)
+
+
+def _most_host_shards(sc: _PlaceScan, repl_kinds: tuple[ChunkPlacement, ...], fwhere: Placement,
+                      host_free: int) -> Optional[int]:
+    """The most ``HK`` chunks of :func:`_disk_shard_plan` that fit by the pricing's rule, or None.
+
+    The plain sum of the terms (``host_free``: host bytes left for the chunks, transient bytes
+    included) is never below the pricing's peak, so the most ``HK`` chunks it admits fit, and
+    only the counts above are priced (where the pricing credits anything:
+    :func:`credits_below_sum`). With ``v`` of the ``n`` chunks ``HK`` the host bytes grow with
+    ``v`` while one ``KK`` chunk is left (the disk bytes do not depend on ``v``), so the largest
+    fitting ``v < n`` is found by bisection; ``v = n`` (no disk shard: none staged) is priced on
+    its own."""
+    st, layout, n, cb = sc.st, sc.layout, sc.n, sc.cb
+
+    def fits(v: int) -> bool:
+        return _fits(_disk_shard_priced(sc, repl_kinds, fwhere, v), sc.budgets, sc.unified)
 
     if n * cb[HK][2] > sc.budgets[2]:  # the disk bytes, the same for every v
         return None
     summed = next((v for v in range(n, -1, -1) if v * cb[HK][1] + (n - v) * cb[KK][1]
                    + transient_host_bytes(layout, st, sc.shard, n, n - v) <= host_free), -1)
     if summed == n or not credits_below_sum(st):
-        return priced(summed) if summed >= 0 else None
-    best = fitting(n)
-    if best is not None:
-        return best
+        return summed if summed >= 0 else None
+    if fits(n):
+        return n
     lo = summed
     if lo < 0:
-        lo, best = 0, fitting(0)
-        if best is None:
+        if not fits(0):
             return None  # not even every shard on disk fits
+        lo = 0
     hi = n  # fits at lo, not at hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        ev = fitting(mid)
-        if ev is None:
-            hi = mid
+        if fits(mid):
+            lo = mid
         else:
-            lo, best = mid, ev
-    return best if best is not None else priced(lo)
+            hi = mid
+    return lo
 
 
 def price(
