@@ -1,10 +1,15 @@
-"""Profiles the search's tests share: random layer stacks and a tiny GPT-2 (not a test file)."""
+"""Profiles the search's tests share: random layer stacks and a tiny GPT-2 (not a test file);
+and the pricing of a disk-shard placement."""
 
 import math
 
+import numpy as np
 import torch
 from hypothesis import strategies as st
 
+from elixir.plan import Placement
+from elixir.plan.placement import DD, HK, KK, RD, RH
+from elixir.search.cost_model import Evaluation, Layout, Setting, price, zero_placements
 from elixir.search.step_profile import BACKWARD, FORWARD, StepProfile
 
 
@@ -32,6 +37,39 @@ def layer_stacks(draw):
         matmul_param_numel=sum(math.prod(s) for _, s in params), tokens=4,
         dtype=draw(st.sampled_from(["float32", "bfloat16"])), info={"source": "synthetic"},
     )
+
+
+def ramped_stack(layers: int = 6, width: int = 3000, peak: int = 400_000) -> StepProfile:
+    """A stack of ``layers`` layers (a ``width`` weight and a third as wide a bias each) whose live
+    activations (``step_activations``) rise through forward to ``peak`` at the turn and fall
+    through backward, as a traced step's do: on one memory pool its terms peak apart."""
+    params, steps = [], []
+    for i in range(layers):
+        names = (f"layers.{i}.w", f"layers.{i}.b")
+        params += [(names[0], (width,)), (names[1], (width // 3,))]
+        steps.append(names)
+    ramp = list(np.linspace(0.1, 1.0, layers)) + list(np.linspace(1.0, 0.05, layers))
+    return StepProfile(
+        params=tuple(params), shared=frozenset(), steps=tuple(steps + steps[::-1]),
+        step_kinds=(FORWARD,) * layers + (BACKWARD,) * layers, activation_bytes=peak,
+        step_activations=tuple(int(peak * a) for a in ramp), matmul_param_numel=sum(math.prod(s) for _, s in params),
+        tokens=4, dtype="float32", info={"source": "synthetic"},
+    )
+
+
+def disk_shard_evaluation(profile: StepProfile, layout: Layout, st: Setting, blocks: int, gathers: np.ndarray,
+                          host_shards: int, rwhere: Placement = Placement.DEVICE) -> Evaluation:
+    """:func:`~elixir.search.cost_model.price` of ``layout`` with every body chunk's optimizer
+    state on disk: the ``host_shards`` most gathered (``gathers``) keep their shard on the host
+    (``HK``), the rest on disk too (``KK``); sharded tied chunks ``DD``, ZeRO-1/2 chunks on the
+    device, replicated chunks' state ``rwhere``."""
+    n = layout.n_sharded - layout.own
+    kinds = [KK] * n
+    for c in np.argsort(-np.asarray(gathers[:n]), kind="stable")[:host_shards].tolist():
+        kinds[c] = HK
+    repl = (RD if rwhere is Placement.DEVICE else RH,) * len(layout.replicated_capacities)
+    return price(profile, layout, st, tuple(kinds) + (DD,) * layout.own + zero_placements(st, layout) + repl,
+                 blocks, 0, gathers)
 
 
 def tiny_gpt():

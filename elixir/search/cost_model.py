@@ -27,7 +27,8 @@ that fits. A sharded tied chunk keeps its shard and optimizer state on the devic
   (``s(4 + k)`` on disk: :mod:`elixir.offload.derived`), up to :data:`DISK_SHARD_STAGING` shard
   staged while gathered or stepped, plus two fp32 read buffers of up to
   :data:`~elixir.plan.DERIVED_SHARD_PIECE_ELEMENTS` each. The search turns to ``KK`` only when
-  no plan fits with every shard resident: the least-gathered chunks first;
+  no plan fits with every shard resident: the least-gathered chunks first, as few as fit by the
+  pricing's own peak (:func:`_disk_shard_plan`);
   ``m`` is 4 for the fp32 master copy, 0 when the compute dtype is fp32 and shard and master live
   together (the runtime then uses one tensor); ``g`` is the shard gradient's element size (4 in
   fp32, 2 with bf16/fp16 ``grad_dtype``), and 0 with the fused backward-and-step, which frees each
@@ -55,7 +56,8 @@ frozen shards none: both run under :func:`elixir.device.return_host_memory`.
 **Time, per step** (seconds): compute (``flops`` over the profile's measured training
 throughput at that size, or its matmul throughput) + all-gathers (one per simulated
 gather, ``all_gather_time(C e)``) + reduce-scatters (one per sharded chunk) + all-reduces of
-replicated chunks + host->device copies of host shards at each gather + per-placement optimizer
+replicated chunks + host->device copies of host shards at each gather (none on a CPU-only
+profile: :func:`gather_h2d_seconds`) + per-placement optimizer
 phase (device Adam; or grad shard device->host, host Adam, updated shard host->device; plus disk
 read and write of master and state; a ``KK`` chunk's fp32 master is also read at each of its
 gathers, before the gather and not overlapped, to derive its shard). With ``overlap`` hardware and a prefetch depth >= 1,
@@ -1151,7 +1153,7 @@ def _place_scan(profile: StepProfile, layout: Layout, st: Setting, blocks: int, 
     ct = per_chunk_fixed_time(st, shard)
     g_sorted = np.sort(body_gathers)[::-1]  # most gathered first
     # host-shard gather cost if the n - x least gathered chunks have host shards
-    h2d_gather = hw.h2d_time(shard * st.elem, st.pin) if n else 0.0
+    h2d_gather = gather_h2d_seconds(st, shard * st.elem) if n else 0.0
     suffix = np.concatenate([np.cumsum(g_sorted[::-1])[::-1], [0]]) if n else np.zeros(1)
     # At world size 1 the runtime keeps device-placed chunks whole and resident (no cache block,
     # no gather, no reduction copy); only host-placed shards go through the rCache.
@@ -1204,18 +1206,21 @@ def _place_with(sc: _PlaceScan, rwhere: Placement, fwhere: Placement) -> Optiona
         return None  # at world size 1 blocks serve host (or quantised) shards only
     dev_free = dev_budget - sc.base_dev - rd
     host_free = host_budget - rh - st.process_bytes - (sc.base_dev + rd if sc.unified else 0)
-    if dev_free < 0 or host_free < 0:
+    if dev_free < 0:
         return None
     if sc.n == 0:
-        return price(sc.profile, layout, st, sc.own_kinds + repl_kinds, sc.blocks, sc.depth, _gathers(sc, True), fwhere)
-    y, x, z, ok = _scan_counts(sc, fwhere, dev_free, host_free, constr)
+        return price(sc.profile, layout, st, sc.own_kinds + repl_kinds, sc.blocks, sc.depth, _gathers(sc, True),
+                     fwhere) if host_free >= 0 else None
+    # the scan's plain sum of the terms never counts less than the pricing's peak (timeline_peak),
+    # so a count it accepts fits; one it refuses may still fit: the disk-shard scan prices
+    ok = np.zeros(1, dtype=bool)
+    if host_free >= 0:
+        y, x, z, ok = _scan_counts(sc, fwhere, dev_free, host_free, constr)
     if not ok.any():
         # no plan keeps every shard resident: the whole of the least-gathered chunks on disk
-        kk = _disk_shard_kinds(st, layout, sc.cb, sc.shard, sc.body_gathers, host_free + constr, disk_budget,
-                               sc.allow_disk and (sc.blocks > 0 or not sc.solo))
-        if kk is None:
+        if not (sc.allow_disk and (sc.blocks > 0 or not sc.solo)):
             return None
-        return price(sc.profile, layout, st, kk + sc.own_kinds + repl_kinds, sc.blocks, sc.depth, sc.gathers)
+        return _disk_shard_plan(sc, repl_kinds, fwhere, host_free + constr)
     codes = _cheapest_codes(sc, y, x, z, ok)
     p = _priced_codes(layout, st, codes, sc.zero, repl_kinds, _gathers(sc, not _HOST_SHARD[codes].any()), fwhere)
     return _price(sc.profile, layout, st, p, sc.blocks, sc.depth)
@@ -1230,31 +1235,39 @@ def _gathers(sc: _PlaceScan, resident: bool) -> np.ndarray:
 
 def _scan_counts(sc: _PlaceScan, fwhere: Placement, dev_free: int,
                  host_free: int, constr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """For each count ``y`` of sharded chunks with optimizer state on the device: the device
-    shards ``x`` that fit, the optimizer states ``z`` on disk that make host memory fit, and
-    whether that fits at all (``ok``)."""
+    """For each count ``y`` of sharded chunks with optimizer state on the device, twice: with as
+    many device shards ``x`` as fit, and with none beyond the ``y`` (``x = y``); the optimizer
+    states ``z`` on disk that make host memory fit, and whether that fits at all (``ok``).
+
+    A device shard whose state is on the host (``DH``, ``DK``) saves its gathers' host-to-device
+    copies and costs the updated shard's copy back after each step. Where the gathers copy
+    nothing (a CPU box, at world size > 1: :func:`gather_h2d_seconds`) it only costs, so the
+    most that fit is not always the fastest: the scan keeps both ends."""
     n, cb, layout, st = sc.n, sc.cb, sc.layout, sc.st
     y = np.arange(n + 1)
     dd_dev = cb[DD][0]
     s_dev = cb[DH][0]
-    # shards on device: all y DD chunks, plus as many DH/DK as fit
+    # shards on device: all y DD chunks, plus as many DH/DK as fit (or none)
     room = dev_free - y * dd_dev
     ok = room >= 0
     x = np.minimum(n, y + np.where(ok, room, 0) // max(1, s_dev)) if s_dev else np.full(n + 1, n)
+    y, x, ok = np.concatenate([y, y]), np.concatenate([x, y]), np.concatenate([ok, ok])
     # host: (x - y) DH chunks, (n - x) HH chunks; z of them move optimizer state to disk
     host_need = (x - y) * cb[DH][1] + (n - x) * cb[HH][1]
     if sc.unified:  # the chunks' device bytes come out of the same pool
         host_need = host_need + y * dd_dev + (x - y) * s_dev
-    free_per_disk = cb[DH][1] - cb[DK][1]  # equals HH - HK
+    # what moving one chunk's optimizer state to disk frees: HH -> HK (taken first) and DH -> DK
+    # differ where an fp32 HH chunk's master is its shard (HK keeps the shard, its master goes)
+    f_host, f_dev = cb[HH][1] - cb[HK][1], cb[DH][1] - cb[DK][1]
     over = host_need - host_free
-    if sc.allow_disk and free_per_disk > 0:
+    if sc.allow_disk and f_host > 0 and f_dev > 0:
         # one disk chunk stages one chunk's master + state; two or more stage up to DISK_STAGING
         # (priced at DISK_STAGING: two chunks stage two, a little less);
         # the staging replaces the construction's in the transient bytes (transient_host_bytes)
         extra1 = transient_host_bytes(layout, st, sc.shard, 1) - constr
         extra_n = transient_host_bytes(layout, st, sc.shard, DISK_STAGING) - constr
-        z1 = np.where(over > 0, -(-(over + extra1) // free_per_disk), 0)
-        zn = np.where(over > 0, -(-(over + extra_n) // free_per_disk), 0)
+        z1 = _chunks_to_disk(np.where(over > 0, over + extra1, 0), n - x, f_host, f_dev)
+        zn = _chunks_to_disk(np.where(over > 0, over + extra_n, 0), n - x, f_host, f_dev)
         z = np.where(z1 <= 1, z1, np.maximum(zn, 2))
     else:
         z = np.where(over > 0, n + 1, 0)
@@ -1268,6 +1281,15 @@ def _scan_counts(sc: _PlaceScan, fwhere: Placement, dev_free: int,
     return y, x, z, ok
 
 
+def _chunks_to_disk(need: np.ndarray, host_shards: np.ndarray, f_host: int, f_dev: int) -> np.ndarray:
+    """How many chunks must move their optimizer state to disk to free ``need`` host bytes (0
+    where none): first of the ``host_shards`` chunks whose shard is on the host (``f_host`` each),
+    then of those whose shard is on the device (``f_dev`` each), as :func:`_cheapest_codes` moves them."""
+    from_host = -(-need // f_host)
+    rest = need - host_shards * f_host
+    return np.where(need <= 0, 0, np.where(rest <= 0, from_host, host_shards - (-rest // f_dev)))
+
+
 # the body placements _cheapest_codes chooses from, by code, and what each is
 _SCAN_KINDS = (DD, DH, DK, HH, HK)
 _KIND_ARRAY = np.empty(len(_SCAN_KINDS), dtype=object)
@@ -1278,9 +1300,9 @@ _SOLO_GATHERED = np.asarray([collectives(Sharding.SHARDED, 1, k.shard).gathers_p
 
 
 def _cheapest_codes(sc: _PlaceScan, y: np.ndarray, x: np.ndarray, z: np.ndarray, ok: np.ndarray) -> np.ndarray:
-    """The sharded chunks' placements at the fastest fitting count ``y``, as indices into
-    :data:`_SCAN_KINDS`: the most gathered chunks get the device shards (in rank order: ``y``
-    ``DD``, then ``DH``, ``DK``, ``HH`` and last ``HK``)."""
+    """The sharded chunks' placements at the fastest fitting row of :func:`_scan_counts`, as
+    indices into :data:`_SCAN_KINDS`: the most gathered chunks get the device shards (in rank
+    order: ``y`` ``DD``, then ``DH``, ``DK``, ``HH`` and last ``HK``)."""
     n, ct = sc.n, sc.ct
     zc = np.minimum(z, n - y)
     # z disk chunks taken from the host-shard chunks first (HK), then DK
@@ -1291,8 +1313,8 @@ def _cheapest_codes(sc: _PlaceScan, y: np.ndarray, x: np.ndarray, z: np.ndarray,
     if sc.solo:
         t_h2d = t_h2d + sc.suffix[x] * sc.t_gather + (n - x) * sc.t_rs
     total = np.where(ok, t_opt + t_h2d, np.inf)
-    yi = int(np.argmin(total))
-    xi, hki, dki = int(x[yi]), int(hk[yi]), int(dk[yi])
+    row = int(np.argmin(total))
+    yi, xi, hki, dki = int(y[row]), int(x[row]), int(hk[row]), int(dk[row])
     # the rank at which each kind starts (nondecreasing: dk <= x - y, hk <= n - x)
     by_rank = np.searchsorted(np.asarray([yi, xi - dki, xi, n - hki]), np.arange(n), side="right")
     codes = np.empty(n, dtype=np.intp)
@@ -1300,24 +1322,74 @@ def _cheapest_codes(sc: _PlaceScan, y: np.ndarray, x: np.ndarray, z: np.ndarray,
     return codes
 
 
-def _disk_shard_kinds(st: Setting, layout: Layout, cb: dict, shard: int, gathers: np.ndarray, host_free: int,
-                      disk_budget: int, allow: bool) -> Optional[tuple[ChunkPlacement, ...]]:
-    """The placement of ``len(gathers)`` sharded chunks with every optimizer state on disk and
-    the fewest shards on disk too (``KK``, the least-gathered chunks; the rest ``HK``) that fits
-    ``host_free`` host bytes (transient bytes included) and the disk budget, or None."""
-    n = len(gathers)
-    if not allow or n == 0:
+def _disk_shard_plan(sc: _PlaceScan, repl_kinds: tuple[ChunkPlacement, ...], fwhere: Placement,
+                     host_free: int) -> Optional[Evaluation]:
+    """The sharded chunks with every optimizer state on disk and the fewest shards on disk too
+    (``KK``, the least-gathered chunks; the rest ``HK``) that fit the budgets, priced; or None.
+
+    Whether a count fits is the pricing's own rule (:func:`price`, then :func:`_fits`): on one
+    memory pool its host peak credits the terms that are never live at once
+    (``memory["not_at_once"]``), which a sum of per-chunk terms cannot see (GPT-2 124M in 1.8 GiB:
+    290 MiB, so the scan left that much of the budget unused and put chunks' shards on disk that
+    fit on the host): :func:`_most_host_shards`. The count is remembered per layout, blocks,
+    placement of the rest and budgets: the bytes do not depend on the prefetch depth, which the
+    search tries several of."""
+    memo = _memo(sc.st)
+    key = ("disk_shards", id(sc.layout), id(sc.profile), sc.blocks, repl_kinds[:1], fwhere, sc.budgets)
+    hit = memo.get(key)
+    if hit is None or hit[0] is not sc.layout or hit[1] is not sc.profile:
+        hit = memo[key] = (sc.layout, sc.profile, _most_host_shards(sc, repl_kinds, fwhere, host_free))
+    return None if hit[2] is None else _disk_shard_priced(sc, repl_kinds, fwhere, hit[2])
+
+
+def _disk_shard_priced(sc: _PlaceScan, repl_kinds: tuple[ChunkPlacement, ...], fwhere: Placement,
+                       host_shards: int) -> Evaluation:
+    """:func:`price` of every body chunk's optimizer state on disk, the ``host_shards`` most
+    gathered keeping their shard on the host (``HK``), the rest on disk (``KK``)."""
+    kinds = [KK] * sc.n
+    for c in sc.order[:host_shards].tolist():
+        kinds[c] = HK
+    return price(sc.profile, sc.layout, sc.st, tuple(kinds) + sc.own_kinds + repl_kinds, sc.blocks, sc.depth,
+                 sc.gathers, fwhere)
+
+
+def _most_host_shards(sc: _PlaceScan, repl_kinds: tuple[ChunkPlacement, ...], fwhere: Placement,
+                      host_free: int) -> Optional[int]:
+    """The most ``HK`` chunks of :func:`_disk_shard_plan` that fit by the pricing's rule, or None.
+
+    The plain sum of the terms (``host_free``: host bytes left for the chunks, transient bytes
+    included) is never below the pricing's peak, so the most ``HK`` chunks it admits fit, and
+    only the counts above are priced (where the pricing credits anything:
+    :func:`credits_below_sum`). With ``v`` of the ``n`` chunks ``HK`` the host bytes grow with
+    ``v`` while one ``KK`` chunk is left (the disk bytes do not depend on ``v``), so the largest
+    fitting ``v < n`` is found by bisection; ``v = n`` (no disk shard: none staged) is priced on
+    its own."""
+    st, layout, n, cb = sc.st, sc.layout, sc.n, sc.cb
+
+    def fits(v: int) -> bool:
+        return _fits(_disk_shard_priced(sc, repl_kinds, fwhere, v), sc.budgets, sc.unified)
+
+    if n * cb[HK][2] > sc.budgets[2]:  # the disk bytes, the same for every v
         return None
-    for v in range(n, -1, -1):  # v chunks keep a host shard (HK), n - v put it on disk (KK)
-        host = v * cb[HK][1] + (n - v) * cb[KK][1] + transient_host_bytes(layout, st, shard, n, n - v)
-        disk = v * cb[HK][2] + (n - v) * cb[KK][2]
-        if host <= host_free and disk <= disk_budget:
-            order = np.argsort(-gathers, kind="stable")  # most gathered first: they keep host shards
-            kinds = [KK] * n
-            for c in order[:v]:
-                kinds[c] = HK
-            return tuple(kinds)
-    return None
+    summed = next((v for v in range(n, -1, -1) if v * cb[HK][1] + (n - v) * cb[KK][1]
+                   + transient_host_bytes(layout, st, sc.shard, n, n - v) <= host_free), -1)
+    if summed == n or not credits_below_sum(st):
+        return summed if summed >= 0 else None
+    if fits(n):
+        return n
+    lo = summed
+    if lo < 0:
+        if not fits(0):
+            return None  # not even every shard on disk fits
+        lo = 0
+    hi = n  # fits at lo, not at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def price(
@@ -1472,7 +1544,7 @@ def _priced_parts(layout: Layout, st: Setting, placements: tuple, kinds: tuple, 
         frozen_where=frozen_where, n=n, solo=solo,
         g=g, g_own=g_own, g_frozen=g_frozen, host_shard=host_shard, disk_shard=disk_shard, shard=shard,
         fshard=st.frozen_shard(layout),
-        h2d=st.hardware.h2d_time(shard * st.elem, st.pin) if n else 0.0,
+        h2d=gather_h2d_seconds(st, shard * st.elem) if n else 0.0,
         kinds_on_disk=sum(m for k, m in counts if k.on_disk), zero_on_disk=any(k.on_disk for k in zero),
     )
 
@@ -1504,10 +1576,16 @@ def _copy_seconds(p: _Priced) -> tuple[float, float]:
     return t_h2d, t_shard_reads
 
 
+def gather_h2d_seconds(st: Setting, nbytes: int) -> float:
+    """Seconds to bring one off-device shard of ``nbytes`` to the device for its gather (trainable
+    or frozen): none on a CPU-only profile, where host and device are one memory and the runtime
+    gathers (or decodes) from the host shard itself (``Chunk.gather`` copies only to an accelerator)."""
+    return 0.0 if unified_memory(st.hardware) else st.hardware.h2d_time(nbytes, st.pin)
+
+
 def _frozen_h2d(p: _Priced) -> float:
-    """Seconds to bring one off-device frozen shard to the device for its gather: none on a
-    CPU-only profile, where the runtime gathers (or decodes) from the host shard itself."""
-    return 0.0 if unified_memory(p.st.hardware) else p.st.hardware.h2d_time(p.fshard, p.st.pin)
+    """:func:`gather_h2d_seconds` of one off-device frozen shard."""
+    return gather_h2d_seconds(p.st, p.fshard)
 
 
 def _placed_bytes(p: _Priced) -> tuple[int, int, int, int]:
@@ -1613,6 +1691,14 @@ def _fused_step_hidden(p: _Priced, compute: float, backward_share: float) -> Opt
     nbytes = layout.chunk_size // st.world * st.disk_elem
     t_disk = n_disk * st.hardware.disk_time(nbytes, nbytes)  # a KK chunk's step moves no shard either
     return min(t_disk - st.hardware.disk_time(nbytes, 0), backward_share * compute)
+
+
+def credits_below_sum(st: Setting) -> bool:
+    """Whether :func:`price` may count a plan's host bytes below the sum of its terms at their own
+    peaks (:func:`_memory_terms`): on one memory pool (the terms never live at once,
+    ``not_at_once``), or where a disk plan's process holds less heap slack than
+    ``st.process_bytes``. Elsewhere the sum is the pricing's count, and a scan on it is exact."""
+    return unified_memory(st.hardware) or st.heap_slack_bytes > 0
 
 
 def _memory_terms(profile: StepProfile, p: _Priced, fixed: dict, dev_var: int, host: int,
