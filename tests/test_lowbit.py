@@ -36,6 +36,7 @@ from elixir.testing.zoo import build_gpt2
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 from elixir.wrapper import fused_step as fused_step_mod
 from elixir.wrapper.policies import MixedPrecisionPolicy
+from tests.checkpoint_cases import bitwise_diff, snapshot
 from tests.lm_cases import lm_steps
 
 FORMATS = [(m, s) for m in ("fp32", "bf16-sr", "bf16-kahan") for s in ("fp32", "bf16", "int8")]
@@ -236,16 +237,25 @@ def _batch(step: int, bs: int = 8) -> torch.Tensor:
     return (start + stride * torch.arange(SEQ)) % VOCAB
 
 
-def _disk(plan):
+def _disk(plan, shards=Placement.HOST):
+    """Every chunk's master and state on disk; the sharded chunks' compute shards at ``shards``
+    (DISK: derived from the master at each gather, ``KK``)."""
     return dataclasses.replace(plan, chunks=tuple(
-        dataclasses.replace(c, optim_placement=Placement.DISK, shard_placement=Placement.HOST) for c in plan.chunks))
+        dataclasses.replace(c, optim_placement=Placement.DISK, shard_placement=shards if c.sharded else Placement.HOST)
+        for c in plan.chunks))
 
 
-def _wrapped(master, moments, disk=False, dtype=torch.float32, fused_step=None):
+def _wrapped(master, moments, disk=False, dtype=torch.float32, fused_step=None, shards=Placement.HOST, bf16_exact=False):
+    """A tiny GPT-2 wrapped with these state formats (``bf16_exact``: initial weights rounded to
+    bf16 first, so a bf16 master holds them exactly)."""
     torch.manual_seed(0)
     model = build_gpt2(vocab=VOCAB)
+    if bf16_exact:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16())
     plan = minimum_waste_search(model, 1)
-    em = ElixirModule(model, _disk(plan) if disk else plan,
+    em = ElixirModule(model, _disk(plan, shards) if disk else plan,
                       mp_policy=MixedPrecisionPolicy(param_dtype=dtype, output_dtype=torch.float32, master=master,
                                                      moments=moments))
     return em, ElixirOptimizer(em, CPUAdam(list(em.parameters()), lr=3e-3, weight_decay=0.01), fused_step=fused_step)
@@ -327,6 +337,26 @@ def test_kahan_forward_sees_the_compensated_master(monkeypatch, disk, kernel_wri
                 assert torch.equal(shard[f.lo : f.hi], f.tensor.reshape(-1).float() + comp), f.chunk
             seen += int(comp.count_nonzero())
     assert seen > 0  # else master + comp = master would prove nothing
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_kahan_disk_shards_read_the_compensated_master(in_backward):
+    """bf16-kahan with fp32 compute: a compute shard derived from its disk master at each gather
+    (``KK``) is the master plus its Kahan compensation (the ``master_comp`` flat of the same disk
+    record), as a step writes a host shard beside a disk master (``HK``): the two runs match bit
+    for bit (losses, weights, optimizer state), stepped after backward or during it. The initial
+    weights are bf16-exact, so both forwards of step 0 see the same values."""
+    runs = {}
+    for shards in (Placement.DISK, Placement.HOST):
+        em, eo = _wrapped("bf16-kahan", "fp32", disk=True, fused_step=in_backward, shards=shards, bf16_exact=True)
+        losses = _train(em, eo, 4)
+        derived = em.derived_shards
+        if shards is Placement.DISK:
+            assert derived is not None and any(derived.compensated(i, torch.float32) for i in derived.chunks)
+        runs[shards] = (losses, snapshot(em, eo))
+    (kk, kk_state), (hk, hk_state) = runs[Placement.DISK], runs[Placement.HOST]
+    assert any(int(st["master_comp"].count_nonzero()) for st in hk_state["optim"]["state"].values())  # else trivial
+    assert kk == hk and not bitwise_diff(kk_state, hk_state), bitwise_diff(kk_state, hk_state)
 
 
 @pytest.mark.parametrize("master,moments", [("fp32", "fp32"), ("bf16-sr", "int8"), ("bf16-kahan", "bf16"), ("fp32", "int8")])

@@ -7,7 +7,11 @@ derived on each read instead of being stored beside it. That saves the shard's b
 write after every step, at the cost of reading 4 bytes per element at each gather instead of the
 compute dtype's 2. Casting is round-to-nearest-even, as the optimizer's own refresh of the shard
 (torch's ``copy_`` and the fused CPU Adam kernel both round so), so a derived shard is bit for bit
-the shard a step would have written.
+the shard a step would have written. A ``bf16-kahan`` master's fp32 shard is the master plus its
+Kahan compensation (the ``master_comp`` state flat of the same record, read after the master
+through the same buffers and added in fp32), as a step writes a host shard: the master alone lags
+the optimizer by up to half a bf16 ulp (issue 33). That reads 4 bytes per element instead of 2;
+a bf16 shard reads the master alone, the compensated master rounded to nearest.
 
 :class:`DerivedShards` has the part of :class:`~elixir.offload.DiskStore`'s interface that a
 :class:`~elixir.chunk.Chunk` uses for its ``shard_store`` (``stage``, ``discard``, ``offload``), so
@@ -43,6 +47,8 @@ import torch
 
 from elixir.offload.aio import IOHandle
 from elixir.offload.store import MASTER, DiskState, DiskStore, Ledger
+
+COMP = "master_comp"  # the bf16-kahan master's compensation (elixir.optim.lowbit)
 from elixir.plan import DERIVED_SHARD_PIECE_ELEMENTS as PIECE_ELEMENTS
 from elixir.plan.footprint import DERIVED_SHARD_READ_BUFFERS
 
@@ -158,8 +164,18 @@ class DerivedShards:
         try:
             with torch.no_grad():
                 self.bytes_read += self.masters.read_converted(index, MASTER, out, self._pieces)
+                if self.compensated(index, out.dtype):  # then the compensation, through the same pieces
+                    self.bytes_read += self.masters.read_converted(index, COMP, out, self._pieces, add=True)
         finally:
             self.stage_seconds += time.perf_counter() - t0
+
+    def compensated(self, index: int, dtype: torch.dtype) -> bool:
+        """Whether chunk ``index``'s shard in ``dtype`` is its bf16-kahan master plus the Kahan
+        compensation (the ``master_comp`` state flat, there once the optimizer state is bound to
+        the disk): in fp32, as the optimizer's own refresh of the shard writes it (module
+        docstring). A bf16 shard is the master alone (the compensated master rounded to nearest)."""
+        rec = self.masters.chunks[index]
+        return dtype == torch.float32 and rec.flats[MASTER].dtype == torch.bfloat16 and COMP in rec.flats
 
     # ---- read-ahead (module docstring) ------------------------------------------------------
 
@@ -182,8 +198,8 @@ class DerivedShards:
         rec, master = self.chunks[nxt], self.masters.chunks[nxt]
         if rec.state is not DiskState.OFFLOADED or master.state is not DiskState.OFFLOADED:
             return
-        if master.flats[MASTER].dtype != rec.shard.dtype:
-            return  # cast on the way in: read through the pieces at the gather
+        if master.flats[MASTER].dtype != rec.shard.dtype or self.compensated(nxt, rec.shard.dtype):
+            return  # cast (or compensated) on the way in: read through the pieces at the gather
         self._allocate(rec, DiskState.READING)
         try:
             handle, nbytes, version = self.masters.read_flat(nxt, MASTER, rec.shard)

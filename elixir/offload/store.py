@@ -103,6 +103,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _put(out: torch.Tensor, values: torch.Tensor, add: bool) -> None:
+    """``out`` = ``values`` converted to its dtype, or (``add``) ``out + values`` rounded once."""
+    if add:
+        out.add_(values)
+    else:
+        out.copy_(values)
+
+
 class _Done:
     """The handle of a transfer of no bytes."""
 
@@ -360,9 +368,11 @@ class DiskStore:
             out[key] = torch.frombuffer(mm, dtype=flat.dtype, count=rec.numel)
         return out
 
-    def read_converted(self, index: int, key: str, out: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor]) -> int:
+    def read_converted(self, index: int, key: str, out: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
+                       add: bool = False) -> int:
         """Fill ``out`` (1-D, the record's length, any dtype) with flat ``key`` of chunk ``index``,
-        converted to ``out``'s dtype; the record's state is left as it is. Staged, the flat is
+        converted to ``out``'s dtype (``add``: added to ``out``'s values instead, in the wider of
+        the two dtypes, rounded once); the record's state is left as it is. Staged, the flat is
         converted in memory; else its region is read through the two ``pieces`` (1-D buffers of
         the flat's dtype, equal lengths) in turn, the next read queued before the last piece is
         converted. Being read ahead (READING: a staging's read-ahead),
@@ -372,7 +382,7 @@ class DiskStore:
         rec = self.chunks[index]
         if rec.state is DiskState.READING and key in rec.reads:
             self._wait_for_flat(rec, key)
-            out.copy_(rec.flats[key])  # read ahead (a staging): the rest of the record may still be in flight
+            _put(out, rec.flats[key], add)  # read ahead (a staging): the rest of the record may still be in flight
             return 0
         if rec.state in (DiskState.READING, DiskState.WRITING):
             waited = self.wait_seconds
@@ -381,12 +391,13 @@ class DiskStore:
             self.wait_seconds = waited
         flat = rec.flats[key]
         if rec.state is DiskState.RESIDENT:
-            out.copy_(flat)
+            _put(out, flat, add)
             return 0
         region, f, step = rec.regions[key], self.location.file, pieces[0].numel()
         item = flat.element_size()
         spans = [(lo, min(lo + step, rec.moved)) for lo in range(0, rec.moved, step)]
-        out[rec.moved :].zero_()
+        if not add:  # the padding is zero: nothing to add there
+            out[rec.moved :].zero_()
         if not spans:
             return 0
 
@@ -407,7 +418,7 @@ class DiskStore:
                 self.converted_wait_seconds += time.perf_counter() - t0
             if k + 1 < len(spans):
                 handle = queue(k + 1)
-            out[lo:hi].copy_(pieces[k % 2][: hi - lo])
+            _put(out[lo:hi], pieces[k % 2][: hi - lo], add)
         return rec.moved * item
 
     def read_flat(self, index: int, key: str, out: torch.Tensor) -> tuple[IOHandle, int, int]:

@@ -69,7 +69,8 @@ def write_compensated(eo: ShardedOptimizer, fragments: list) -> set[int]:
     """Write the compensated bf16-kahan master (the bf16 master plus its Kahan buffer, as the
     kernel's ``out`` gets it) into the compute shards of ``fragments``, where the kernel could not
     (a shard on another device than its master); return their chunks. A shard derived from its
-    master at each read (``KK``) is left alone: it reads the bf16 master alone."""
+    master at each read (``KK``) is left alone: its read adds the compensation
+    (:meth:`elixir.offload.derived.DerivedShards.compensated`)."""
     done: set[int] = set()
     with torch.no_grad():
         for f in fragments:
