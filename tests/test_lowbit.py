@@ -28,10 +28,12 @@ from elixir.offload.pipeline import staged
 from elixir.optim import CPUAdam
 from elixir.optim import functional as F
 from elixir.optim import lowbit as L
-from elixir.plan import Placement, SearchResult
+from elixir.hardware import load_profile
+from elixir.plan import MeshLayout, Placement, SearchResult
 from elixir.plan.footprint import disk_bytes_per_element
 from elixir.plan.state_format import QUANT_BLOCK, disk_state_bytes, master_bytes, moment_bytes
 from elixir.search import minimum_waste_search
+from elixir.search.cost_model import Setting
 from elixir.testing.zoo import build_gpt2
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 from elixir.wrapper import fused_step as fused_step_mod
@@ -339,6 +341,22 @@ def test_kahan_forward_sees_the_compensated_master(monkeypatch, disk, kernel_wri
     assert seen > 0  # else master + comp = master would prove nothing
 
 
+def _check_compensated_reads(em) -> None:
+    """Every derived shard reads its compensation, as many bytes per element as the cost model
+    prices a ``KK`` gather's read at (master and compensation: 4)."""
+    derived, store = em.derived_shards, em.disk_store
+    setting = Setting(layout=MeshLayout.data_parallel(1), elem=4, reduce_elem=4, opt_bytes=8, hardware=load_profile("cpu-box"),
+                      dtype="float32", master_format="bf16-kahan", moments_format="fp32")
+    assert derived.chunks and setting.derived_read_elem == 4
+    for i in derived.chunks:
+        assert derived.compensated(i, torch.float32) and not derived.compensated(i, torch.bfloat16)
+        before = derived.bytes_read
+        with torch.no_grad():
+            derived.stage(i)
+        derived.discard(i)
+        assert derived.bytes_read - before == store.chunks[i].moved * setting.derived_read_elem
+
+
 @pytest.mark.parametrize("in_backward", [False, True])
 def test_kahan_disk_shards_read_the_compensated_master(in_backward):
     """bf16-kahan with fp32 compute: a compute shard derived from its disk master at each gather
@@ -350,9 +368,8 @@ def test_kahan_disk_shards_read_the_compensated_master(in_backward):
     for shards in (Placement.DISK, Placement.HOST):
         em, eo = _wrapped("bf16-kahan", "fp32", disk=True, fused_step=in_backward, shards=shards, bf16_exact=True)
         losses = _train(em, eo, 4)
-        derived = em.derived_shards
         if shards is Placement.DISK:
-            assert derived is not None and any(derived.compensated(i, torch.float32) for i in derived.chunks)
+            _check_compensated_reads(em)
         runs[shards] = (losses, snapshot(em, eo))
     (kk, kk_state), (hk, hk_state) = runs[Placement.DISK], runs[Placement.HOST]
     assert any(int(st["master_comp"].count_nonzero()) for st in hk_state["optim"]["state"].values())  # else trivial

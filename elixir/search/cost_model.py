@@ -509,6 +509,13 @@ class Setting:
         return element_bytes(state_format.master_dtype_name(self.master_format))
 
     @property
+    def derived_read_elem(self) -> int:
+        """Bytes per element a ``KK`` chunk reads to derive its shard: the master, and for an fp32
+        shard of a ``bf16-kahan`` master its compensation too (:mod:`elixir.offload.derived`)."""
+        comp = state_format.compensation_bytes(self.master_format) if self.elem == 4 else 0
+        return self.master_elem + comp
+
+    @property
     def disk_elem(self) -> int:
         """Bytes per shard element a disk chunk keeps on disk (and stages in host memory)."""
         return disk_bytes_per_element(self.opt_bytes, self.formats)
@@ -1568,9 +1575,9 @@ def _copy_seconds(p: _Priced) -> tuple[float, float]:
     t_h2d = float(p.g[p.host_shard].sum() * p.h2d) if p.n else 0.0
     if p.frozen_where is not Placement.DEVICE and layout.n_frozen:
         t_h2d += float(p.g_frozen.sum()) * _frozen_h2d(p)
-    # a disk shard is derived from its fp32 master, read before each of its gathers
+    # a disk shard is derived from its master (and Kahan compensation), read before each of its gathers
     # (synchronously: nothing hides it)
-    t_shard_reads = float(p.g[p.disk_shard].sum() * hw.disk_time(p.shard * st.master_elem, 0)) if p.n else 0.0
+    t_shard_reads = float(p.g[p.disk_shard].sum() * hw.disk_time(p.shard * st.derived_read_elem, 0)) if p.n else 0.0
     if p.frozen_where is Placement.DISK and layout.n_frozen:  # read for each gather, never written back
         t_shard_reads += float(p.g_frozen.sum()) * hw.disk_time(p.fshard, 0)
     return t_h2d, t_shard_reads
