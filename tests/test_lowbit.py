@@ -37,6 +37,7 @@ from elixir.search.cost_model import Setting
 from elixir.testing.zoo import build_gpt2
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 from elixir.wrapper import fused_step as fused_step_mod
+from elixir.wrapper.optim_state import fragment_start
 from elixir.wrapper.policies import MixedPrecisionPolicy
 from tests.checkpoint_cases import bitwise_diff, snapshot
 from tests.lm_cases import lm_steps
@@ -374,6 +375,78 @@ def test_kahan_disk_shards_read_the_compensated_master(in_backward):
     (kk, kk_state), (hk, hk_state) = runs[Placement.DISK], runs[Placement.HOST]
     assert any(int(st["master_comp"].count_nonzero()) for st in hk_state["optim"]["state"].values())  # else trivial
     assert kk == hk and not bitwise_diff(kk_state, hk_state), bitwise_diff(kk_state, hk_state)
+
+
+def _check_loaded(em, eo, values: dict) -> None:
+    """After fp32 weights ``values`` (name -> tensor) were loaded into a bf16-kahan module: each
+    fragment's master is its values rounded to nearest, the compensation what is left (rounded to
+    bf16), and the compute shard the forward gathers the two added (computed here in torch)."""
+    seen = 0
+    with staged(em.disk_store, [c.index for c in em.chunks if c.spec.master_on_disk], write_back=False):
+        for f in eo.fragments:
+            start = fragment_start(em, f)
+            v = values[em.slots[f.param_index].name].reshape(-1)[start : start + f.hi - f.lo].float()
+            p, comp = f.tensor.reshape(-1), eo.optim.state[f.tensor]["master_comp"].reshape(-1)
+            assert torch.equal(p, v.bfloat16()) and torch.equal(comp, (v - p.float()).bfloat16()), f.chunk
+            with em.chunks[f.chunk].storage.shard_access(write=False) as shard:
+                assert torch.equal(shard[f.lo : f.hi], p.float() + comp.float()), f.chunk
+            seen += int(comp.count_nonzero())
+    assert seen > 0  # fp32 values: a zero compensation would prove nothing
+
+
+# (how the weights are loaded, where the shards are: None host masters, else disk masters with these shards)
+LOADS = [("state_dict", None), ("state_dict", Placement.HOST), ("state_dict", Placement.DISK), ("pretrained", Placement.HOST),
+         ("checkpoint", None), ("checkpoint", Placement.HOST), ("checkpoint", Placement.DISK)]
+
+
+@pytest.mark.parametrize("how,shards", LOADS)
+def test_loading_weights_sets_the_kahan_compensation(tmp_path, how, shards):
+    """bf16-kahan with fp32 compute, trained 3 steps (the compensation is nonzero), then loaded
+    with fp32 weights (the initial ones, not bf16-exact): each master is the loaded value rounded to
+    nearest and the compensation what is left, not the compensation of the old values; the compute
+    shard is the two added. The module's load_state_dict, load_pretrained, and a checkpoint of the
+    weights alone; host and disk masters, host and derived (``KK``) shards."""
+    src, _ = _wrapped("fp32", "fp32")
+    values = src.state_dict()
+    em, eo = _wrapped("bf16-kahan", "fp32", disk=shards is not None, shards=shards or Placement.HOST)
+    _train(em, eo, 3)
+    if how == "state_dict":
+        em.load_state_dict(values)
+    elif how == "pretrained":
+        checkpoint.save_state_dict_pretrained(str(tmp_path / "hf"), values, src.module)
+        checkpoint.load_pretrained(str(tmp_path / "hf"), em)
+    else:
+        checkpoint.save(str(tmp_path / "ck"), src)
+        checkpoint.load(str(tmp_path / "ck"), em)
+    _check_loaded(em, eo, values)
+    # bf16-exact weights (the module's own masters): no compensation left
+    em.load_state_dict(em.state_dict())
+    assert not any(int(eo.optim.state[f.tensor]["master_comp"].count_nonzero()) for f in eo.fragments
+                   if not em.chunks[f.chunk].spec.master_on_disk)
+
+
+@pytest.mark.parametrize("how,shards", [("checkpoint", None), ("checkpoint", Placement.HOST), ("full", None),
+                                        ("state_dicts", None), ("state_dicts", Placement.HOST)])
+def test_kahan_resumes_with_its_saved_compensation(tmp_path, how, shards):
+    """bf16-kahan with fp32 compute: a run saved after 3 steps and loaded into a fresh module and
+    optimizer continues bit for bit, so the compute shards got the saved compensation (the saved
+    weights are the bf16 masters alone): a sharded and a full checkpoint, and the module's and the
+    optimizer's state dicts loaded in turn; host masters, and disk masters with host shards."""
+    disk = shards is not None
+    em, eo = _wrapped("bf16-kahan", "fp32", disk=disk, shards=shards or Placement.HOST)
+    _train(em, eo, 3)
+    if how == "state_dicts":
+        saved = (em.state_dict(), eo.state_dict())
+    else:
+        checkpoint.save(str(tmp_path / "ck"), em, eo, shard=how == "checkpoint")
+    again = _train(em, eo, 2, first=3)
+    em2, eo2 = _wrapped("bf16-kahan", "fp32", disk=disk, shards=shards or Placement.HOST)
+    if how == "state_dicts":
+        em2.load_state_dict(saved[0])
+        eo2.load_state_dict(saved[1])
+    else:
+        checkpoint.load(str(tmp_path / "ck"), em2, eo2)
+    assert _train(em2, eo2, 2, first=3) == again
 
 
 @pytest.mark.parametrize("master,moments", [("fp32", "fp32"), ("bf16-sr", "int8"), ("bf16-kahan", "bf16"), ("fp32", "int8")])

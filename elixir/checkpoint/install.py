@@ -8,13 +8,26 @@ from typing import Optional
 import torch
 
 from elixir.checkpoint import layout
-from elixir.wrapper import optim_state
+from elixir.wrapper import lowbit_state, optim_state
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer
 
 
 def commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, mapped: dict[int, torch.Tensor]) -> None:
-    """Install what every rank read; ``mapped``: the masters of disk chunks, mapped from the offload file."""
+    """Install what every rank read; ``mapped``: the masters of disk chunks, mapped from the offload
+    file. The optimizer state is cut into fragments first, so writing a bf16-kahan master takes
+    the compensation saved with it (:func:`~elixir.wrapper.lowbit_state.load_values`)."""
+    loading = None
+    if eo is not None and plan["opt"] is not None:
+        if "full" in plan["opt"]:
+            loading = optim_state.fragment_states_of_full(eo, plan["opt"]["full"])
+            groups = plan["opt"]["full"]["param_groups"]
+        else:
+            loading = {
+                f.tensor: {k: (v.to(f.tensor.device) if isinstance(v, torch.Tensor) and v.dim() >= 1 else v) for k, v in st.items()}
+                for f, st in plan["opt"]["state"]
+            }
+            groups = plan["opt"]["groups"]
     with torch.no_grad():
         em.cache.release_all()
         em.streams.synchronize()  # no side-stream copy still reads what the host overwrites
@@ -26,9 +39,8 @@ def commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, map
             master = mapped.get(c.index, c.master)
             with c.shard_access(write=True):  # a disk shard: one chunk's staged at a time
                 for f, v in values:
-                    master[f.lo : f.hi].copy_(v)
-                    if c.shard is not master:
-                        c.shard[f.lo : f.hi].copy_(v)
+                    state = None if loading is None else loading.get(f.tensor, {})
+                    lowbit_state.load_values(em, c, f.lo, f.hi, v.reshape(-1), master, state)
         by_chunk: dict[int, list] = {}
         for fp, v in plan["frozen"]:
             by_chunk.setdefault(fp.chunk, []).append((fp, v))
@@ -40,16 +52,8 @@ def commit_load(em: ElixirModule, eo: Optional[ElixirOptimizer], plan: dict, map
         for k, v in plan["module"].items():
             tensors[k].data.copy_(v)
         em.publish_updates()  # ZeRO-1/2 chunks: every rank wrote its slice of the payload
-    if eo is not None and plan["opt"] is not None:
-        if "full" in plan["opt"]:
-            optim_state.scatter_full_state(eo, plan["opt"]["full"])
-        else:
-            new_state = {}
-            for f, st in plan["opt"]["state"]:
-                new_state[f.tensor] = {
-                    k: (v.to(f.tensor.device) if isinstance(v, torch.Tensor) and v.dim() >= 1 else v) for k, v in st.items()
-                }
-            optim_state.install_state(eo, new_state, plan["opt"]["groups"])
+    if loading is not None:
+        optim_state.install_state(eo, loading, groups)
         if eo.scaler is not None and plan["scaler"] is not None:
             eo.scaler.load_state_dict(plan["scaler"])
         eo.forget_torn_step()  # a step a disk fault left partly applied is behind us

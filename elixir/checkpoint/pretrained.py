@@ -57,6 +57,7 @@ from elixir.checkpoint.peft_adapter import save_adapter
 from elixir.fileio import fsync_file
 from elixir.offload.pipeline import staged
 from elixir.progress import Progress
+from elixir.wrapper import lowbit_state
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.state_dict import chunk_values
 
@@ -473,6 +474,5 @@ def _apply(em: ElixirModule, reader: Reader, source: dict, tensors: dict) -> Non
                     if a >= b:
                         continue
                     src = by_param[i].read(reader, a - s.offset, b - s.offset)
-                    chunk.master[a - lo : b - lo].copy_(src)  # converts (bf16 file -> fp32 master)
-                    if chunk.shard is not chunk.master:
-                        chunk.shard[a - lo : b - lo].copy_(src)
+                    # converts (bf16 file -> fp32 master); a bf16-kahan master's compensation too
+                    lowbit_state.load_values(em, chunk, a - lo, b - lo, src)

@@ -11,6 +11,12 @@ buffer in bf16). 8-bit moments: sharded checkpoints hold their codes and block s
 (:mod:`elixir.checkpoint.quantised`, which decodes them for another layout); state dicts and mesh
 checkpoints, which other layouts cut anew, the fp32 values they decode to (exactly). The format is
 recorded beside them; loading into another format converts, with a warning naming the change.
+
+Loading weights into a ``bf16-kahan`` master (:func:`load_values`: the module's state dict,
+checkpoints, pretrained weights) sets the compensation too, to what the loaded values imply
+(``round_bf16(value - p)`` with ``p`` the value rounded to nearest: zero for bf16-exact values),
+or to the saved one when optimizer state that holds it is loaded with them; the compensation of
+the old values would otherwise stay, and the master be ``p`` plus a stale residual.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ import torch
 from elixir.optim import lowbit
 from elixir.optim.cpu_adam import CPUAdam
 from elixir.plan.state_format import is_lossy
+from elixir.wrapper.fused_step import write_compensated
 
 if TYPE_CHECKING:
-    from elixir.wrapper.interfaces import ShardedOptimizer
+    from elixir.wrapper.interfaces import ChunkedModel, ShardedOptimizer
+
+COMP = "master_comp"
 
 
 def configure(eo: ShardedOptimizer, fused: bool) -> None:
@@ -95,3 +104,82 @@ def warn_format_change(saved: Optional[dict], eo: ShardedOptimizer, where: str) 
             f"elixir: {where}: optimizer state saved with master={saved['master']!r}, moments={saved['moments']!r} is "
             f"converted to master={now['master']!r}, moments={now['moments']!r} (a precision change)", stacklevel=3,
         )
+
+
+def optimizer_of(em: ChunkedModel) -> Optional[ShardedOptimizer]:
+    """The ElixirOptimizer stepping ``em`` (None before one is built, or once it was replaced)."""
+    eo = getattr(em, "elixir_optimizer", None)
+    return None if eo is None or eo.retired else eo
+
+
+def states_to_bind(em: ChunkedModel, eo: Optional[ShardedOptimizer]):
+    """The ``fragment_states`` a checkpoint load binds to the disk once its masters are no longer
+    mapped: the loaded optimizer's, or (bf16-kahan) the module's optimizer's, whose compensation
+    of disk chunks :func:`load_values` replaced; None when nothing needs binding."""
+    if eo is not None:
+        return eo.fragment_states
+    own = optimizer_of(em)
+    return own.fragment_states if own is not None and em.state_formats[0] == "bf16-kahan" else None
+
+
+def load_values(em: ChunkedModel, chunk, lo: int, hi: int, src: torch.Tensor, master: Optional[torch.Tensor] = None,
+                state: Optional[dict] = None) -> None:
+    """Write loaded values ``src`` (1-D) of ``chunk``'s shard range ``[lo, hi)`` into its master
+    (``master``: the chunk's, or a mapping of its disk copy) and compute shard: the one way loading
+    weights writes masters. bf16-kahan (module docstring): the master is ``src`` rounded to nearest
+    and the compensation what is left, or, when ``state`` (the fragment's loaded optimizer state,
+    about to be installed) holds one, the saved compensation; it goes to ``state``, else to the
+    optimizer's current state where that exists. An fp32 compute shard gets the compensated master,
+    other shards ``src`` as before."""
+    master = chunk.master if master is None else master
+    m = master[lo:hi]
+    m.copy_(src)
+    value = src
+    if m.dtype == torch.bfloat16 and em.state_formats[0] == "bf16-kahan":
+        saved = state.get(COMP) if state else None
+        if saved is not None:
+            comp = saved.reshape(-1).to(m.device)
+        else:
+            wide = torch.float64 if src.dtype == torch.float64 else torch.float32
+            comp = (src.to(m.device, wide) - m.to(wide)).to(torch.bfloat16)
+            if state and "exp_avg" in state:
+                state[COMP] = comp
+            elif state is None:
+                _store_compensation(em, chunk.index, lo, hi, comp)
+        if chunk.shard is not None and chunk.shard.dtype == torch.float32:
+            value = m.float() + comp.float()
+    if chunk.shard is not chunk.master and chunk.shard is not master:
+        chunk.shard[lo:hi].copy_(value)
+
+
+def _store_compensation(em: ChunkedModel, index: int, lo: int, hi: int, comp: torch.Tensor) -> None:
+    """Put ``comp`` (chunk ``index``'s range ``[lo, hi)``) into the optimizer's current state: in
+    place where the state is in memory (host, or a staged disk chunk); a disk chunk's state not
+    staged (its master mapped by a checkpoint load) is replaced, whole fragments only, and bound
+    to the disk again after the load (:func:`states_to_bind`)."""
+    eo = optimizer_of(em)
+    if eo is None:
+        return
+    for f in eo.chunk_fragments(index):
+        a, b = max(lo, f.lo), min(hi, f.hi)
+        st = eo.optim.state.get(f.tensor) if a < b else None
+        t = st.get(COMP) if st else None
+        if t is None:
+            continue
+        piece = comp[a - lo : b - lo]
+        if t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size():
+            t.view(-1)[a - f.lo : b - f.lo].copy_(piece)
+        elif (a, b) == (f.lo, f.hi):
+            st[COMP] = piece.clone().view(t.shape)
+        else:
+            raise RuntimeError(f"chunk {index}: loading part of a fragment whose optimizer state is on disk, not staged")
+
+
+def refresh_shards(eo: ShardedOptimizer, index: int) -> None:
+    """After optimizer state was loaded (bf16-kahan): chunk ``index``'s compute shard (its master
+    in memory: host, or staged) gets the master plus the loaded compensation, as a step writes it;
+    a shard that is the master, or derived from it at each read, is left alone."""
+    c = eo.module.chunks[index]
+    if eo.module.state_formats[0] != "bf16-kahan" or c.shard is None or c.shard is c.master:
+        return
+    write_compensated(eo, [f for f in eo.chunk_fragments(index) if COMP in (eo.optim.state.get(f.tensor) or {})])

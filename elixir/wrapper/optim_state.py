@@ -25,6 +25,7 @@ from elixir import distributed as edist
 from elixir.offload.pipeline import staged
 from elixir.offload.state_binding import is_elementwise
 from elixir.optim.nvme import absorb
+from elixir.plan.state_format import is_lossy
 from elixir.wrapper import lowbit_state
 
 if TYPE_CHECKING:
@@ -180,6 +181,12 @@ def check_groups(eo: ShardedOptimizer, saved_groups: list) -> None:
 
 def scatter_full_state(eo: ShardedOptimizer, state_dict: dict) -> None:
     """Load a full torch-format optimizer state dict (every rank needs the whole dict)."""
+    install_state(eo, fragment_states_of_full(eo, state_dict), state_dict["param_groups"])
+
+
+def fragment_states_of_full(eo: ShardedOptimizer, state_dict: dict) -> dict:
+    """The state of each of this rank's fragments (keyed by their tensors) in a full torch-format
+    optimizer state dict, cut from the whole parameters' (checked against the optimizer's groups)."""
     em = eo.module
     saved_groups = state_dict["param_groups"]
     check_groups(eo, saved_groups)
@@ -201,6 +208,7 @@ def scatter_full_state(eo: ShardedOptimizer, state_dict: dict) -> None:
             else:
                 by_entry[id(e)] = st
     new_state: defaultdict = defaultdict(dict)
+    lossy = is_lossy(*em.state_formats)
     for f in eo.fragments:
         st = by_entry.get(f.param_index)
         if st is None:
@@ -210,9 +218,10 @@ def scatter_full_state(eo: ShardedOptimizer, state_dict: dict) -> None:
         d = {}
         for k, v in st.items():
             if is_elementwise(v, s.numel):
-                d[k] = v.reshape(-1)[start : start + f.hi - f.lo].to(
-                    device=f.tensor.device, dtype=f.tensor.dtype if v.is_floating_point() else v.dtype, copy=True
-                )
+                # in the parameter's dtype (a bf16 torch state into fp32 masters); low-precision
+                # formats as saved (fp32 moments beside a bf16 master), conform_loaded converts
+                to = v.dtype if lossy or not v.is_floating_point() else f.tensor.dtype
+                d[k] = v.reshape(-1)[start : start + f.hi - f.lo].to(device=f.tensor.device, dtype=to, copy=True)
             elif isinstance(v, torch.Tensor):
                 d[k] = v.detach().clone()
             else:
@@ -225,7 +234,7 @@ def scatter_full_state(eo: ShardedOptimizer, state_dict: dict) -> None:
                     k: (v.to(e.device, copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                     for k, v in by_entry[id(e)].items()
                 }
-    install_state(eo, new_state, saved_groups)
+    return new_state
 
 
 def install_state(eo: ShardedOptimizer, new_state: dict, saved_groups: list[dict]) -> None:

@@ -415,18 +415,22 @@ class ElixirOptimizer:
         lowbit_state.warn_format_change(state_dict.get("state_format"), self, "load_state_dict")
         optim_state.scatter_full_state(self, state_dict)
         self.bind_disk_state()
+        for c in self.module.chunks:  # bf16-kahan: the loaded compensation into the compute shards
+            if not c.spec.master_on_disk:  # (disk chunks: while bind_disk_state stages them)
+                lowbit_state.refresh_shards(self, c.index)
         self.forget_torn_step()
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
 
     def bind_disk_state(self) -> None:
         """Move freshly installed optimizer state of disk chunks to the disk (after a load): each
-        chunk is staged in turn, takes the new state into its flats, and is written back."""
+        chunk is staged in turn, takes the new state into its flats, and is written back (its
+        compute shard refreshed with a loaded bf16-kahan compensation meanwhile)."""
         if self.disk_store is None:
             return
         for i in self.disk_chunks:
             with staged(self.disk_store, [i], before_write=lambda j: bind_state(self.disk_store, j, self.fragment_states(j))):
-                pass
+                lowbit_state.refresh_shards(self, i)
 
     def __repr__(self) -> str:
         return f"ElixirOptimizer({type(self.optim).__name__}, {len(self.fragments)} fragments)"

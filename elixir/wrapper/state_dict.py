@@ -16,6 +16,7 @@ import torch
 
 from elixir import distributed as edist
 from elixir.offload.pipeline import staged
+from elixir.wrapper import lowbit_state
 
 if TYPE_CHECKING:
     from elixir.wrapper.interfaces import ChunkedModel
@@ -151,9 +152,7 @@ def load_full_state_dict(em: ChunkedModel, state_dict: dict, strict: bool = True
                     if v is None:
                         continue
                     src = v.reshape(-1)[piece.start : piece.start + piece.hi - piece.lo]
-                    chunk.master[piece.lo : piece.hi].copy_(src)
-                    if chunk.shard is not chunk.master:
-                        chunk.shard[piece.lo : piece.hi].copy_(src)
+                    lowbit_state.load_values(em, chunk, piece.lo, piece.hi, src)  # master, compensation, shard
         for chunk in em.frozen_chunks:
             with chunk.shard_access(write=True) as shard:  # a disk shard: written back
                 for piece in em.frozen_map.shard_pieces(chunk.spec):
