@@ -24,11 +24,11 @@ from elixir import checkpoint
 from elixir.checkpoint.format import Reader
 from elixir.checkpoint.index import Index
 from elixir.checkpoint.load import scalar_state
+from elixir.hardware import load_profile
 from elixir.offload.pipeline import staged
 from elixir.optim import CPUAdam
 from elixir.optim import functional as F
 from elixir.optim import lowbit as L
-from elixir.hardware import load_profile
 from elixir.plan import MeshLayout, Placement, SearchResult
 from elixir.plan.footprint import disk_bytes_per_element
 from elixir.plan.state_format import QUANT_BLOCK, disk_state_bytes, master_bytes, moment_bytes
@@ -425,13 +425,14 @@ def test_loading_weights_sets_the_kahan_compensation(tmp_path, how, shards):
                    if not em.chunks[f.chunk].spec.master_on_disk)
 
 
-@pytest.mark.parametrize("how,shards", [("checkpoint", None), ("checkpoint", Placement.HOST), ("full", None),
-                                        ("state_dicts", None), ("state_dicts", Placement.HOST)])
+@pytest.mark.parametrize("how,shards", [("checkpoint", None), ("checkpoint", Placement.HOST), ("checkpoint", Placement.DISK),
+                                        ("full", None), ("state_dicts", None), ("state_dicts", Placement.HOST)])
 def test_kahan_resumes_with_its_saved_compensation(tmp_path, how, shards):
     """bf16-kahan with fp32 compute: a run saved after 3 steps and loaded into a fresh module and
     optimizer continues bit for bit, so the compute shards got the saved compensation (the saved
     weights are the bf16 masters alone): a sharded and a full checkpoint, and the module's and the
-    optimizer's state dicts loaded in turn; host masters, and disk masters with host shards."""
+    optimizer's state dicts loaded in turn; host masters, and disk masters with host and derived
+    (``KK``) shards."""
     disk = shards is not None
     em, eo = _wrapped("bf16-kahan", "fp32", disk=disk, shards=shards or Placement.HOST)
     _train(em, eo, 3)

@@ -47,10 +47,10 @@ import torch
 
 from elixir.offload.aio import IOHandle
 from elixir.offload.store import MASTER, DiskState, DiskStore, Ledger
-
-COMP = "master_comp"  # the bf16-kahan master's compensation (elixir.optim.lowbit)
 from elixir.plan import DERIVED_SHARD_PIECE_ELEMENTS as PIECE_ELEMENTS
 from elixir.plan.footprint import DERIVED_SHARD_READ_BUFFERS
+
+COMP = "master_comp"  # the bf16-kahan master's compensation (elixir.optim.lowbit)
 
 
 class _DerivedShard:

@@ -175,7 +175,7 @@ def _store_compensation(em: ChunkedModel, index: int, lo: int, hi: int, comp: to
             raise RuntimeError(f"chunk {index}: loading part of a fragment whose optimizer state is on disk, not staged")
 
 
-def refresh_shards(eo: ShardedOptimizer, index: int) -> None:
+def refresh_shard(eo: ShardedOptimizer, index: int) -> None:
     """After optimizer state was loaded (bf16-kahan): chunk ``index``'s compute shard (its master
     in memory: host, or staged) gets the master plus the loaded compensation, as a step writes it;
     a shard that is the master, or derived from it at each read, is left alone."""

@@ -417,7 +417,7 @@ class ElixirOptimizer:
         self.bind_disk_state()
         for c in self.module.chunks:  # bf16-kahan: the loaded compensation into the compute shards
             if not c.spec.master_on_disk:  # (disk chunks: while bind_disk_state stages them)
-                lowbit_state.refresh_shards(self, c.index)
+                lowbit_state.refresh_shard(self, c.index)
         self.forget_torn_step()
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
@@ -430,7 +430,7 @@ class ElixirOptimizer:
             return
         for i in self.disk_chunks:
             with staged(self.disk_store, [i], before_write=lambda j: bind_state(self.disk_store, j, self.fragment_states(j))):
-                lowbit_state.refresh_shards(self, i)
+                lowbit_state.refresh_shard(self, i)
 
     def __repr__(self) -> str:
         return f"ElixirOptimizer({type(self.optim).__name__}, {len(self.fragments)} fragments)"
