@@ -22,7 +22,7 @@ the old values would otherwise stay, and the master be ``p`` plus a stale residu
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -32,6 +32,8 @@ from elixir.plan.state_format import is_lossy
 from elixir.wrapper.fused_step import write_compensated
 
 if TYPE_CHECKING:
+    from elixir.chunk import Chunk
+    from elixir.offload.state_binding import FragmentState
     from elixir.wrapper.interfaces import ChunkedModel, ShardedOptimizer
 
 COMP = "master_comp"
@@ -112,7 +114,7 @@ def optimizer_of(em: ChunkedModel) -> Optional[ShardedOptimizer]:
     return None if eo is None or eo.retired else eo
 
 
-def states_to_bind(em: ChunkedModel, eo: Optional[ShardedOptimizer]):
+def states_to_bind(em: ChunkedModel, eo: Optional[ShardedOptimizer]) -> Optional[Callable[[int], list[FragmentState]]]:
     """The ``fragment_states`` a checkpoint load binds to the disk once its masters are no longer
     mapped: the loaded optimizer's, or (bf16-kahan) the module's optimizer's, whose compensation
     of disk chunks :func:`load_values` replaced; None when nothing needs binding."""
@@ -122,7 +124,7 @@ def states_to_bind(em: ChunkedModel, eo: Optional[ShardedOptimizer]):
     return own.fragment_states if own is not None and em.state_formats[0] == "bf16-kahan" else None
 
 
-def load_values(em: ChunkedModel, chunk, lo: int, hi: int, src: torch.Tensor, master: Optional[torch.Tensor] = None,
+def load_values(em: ChunkedModel, chunk: Chunk, lo: int, hi: int, src: torch.Tensor, master: Optional[torch.Tensor] = None,
                 state: Optional[dict] = None) -> None:
     """Write loaded values ``src`` (1-D) of ``chunk``'s shard range ``[lo, hi)`` into its master
     (``master``: the chunk's, or a mapping of its disk copy) and compute shard: the one way loading
@@ -172,7 +174,10 @@ def _store_compensation(em: ChunkedModel, index: int, lo: int, hi: int, comp: to
         elif (a, b) == (f.lo, f.hi):
             st[COMP] = piece.clone().view(t.shape)
         else:
-            raise RuntimeError(f"chunk {index}: loading part of a fragment whose optimizer state is on disk, not staged")
+            raise RuntimeError(
+                f"chunk {index}: a load wrote part of fragment [{f.lo}, {f.hi}) whose optimizer state is on disk and not "
+                "staged; stage the chunk for the write (elixir.offload.pipeline.staged) or write whole fragments"
+            )
 
 
 def refresh_shard(eo: ShardedOptimizer, index: int) -> None:
