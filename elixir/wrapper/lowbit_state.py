@@ -188,3 +188,11 @@ def refresh_shard(eo: ShardedOptimizer, index: int) -> None:
     if eo.module.state_formats[0] != "bf16-kahan" or c.shard is None or c.shard is c.master:
         return
     write_compensated(eo, [f for f in eo.chunk_fragments(index) if COMP in (eo.optim.state.get(f.tensor) or {})])
+
+
+def refresh_host_shards(eo: ShardedOptimizer) -> None:
+    """:func:`refresh_shard` for every chunk whose master is in memory (disk chunks: while
+    :meth:`~elixir.wrapper.ElixirOptimizer.bind_disk_state` stages them)."""
+    for c in eo.module.chunks:
+        if not c.spec.master_on_disk:
+            refresh_shard(eo, c.index)

@@ -165,6 +165,7 @@ class ElixirOptimizer:
         if pre_state is not None:
             optim_state.scatter_full_state(self, pre_state)
             self.bind_disk_state()
+            lowbit_state.refresh_host_shards(self)
         if init_step:
             optim_state.init_state(self)
 
@@ -415,9 +416,7 @@ class ElixirOptimizer:
         lowbit_state.warn_format_change(state_dict.get("state_format"), self, "load_state_dict")
         optim_state.scatter_full_state(self, state_dict)
         self.bind_disk_state()
-        for c in self.module.chunks:  # bf16-kahan: the loaded compensation into the compute shards
-            if not c.spec.master_on_disk:  # (disk chunks: while bind_disk_state stages them)
-                lowbit_state.refresh_shard(self, c.index)
+        lowbit_state.refresh_host_shards(self)  # bf16-kahan: the loaded compensation into the compute shards
         self.forget_torn_step()
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
