@@ -24,6 +24,7 @@ from elixir import checkpoint
 from elixir.checkpoint.format import Reader
 from elixir.checkpoint.index import Index
 from elixir.checkpoint.load import scalar_state
+from elixir.chunk.storage import kahan_split
 from elixir.hardware import load_profile
 from elixir.offload.pipeline import staged
 from elixir.optim import CPUAdam
@@ -37,7 +38,7 @@ from elixir.search.cost_model import Setting
 from elixir.testing.zoo import build_gpt2
 from elixir.wrapper import ElixirModule, ElixirOptimizer
 from elixir.wrapper import fused_step as fused_step_mod
-from elixir.wrapper.optim_state import fragment_start
+from elixir.wrapper.optim_state import fragment_start, init_state
 from elixir.wrapper.policies import MixedPrecisionPolicy
 from tests.checkpoint_cases import bitwise_diff, snapshot
 from tests.lm_cases import lm_steps
@@ -358,16 +359,17 @@ def _check_compensated_reads(em) -> None:
         assert derived.bytes_read - before == store.chunks[i].moved * setting.derived_read_elem
 
 
-@pytest.mark.parametrize("in_backward", [False, True])
-def test_kahan_disk_shards_read_the_compensated_master(in_backward):
+@pytest.mark.parametrize("in_backward,bf16_exact", [(False, True), (True, True), (False, False)])
+def test_kahan_disk_shards_read_the_compensated_master(in_backward, bf16_exact):
     """bf16-kahan with fp32 compute: a compute shard derived from its disk master at each gather
     (``KK``) is the master plus its Kahan compensation (the ``master_comp`` flat of the same disk
     record), as a step writes a host shard beside a disk master (``HK``): the two runs match bit
-    for bit (losses, weights, optimizer state), stepped after backward or during it. The initial
-    weights are bf16-exact, so both forwards of step 0 see the same values."""
+    for bit (losses, weights, optimizer state), stepped after backward or during it. With fp32
+    initial weights (not ``bf16_exact``) both forwards of step 0 see the compensated initial
+    weights too (the built shard, and the record's compensation flat)."""
     runs = {}
     for shards in (Placement.DISK, Placement.HOST):
-        em, eo = _wrapped("bf16-kahan", "fp32", disk=True, fused_step=in_backward, shards=shards, bf16_exact=True)
+        em, eo = _wrapped("bf16-kahan", "fp32", disk=True, fused_step=in_backward, shards=shards, bf16_exact=bf16_exact)
         losses = _train(em, eo, 4)
         if shards is Placement.DISK:
             _check_compensated_reads(em)
@@ -375,6 +377,13 @@ def test_kahan_disk_shards_read_the_compensated_master(in_backward):
     (kk, kk_state), (hk, hk_state) = runs[Placement.DISK], runs[Placement.HOST]
     assert any(int(st["master_comp"].count_nonzero()) for st in hk_state["optim"]["state"].values())  # else trivial
     assert kk == hk and not bitwise_diff(kk_state, hk_state), bitwise_diff(kk_state, hk_state)
+
+
+def _comp(eo, f) -> torch.Tensor:
+    """Fragment ``f``'s bf16-kahan compensation: its optimizer state's, or before the first step
+    the one its chunk keeps for it."""
+    st = eo.optim.state.get(f.tensor)
+    return st["master_comp"] if st and "master_comp" in st else eo.optim.comp_views[id(f.tensor)]
 
 
 def _check_loaded(em, eo, values: dict) -> None:
@@ -386,7 +395,7 @@ def _check_loaded(em, eo, values: dict) -> None:
         for f in eo.fragments:
             start = fragment_start(em, f)
             v = values[em.slots[f.param_index].name].reshape(-1)[start : start + f.hi - f.lo].float()
-            p, comp = f.tensor.reshape(-1), eo.optim.state[f.tensor]["master_comp"].reshape(-1)
+            p, comp = f.tensor.reshape(-1), _comp(eo, f).reshape(-1)
             assert torch.equal(p, v.bfloat16()) and torch.equal(comp, (v - p.float()).bfloat16()), f.chunk
             with em.chunks[f.chunk].storage.shard_access(write=False) as shard:
                 assert torch.equal(shard[f.lo : f.hi], p.float() + comp.float()), f.chunk
@@ -394,22 +403,47 @@ def _check_loaded(em, eo, values: dict) -> None:
     assert seen > 0  # fp32 values: a zero compensation would prove nothing
 
 
-# (how the weights are loaded, where the shards are: None host masters, else disk masters with these shards)
-LOADS = [("state_dict", None), ("state_dict", Placement.HOST), ("state_dict", Placement.DISK), ("pretrained", Placement.HOST),
-         ("checkpoint", None), ("checkpoint", Placement.HOST), ("checkpoint", Placement.DISK)]
+@pytest.mark.parametrize("shards", [None, Placement.HOST, Placement.DISK])
+def test_kahan_compensation_starts_from_the_initial_weights(shards):
+    """bf16-kahan with fp32 compute and fp32 initial weights (not bf16-exact): from the module's
+    construction on, each master is its initial weights rounded to nearest and the compensation
+    what is left (the compute shard the two added), and the state the first step makes takes
+    that compensation up (a step with lr 0 keeps master plus compensation exactly): the optimizer
+    starts from the initial weights, not from them rounded to bf16 (up to half an ulp off)."""
+    values = _wrapped("fp32", "fp32")[0].state_dict()
+    em, eo = _wrapped("bf16-kahan", "fp32", disk=shards is not None, shards=shards or Placement.HOST)
+    _check_loaded(em, eo, values)
+    init_state(eo)  # a step with lr = weight_decay = 0: the state is made
+    with staged(em.disk_store, [c.index for c in em.chunks if c.spec.master_on_disk], write_back=False):
+        for f in eo.fragments:
+            start = fragment_start(em, f)
+            p0, comp0 = kahan_split(values[em.slots[f.param_index].name].reshape(-1)[start : start + f.hi - f.lo].float())
+            p, comp = f.tensor.reshape(-1).float(), eo.optim.state[f.tensor]["master_comp"].reshape(-1).float()
+            assert torch.equal(p + comp, p0.float() + comp0.float()), f.chunk
 
 
-@pytest.mark.parametrize("how,shards", LOADS)
-def test_loading_weights_sets_the_kahan_compensation(tmp_path, how, shards):
-    """bf16-kahan with fp32 compute, trained 3 steps (the compensation is nonzero), then loaded
-    with fp32 weights (the initial ones, not bf16-exact): each master is the loaded value rounded to
-    nearest and the compensation what is left, not the compensation of the old values; the compute
-    shard is the two added. The module's load_state_dict, load_pretrained, and a checkpoint of the
-    weights alone; host and disk masters, host and derived (``KK``) shards."""
-    src, _ = _wrapped("fp32", "fp32")
+# (how the weights are loaded, where the shards are: None host masters, else disk masters with these
+# shards, whether the module trained before: else the compensation its first step will take up is set)
+LOADS = [("state_dict", None, True), ("state_dict", Placement.HOST, True), ("state_dict", Placement.DISK, True),
+         ("pretrained", Placement.HOST, True), ("checkpoint", None, True), ("checkpoint", Placement.HOST, True),
+         ("checkpoint", Placement.DISK, True), ("state_dict", Placement.HOST, False), ("pretrained", None, False),
+         ("checkpoint", Placement.HOST, False)]
+
+
+@pytest.mark.parametrize("how,shards,trained", LOADS)
+def test_loading_weights_sets_the_kahan_compensation(tmp_path, how, shards, trained):
+    """bf16-kahan with fp32 compute, trained 3 steps (the compensation is nonzero) or not yet
+    trained (the compensation of the initial weights is nonzero), then loaded with other fp32
+    weights (not bf16-exact): each master is the loaded value rounded to nearest and the
+    compensation what is left, not the compensation of the old values; the compute shard is the
+    two added. The module's load_state_dict, load_pretrained, and a checkpoint of the weights
+    alone; host and disk masters, host and derived (``KK``) shards."""
+    torch.manual_seed(1)
+    src = ElixirModule(build_gpt2(vocab=VOCAB), minimum_waste_search(build_gpt2(vocab=VOCAB), 1))
     values = src.state_dict()
     em, eo = _wrapped("bf16-kahan", "fp32", disk=shards is not None, shards=shards or Placement.HOST)
-    _train(em, eo, 3)
+    if trained:
+        _train(em, eo, 3)
     if how == "state_dict":
         em.load_state_dict(values)
     elif how == "pretrained":
@@ -421,8 +455,7 @@ def test_loading_weights_sets_the_kahan_compensation(tmp_path, how, shards):
     _check_loaded(em, eo, values)
     # bf16-exact weights (the module's own masters): no compensation left
     em.load_state_dict(em.state_dict())
-    assert not any(int(eo.optim.state[f.tensor]["master_comp"].count_nonzero()) for f in eo.fragments
-                   if not em.chunks[f.chunk].spec.master_on_disk)
+    assert not any(int(_comp(eo, f).count_nonzero()) for f in eo.fragments if not em.chunks[f.chunk].spec.master_on_disk)
 
 
 @pytest.mark.parametrize("how,shards", [("checkpoint", None), ("checkpoint", Placement.HOST), ("checkpoint", Placement.DISK),

@@ -35,7 +35,7 @@ def load(path: str, model: ElixirModule, optimizer: Optional[ElixirOptimizer] = 
         load_mesh(path, model, optimizer, strict)
         return None
     em = model
-    states = lowbit_state.states_to_bind(em, optimizer)  # bound to the disk after the masters' mapping
+    states = optimizer.fragment_states if optimizer is not None else None
     with edist.where(f"step {em.iteration}, checkpoint load"), \
             disk_mapped(em.disk_store, states, writable=True) as mapped:  # disk-placed masters: mapped, written in place
         plan = _load_staged(path, em, optimizer, strict, mapped)

@@ -37,7 +37,6 @@ from elixir.fileio import atomic_write_json
 from elixir.offload.pipeline import disk_mapped
 from elixir.parallel import ElixirPipeline, PipelineOptimizer
 from elixir.parallel.tensor import is_fused_qkv
-from elixir.wrapper import lowbit_state
 from elixir.wrapper.module import ElixirModule
 from elixir.wrapper.optimizer import ElixirOptimizer
 
@@ -142,8 +141,8 @@ def load_mesh(path: str, model: MeshModel, optimizer: Optional[MeshOptimizer] = 
     parts = mesh_parts(model, optimizer)
     where = f"step {parts[0][0].iteration}, mesh checkpoint load"
     with edist.where(where), contextlib.ExitStack() as stack:
-        mapped = [stack.enter_context(disk_mapped(em.disk_store, lowbit_state.states_to_bind(em, eo), writable=True))
-                  for em, eo in parts]
+        mapped = [stack.enter_context(disk_mapped(em.disk_store, eo.fragment_states if eo is not None else None,
+                                                  writable=True)) for em, eo in parts]
         plans, error = [], None
         try:
             source = MeshSource(atomic.resolve(path))

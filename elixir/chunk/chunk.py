@@ -78,6 +78,11 @@ class Chunk:
         return self.storage.master
 
     @property
+    def comp(self) -> Optional[torch.Tensor]:
+        """A bf16-kahan master's compensation beside it (None for other formats)."""
+        return self.storage.comp
+
+    @property
     def shard_store(self):
         return self.storage.shard_store
 
@@ -126,11 +131,12 @@ class Chunk:
 
     # ---- initialisation -------------------------------------------------------------------
 
-    def init_from(self, flat: torch.Tensor) -> torch.Tensor:
+    def init_from(self, flat: torch.Tensor, compensated: bool = False) -> torch.Tensor:
         """Build payload, shard and master from the full flat values ``flat`` (any float dtype,
-        ``capacity`` elements, identical on every rank). Returns the payload (gathered, HOLD) so
+        ``capacity`` elements, identical on every rank; ``compensated``: a bf16-kahan master and its
+        compensation, :meth:`ChunkStorage.init_from`). Returns the payload (gathered, HOLD) so
         the caller can point parameter views into it, then call :meth:`release` for sharded chunks."""
-        payload = self.storage.init_from(flat)
+        payload = self.storage.init_from(flat, compensated)
         self.state = ChunkState.HOLD
         return payload
 

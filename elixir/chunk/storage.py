@@ -52,6 +52,14 @@ def master_is_shard(spec: ChunkSpec) -> bool:
     return master_shares_shard(spec.dtype, spec.master_dtype, spec.shard_placement, spec.optim_placement)
 
 
+def kahan_split(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16-kahan master of ``values`` (fp32 or fp64): the values rounded to nearest bf16, and
+    the compensation, what is left rounded to bf16 (``elixir.optim.lowbit``'s invariant)."""
+    wide = torch.float64 if values.dtype == torch.float64 else torch.float32
+    rounded = values.to(torch.bfloat16)
+    return rounded, (values.to(wide) - rounded.to(wide)).to(torch.bfloat16)
+
+
 def _copy_of(src: torch.Tensor, dtype: torch.dtype, placement: Placement, spec: ChunkSpec) -> torch.Tensor:
     """A copy of ``src`` in ``dtype``: in (pinned, as the spec says) host memory or on the spec's device."""
     if placement is not Placement.DEVICE:
@@ -71,18 +79,25 @@ class ChunkStorage:
         self.payload = torch.empty(0, dtype=spec.dtype, device=spec.device)
         self.shard: Optional[torch.Tensor] = None
         self.master: Optional[torch.Tensor] = None
+        self.comp: Optional[torch.Tensor] = None  # a bf16-kahan master's compensation (init_from)
         self.shard_store: Any = None  # the DiskStore holding the shard (spec.shard_on_disk), set by its owner
         fmt = spec.frozen_format
         self.codec = FrozenCodec(fmt, spec.shard_numel, spec.dtype) if fmt is not None else None
         # bytes of this rank's shard: compute-dtype values, or the quantised buffer
         self.shard_bytes = self.codec.nbytes if self.codec is not None else nbytes(spec.shard_numel, spec.dtype)
 
-    def init_from(self, flat: torch.Tensor) -> torch.Tensor:
+    def init_from(self, flat: torch.Tensor, compensated: bool = False) -> torch.Tensor:
         """Build payload, shard and master from the full flat values ``flat`` (``capacity``
-        elements, identical on every rank); the payload is left allocated and booked."""
+        elements, identical on every rank); the payload is left allocated and booked.
+        ``compensated`` (a bf16-kahan master): the master is the values rounded to nearest and
+        :attr:`comp` what is left, rounded to bf16 (the optimizer state's ``master_comp`` from its
+        first step on); an fp32 payload and shard hold the two added, as a step writes them."""
         spec = self.spec
         if flat.numel() != spec.capacity:
             raise ValueError(f"chunk {spec.index}: expected {spec.capacity} elements, got {flat.numel()}")
+        split = kahan_split(flat) if compensated and not spec.frozen else None
+        if split is not None and spec.dtype == torch.float32:
+            flat = split[0].float() + split[1].float()
         lo, n = spec.shard_offset, spec.shard_numel
         self.ledger.alloc("gathered" if spec.sharded else spec.shard_category, "device", self.payload_bytes,
                           f"chunk {spec.index}")
@@ -109,7 +124,23 @@ class ChunkStorage:
             else:
                 self.master = _copy_of(src, spec.master_dtype, spec.optim_placement, spec)
             self.ledger.alloc("master", location(spec.optim_placement), nbytes(n, spec.master_dtype))
+        if split is not None:
+            self._keep_compensation(*split)
         return self.payload
+
+    def _keep_compensation(self, rounded: torch.Tensor, comp: torch.Tensor) -> None:
+        """The master is ``rounded`` (the values rounded once: their sum with ``comp`` rounds back
+        to it but for ties) and :attr:`comp` this rank's part of ``comp``, placed as the master
+        (plain host memory for a disk master: the offload store takes both over). Not booked in
+        the ledger: the optimizer reports it as its state (``master_comp``)."""
+        spec = self.spec
+        lo, n = spec.shard_offset, spec.shard_numel
+        if self.master is not self.shard:
+            self.master.copy_(rounded[lo : lo + n])
+        if spec.master_on_disk:
+            self.comp = comp[lo : lo + n].to(device="cpu", copy=True)
+        else:
+            self.comp = _copy_of(comp[lo : lo + n], torch.bfloat16, spec.optim_placement, spec)
 
     # ---- the payload ----------------------------------------------------------------------
 

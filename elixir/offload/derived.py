@@ -46,11 +46,9 @@ from typing import Optional
 import torch
 
 from elixir.offload.aio import IOHandle
-from elixir.offload.store import MASTER, DiskState, DiskStore, Ledger
+from elixir.offload.store import COMP, MASTER, DiskState, DiskStore, Ledger
 from elixir.plan import DERIVED_SHARD_PIECE_ELEMENTS as PIECE_ELEMENTS
 from elixir.plan.footprint import DERIVED_SHARD_READ_BUFFERS
-
-COMP = "master_comp"  # the bf16-kahan master's compensation (elixir.optim.lowbit)
 
 
 class _DerivedShard:

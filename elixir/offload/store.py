@@ -34,6 +34,7 @@ from elixir.offload.aio import ALIGN, AsyncFileIO, IOHandle, make_io
 from elixir.offload.directory import open_offload_file, page_cache_bytes
 
 MASTER = "master"
+COMP = "master_comp"  # a bf16-kahan master's compensation (elixir.optim.lowbit), a flat beside it
 
 
 class Ledger(Protocol):
@@ -103,6 +104,20 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _owned_flats(index: int, flats: dict[str, torch.Tensor], filled: Optional[int]) -> dict[str, torch.Tensor]:
+    """``flats`` (the first one's length), checked to be 1-D and to own their storage exactly, as a
+    new record's flats must (and ``filled`` a prefix of them)."""
+    numel = next(iter(flats.values())).numel()
+    for k, t in flats.items():
+        if t.dim() != 1 or not t.is_contiguous() or t.storage_offset() != 0 or t.untyped_storage().nbytes() != _nbytes(t):
+            raise ValueError(f"chunk {index}: a disk-placed {k} must own its storage exactly")
+        if t.numel() != numel:
+            raise ValueError(f"chunk {index}: {k} of {t.numel()} elements, the record's flats of {numel}")
+    if filled is not None and not 0 <= filled <= numel:
+        raise ValueError(f"chunk {index}: {filled} filled elements of {numel}")
+    return flats
+
+
 def _put(out: torch.Tensor, values: torch.Tensor, add: bool) -> None:
     """``out`` = ``values`` converted to its dtype, or (``add``) ``out + values`` rounded once."""
     if add:
@@ -168,27 +183,27 @@ class DiskStore:
         return r
 
     def register(self, chunk) -> None:
-        """Take over ``chunk``'s fp32 master (a resident, resizable 1-D tensor): write it to disk
-        and free its host memory."""
-        self.register_tensor(chunk.index, MASTER, chunk.master, ledger_kind="master", filled=chunk.spec.shard_filled)
+        """Take over ``chunk``'s master (a resident, resizable 1-D tensor) and a bf16-kahan
+        master's compensation (``chunk.comp``, a flat beside it): write them to disk and free
+        their host memory."""
+        comp = chunk.comp
+        self.register_tensor(chunk.index, MASTER, chunk.master, ledger_kind="master", filled=chunk.spec.shard_filled,
+                             more=None if comp is None else {COMP: comp})
 
     def register_tensor(self, index: int, key: str, tensor: torch.Tensor, ledger_kind: Optional[str] = None,
-                        filled: Optional[int] = None) -> None:
-        """Take over ``tensor`` (resident, resizable, 1-D, owning its storage exactly) as the only
-        flat of a new record ``index`` under ``key``: write it to disk and free its host memory.
+                        filled: Optional[int] = None, more: Optional[dict[str, torch.Tensor]] = None) -> None:
+        """Take over ``tensor`` (resident, resizable, 1-D, owning its storage exactly) as the
+        flat of a new record ``index`` under ``key`` (``more``: other flats of its length, same
+        terms): write it to disk and free its host memory.
         ``ledger_kind``: the ledger entry (on ``host``) its bytes are booked under while staged;
         the caller booked it already, as it is resident now. ``filled``: elements holding values (a
         prefix; the rest is zero padding, never transferred after this first write); None: all."""
         if index in self.chunks:
             raise ValueError(f"chunk {index} is already on disk")
-        t = tensor
-        if t.dim() != 1 or not t.is_contiguous() or t.storage_offset() != 0 or t.untyped_storage().nbytes() != _nbytes(t):
-            raise ValueError(f"chunk {index}: a disk-placed {key} must own its storage exactly")
-        if filled is not None and not 0 <= filled <= t.numel():
-            raise ValueError(f"chunk {index}: {filled} filled elements of {t.numel()}")
-        rec = DiskChunk(index, t.numel(), filled)
-        rec.flats[key] = t
-        rec.regions[key] = self._region(_nbytes(t))
+        flats = _owned_flats(index, {key: tensor, **(more or {})}, filled)
+        rec = DiskChunk(index, tensor.numel(), filled)
+        for k, t in flats.items():
+            rec.flats[k], rec.regions[k] = t, self._region(_nbytes(t))
         if ledger_kind is not None:
             self._booked[key] = ledger_kind
         self.chunks[index] = rec

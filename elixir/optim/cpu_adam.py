@@ -113,6 +113,9 @@ class CPUAdam(torch.optim.Optimizer):
         self.seed = int(seed)
         # id(param) -> (random stream, index of its first element there); others: their position
         self.rng_streams: Dict[int, Tuple[int, int]] = {}
+        # id(param) -> the tensor its bf16-kahan ``master_comp`` state starts as (and stays): the
+        # compensation its owner keeps beside the master from the initial values on; others: zeros
+        self.comp_views: Dict[int, torch.Tensor] = {}
         self.set_state_format(master, moments, nvme_offload_fraction)
         if nvme_offload_fraction > 0:
             self.nvme = NvmeOffload(
@@ -297,8 +300,10 @@ class CPUAdam(torch.optim.Optimizer):
             state = self.state[p]
             if "exp_avg" not in state:
                 state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
-                state.update({k: t if k in lowbit.SCALE_KEYS else t.view(p.shape)
-                              for k, t in lowbit.new_state(p.numel(), master, moments, p.device).items()})
+                new = lowbit.new_state(p.numel(), master, moments, p.device)
+                if "master_comp" in new and id(p) in self.comp_views:
+                    new["master_comp"] = self.comp_views[id(p)]
+                state.update({k: t if k in lowbit.SCALE_KEYS else t.view(p.shape) for k, t in new.items()})
             else:
                 lowbit.conform_state(state, p.numel(), master, moments)
             state["step"] += 1

@@ -210,7 +210,7 @@ class ChunkBuilder:
             offset += n
         if sync and world > 1 and mat is None:  # meta values are computed alike on every rank
             edist.broadcast(flat, 0, group)
-        payload = chunk.init_from(flat)
+        payload = chunk.init_from(flat, compensated=rt.state_formats[0] == "bf16-kahan")
         del flat
         for p, slot in members:
             view = payload[slot.offset : slot.offset + slot.numel].view(slot.shape)

@@ -12,8 +12,12 @@ buffer in bf16). 8-bit moments: sharded checkpoints hold their codes and block s
 checkpoints, which other layouts cut anew, the fp32 values they decode to (exactly). The format is
 recorded beside them; loading into another format converts, with a warning naming the change.
 
-Loading weights into a ``bf16-kahan`` master (:func:`load_values`: the module's state dict,
-checkpoints, pretrained weights) sets the compensation too, to what the loaded values imply
+A ``bf16-kahan`` chunk keeps its compensation beside its master from the initial weights on
+(:attr:`elixir.chunk.Chunk.comp`: host memory, or a flat of the master's disk record); each
+fragment's ``master_comp`` state is a view of it (:func:`comp_views`, taken up by the first step;
+loaded state is copied into it), so the optimizer starts from the fp32 initial weights, not from
+them rounded to bf16. Loading weights into a ``bf16-kahan`` master (:func:`load_values`: the
+module's state dict, checkpoints, pretrained weights) sets the compensation too, to what the loaded values imply
 (``round_bf16(value - p)`` with ``p`` the value rounded to nearest: zero for bf16-exact values),
 or to the saved one when optimizer state that holds it is loaded with them; the compensation of
 the old values would otherwise stay, and the master be ``p`` plus a stale residual.
@@ -21,11 +25,14 @@ the old values would otherwise stay, and the master be ``p`` plus a stale residu
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from elixir.chunk.storage import kahan_split
+from elixir.offload.store import COMP
 from elixir.optim import lowbit
 from elixir.optim.cpu_adam import CPUAdam
 from elixir.plan.state_format import is_lossy
@@ -33,10 +40,7 @@ from elixir.wrapper.fused_step import write_compensated
 
 if TYPE_CHECKING:
     from elixir.chunk import Chunk
-    from elixir.offload.state_binding import FragmentState
     from elixir.wrapper.interfaces import ChunkedModel, ShardedOptimizer
-
-COMP = "master_comp"
 
 
 def configure(eo: ShardedOptimizer, fused: bool) -> None:
@@ -58,6 +62,7 @@ def configure(eo: ShardedOptimizer, fused: bool) -> None:
         )
     opt.set_state_format(master, moments)
     opt.rng_streams = {id(f.tensor): (f.chunk, eo.module.chunks[f.chunk].spec.shard_offset + f.lo) for f in eo.fragments}
+    opt.comp_views = comp_views(eo)
 
 
 def formats(eo: ShardedOptimizer) -> dict:
@@ -87,8 +92,10 @@ def conform_loaded(eo: ShardedOptimizer, new_state: dict) -> None:
     if not isinstance(eo.optim, CPUAdam):
         return
     master, moments = eo.optim.state_format
+    views = eo.optim.comp_views if master == "bf16-kahan" else {}
     for t, st in new_state.items():
         if st and "exp_avg" in st:
+            _adopt_compensation(st, views.get(id(t)))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # warned once, by warn_format_change
                 lowbit.conform_state(st, t.numel(), master, moments)
@@ -108,76 +115,66 @@ def warn_format_change(saved: Optional[dict], eo: ShardedOptimizer, where: str) 
         )
 
 
-def optimizer_of(em: ChunkedModel) -> Optional[ShardedOptimizer]:
-    """The ElixirOptimizer stepping ``em`` (None before one is built, or once it was replaced)."""
-    eo = getattr(em, "elixir_optimizer", None)
-    return None if eo is None or eo.retired else eo
-
-
-def states_to_bind(em: ChunkedModel, eo: Optional[ShardedOptimizer]) -> Optional[Callable[[int], list[FragmentState]]]:
-    """The ``fragment_states`` a checkpoint load binds to the disk once its masters are no longer
-    mapped: the loaded optimizer's, or (bf16-kahan) the module's optimizer's, whose compensation
-    of disk chunks :func:`load_values` replaced; None when nothing needs binding."""
-    if eo is not None:
-        return eo.fragment_states
-    own = optimizer_of(em)
-    return own.fragment_states if own is not None and em.state_formats[0] == "bf16-kahan" else None
-
-
 def load_values(em: ChunkedModel, chunk: Chunk, lo: int, hi: int, src: torch.Tensor, master: Optional[torch.Tensor] = None,
                 state: Optional[dict] = None) -> None:
     """Write loaded values ``src`` (1-D) of ``chunk``'s shard range ``[lo, hi)`` into its master
     (``master``: the chunk's, or a mapping of its disk copy) and compute shard: the one way loading
     weights writes masters. bf16-kahan (module docstring): the master is ``src`` rounded to nearest
-    and the compensation what is left, or, when ``state`` (the fragment's loaded optimizer state,
-    about to be installed) holds one, the saved compensation; it goes to ``state``, else to the
-    optimizer's current state where that exists. An fp32 compute shard gets the compensated master,
+    and the compensation the chunk keeps beside it (the optimizer state's, or the one its first
+    step takes up) what is left, or, when ``state`` (the fragment's loaded optimizer state, about
+    to be installed) holds one, the saved compensation. An fp32 compute shard gets the two added,
     other shards ``src`` as before."""
     master = chunk.master if master is None else master
     m = master[lo:hi]
     m.copy_(src)
     value = src
-    if m.dtype == torch.bfloat16 and em.state_formats[0] == "bf16-kahan":
+    if chunk.comp is not None:
         saved = state.get(COMP) if state else None
-        if saved is not None:
-            comp = saved.reshape(-1).to(m.device)
-        else:
-            wide = torch.float64 if src.dtype == torch.float64 else torch.float32
-            comp = (src.to(m.device, wide) - m.to(wide)).to(torch.bfloat16)
-            if state and "exp_avg" in state:
-                state[COMP] = comp
-            elif state is None:
-                _store_compensation(em, chunk.index, lo, hi, comp)
+        comp = saved.reshape(-1).to(m.device) if saved is not None else kahan_split(src.to(m.device))[1]
+        _write_compensation(em, chunk, lo, hi, comp)
         if chunk.shard is not None and chunk.shard.dtype == torch.float32:
             value = m.float() + comp.float()
     if chunk.shard is not chunk.master and chunk.shard is not master:
         chunk.shard[lo:hi].copy_(value)
 
 
-def _store_compensation(em: ChunkedModel, index: int, lo: int, hi: int, comp: torch.Tensor) -> None:
-    """Put ``comp`` (chunk ``index``'s range ``[lo, hi)``) into the optimizer's current state: in
-    place where the state is in memory (host, or a staged disk chunk); a disk chunk's state not
-    staged (its master mapped by a checkpoint load) is replaced, whole fragments only, and bound
-    to the disk again after the load (:func:`states_to_bind`)."""
-    eo = optimizer_of(em)
-    if eo is None:
-        return
-    for f in eo.chunk_fragments(index):
-        a, b = max(lo, f.lo), min(hi, f.hi)
-        st = eo.optim.state.get(f.tensor) if a < b else None
-        t = st.get(COMP) if st else None
-        if t is None:
+def _write_compensation(em: ChunkedModel, chunk: Chunk, lo: int, hi: int, comp: torch.Tensor) -> None:
+    """``comp`` into ``chunk``'s compensation (the optimizer state's ``master_comp`` entries are
+    views of it): in memory, or, for a disk chunk not staged (its master mapped by a checkpoint
+    load), through a writable mapping of its disk copy."""
+    store = em.disk_store
+    if not chunk.spec.master_on_disk or store.is_resident(chunk.index):
+        chunk.comp[lo:hi].copy_(comp)
+    else:
+        store.mapped(chunk.index, writable=True)[COMP][lo:hi].copy_(comp)
+
+
+def comp_views(eo: ShardedOptimizer) -> dict[int, torch.Tensor]:
+    """``id(fragment tensor)`` -> its part of its chunk's bf16-kahan compensation (a view, bytes
+    only while a disk chunk is staged): what the fragment's ``master_comp`` state is from its first
+    step on (:attr:`elixir.optim.CPUAdam.comp_views`), and what loaded state is copied into."""
+    em, out = eo.module, {}
+    for c in em.chunks:
+        if c.comp is None:
             continue
-        piece = comp[a - lo : b - lo]
-        if t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size():
-            t.view(-1)[a - f.lo : b - f.lo].copy_(piece)
-        elif (a, b) == (f.lo, f.hi):
-            st[COMP] = piece.clone().view(t.shape)
-        else:
-            raise RuntimeError(
-                f"chunk {index}: a load wrote part of fragment [{f.lo}, {f.hi}) whose optimizer state is on disk and not "
-                "staged; stage the chunk for the write (elixir.offload.pipeline.staged) or write whole fragments"
-            )
+        with em.disk_store.sliceable(c.index) if c.spec.master_on_disk else contextlib.nullcontext():
+            for f in eo.chunk_fragments(c.index):
+                out[id(f.tensor)] = c.comp[f.lo : f.hi].view(f.tensor.shape)
+    return out
+
+
+def _adopt_compensation(st: dict, view: Optional[torch.Tensor]) -> None:
+    """Make a loaded fragment state's compensation the one its chunk keeps (``view``): copied in
+    when in memory (a disk chunk's is copied when the state is bound to the disk); a state saved
+    without one keeps the chunk's."""
+    if view is None:
+        return
+    loaded = st.get(COMP)
+    if loaded is None:
+        st[COMP] = view
+    elif view.untyped_storage().nbytes() >= (view.storage_offset() + view.numel()) * view.element_size():
+        view.copy_(loaded.reshape(view.shape))
+        st[COMP] = view
 
 
 def refresh_shard(eo: ShardedOptimizer, index: int) -> None:

@@ -278,12 +278,12 @@ def init_state(eo: ShardedOptimizer) -> None:
     fresh = [f for f in eo.fragments if not opt.state.get(f.tensor)]
     if not fresh:
         return
-    zeros: dict[torch.device, torch.Tensor] = {}
+    zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
     for f in fresh:
-        n = f.tensor.numel()
-        z = zeros.get(f.tensor.device)
+        n, where = f.tensor.numel(), (f.tensor.device, f.tensor.dtype)  # a bf16 master takes a bf16 gradient
+        z = zeros.get(where)
         if z is None or z.numel() < n:
-            zeros[f.tensor.device] = z = torch.zeros(max(n, 1), dtype=torch.float32, device=f.tensor.device)
+            zeros[where] = z = torch.zeros(max(n, 1), dtype=f.tensor.dtype, device=f.tensor.device)
         f.tensor.grad = z[:n]
     saved = []
     for g in opt.param_groups:
