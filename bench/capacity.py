@@ -97,6 +97,20 @@ def _io() -> tuple[int, int]:
     return int(d["read_bytes"]), int(d["write_bytes"])
 
 
+def _written(b: dict, params: int) -> str:
+    """The disk-written cell: the process's counter, and elixir's stores' own count where they wrote."""
+    cell = f"{b['written_per_step'] / GIB:.2f} GiB ({b['written_per_step'] / params:.3f} B/param)"
+    own = b.get("store_written_per_step", 0)
+    return cell + (f"; stores: {own / params:.3f} B/param" if own else "")
+
+
+def _store_written(model) -> int:
+    """Bytes elixir's offload stores wrote so far (their own count; 0 for the other systems): the
+    ``/proc`` counter above takes in every write of the process."""
+    stores = [getattr(model, k, None) for k in ("disk_store", "shard_store")]
+    return sum(st.bytes_written for st in stores if st is not None)
+
+
 def _lora(model):
     from peft import LoraConfig, get_peft_model
 
@@ -447,9 +461,10 @@ def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: in
     build_s = time.perf_counter() - t0
     build_peak, step_peaks = _vm_hwm(), []  # where the peak comes from: the build or which step
     ids = torch.randint(0, vocab, (batch, seq))
-    losses, times, io = [], [], []
+    losses, times, io, by_store = [], [], [], []
     for _ in range(steps):
         r0, w0 = _io()
+        s0 = _store_written(model)
         t0 = time.perf_counter()
         if isinstance(opt, tuple):  # DeepSpeed's engine steps itself
             loss = model(input_ids=ids, labels=ids).loss
@@ -464,6 +479,7 @@ def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: in
         times.append(time.perf_counter() - t0)
         r1, w1 = _io()
         io.append((r1 - r0, w1 - w0))
+        by_store.append(_store_written(model) - s0)
         losses.append(float(loss))
         step_peaks.append(_vm_hwm())
     ok = all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
@@ -473,6 +489,7 @@ def trial(system: str, hidden: int, layers: int, vocab: int, seq: int, steps: in
         "steps_s": times,
         "peak_rss": _vm_hwm(), "peak_rss_build": build_peak, "peak_rss_after_step": step_peaks,
         "read_per_step": sum(r for r, _ in later) // len(later), "written_per_step": sum(w for _, w in later) // len(later),
+        "store_written_per_step": sum(by_store[1:] or by_store) // len(by_store[1:] or by_store),
         "reason": "" if ok else f"losses not finite and falling: {losses}",
     }
 
@@ -750,7 +767,7 @@ def _report(results: dict, args) -> None:
         params = n_params(h, layers, args.vocab)
         t.add_row(name, f"h{h} L{layers}", _count(params), f"{b['step_s']:.2f}",
                   f"{b['peak_rss'] / GIB:.2f} GiB", _against_prediction(b), f"{b['read_per_step'] / GIB:.2f} GiB",
-                  f"{b['written_per_step'] / GIB:.2f} GiB ({b['written_per_step'] / params:.2f} B/param)", why)
+                  _written(b, params), why)
     console = Console(width=max(140, Console().width))
     console.print(t)
     for s, r in results.items():

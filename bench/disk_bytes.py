@@ -7,7 +7,9 @@ bench's largest elixir rungs place them) and trained a few steps under each form
 per format, each per trainable parameter:
 
 - ``written/step``: the capacity bench's disk counter (``/proc/self/io`` ``write_bytes``) over a
-  steady step (after the first): a disk step writes each chunk's master and moments back once;
+  steady step (after the first): a disk step writes each chunk's master and moments back once
+  (their filled part: the chunks' zero padding is laid down once, at the first write); beside it
+  the store's own count of the bytes it wrote (``DiskStore.bytes_written``);
 - ``file``: the offload file's allocated size (``st_blocks``), the space it takes on disk;
 - ``laid out``: the bytes the store laid out (its regions, alignment included);
 
@@ -54,9 +56,9 @@ def measure(master: str, moments: str, hidden: int, layers: int, vocab: int, seq
                                                      master=master, moments=moments))
     eo = ElixirOptimizer(em, HybridAdam(em.parameters(), lr=1e-4))
     ids = torch.randint(0, vocab, (1, seq))
-    written, losses = [], []
+    written, by_store, losses = [], [], []
     for _ in range(steps):
-        w0 = _io()[1]
+        w0, s0 = _io()[1], em.disk_store.bytes_written
         loss = em(input_ids=ids, labels=ids).loss
         loss.backward()
         eo.step()
@@ -64,13 +66,15 @@ def measure(master: str, moments: str, hidden: int, layers: int, vocab: int, seq
         em.disk_store.settle()
         os.sync()  # the counter books pages as they are dirtied; settle the step's writes first
         written.append(_io()[1] - w0)
+        by_store.append(em.disk_store.bytes_written - s0)
         losses.append(float(loss))
     store = em.disk_store
     elements = sum(rec.numel for rec in store.chunks.values())
-    steady = written[1:] or written
+    steady, store_steady = written[1:] or written, by_store[1:] or by_store
     out = {
         "master": master, "moments": moments, "params": numel, "disk_elements": elements,
         "written_per_step_B_per_param": sum(steady) / len(steady) / numel,
+        "store_written_per_step_B_per_param": sum(store_steady) / len(store_steady) / numel,
         "file_B_per_param": os.fstat(store.location.file.fd).st_blocks * 512 / numel,
         "laid_out_B_per_param": store.report()["file_bytes"] / elements,
         "predicted_B_per_param": disk_state_bytes(master, moments),
