@@ -244,6 +244,20 @@ const char* level_name(BlocksFn fn) {
   return "scalar";
 }
 
+// Runs work(b0, b1) over [0, n_blocks) in tasks of 1024 blocks (64K elements), split by OpenMP.
+template <typename Work>
+void over_blocks(int64_t n_blocks, int num_threads, const Work& work) {
+  const int64_t per = 1024;
+  const int64_t tasks = (n_blocks + per - 1) / per;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (tasks > 1)
+#endif
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t b0 = t * per, b1 = b0 + per < n_blocks ? b0 + per : n_blocks;
+    work(b0, b1);
+  }
+}
+
 }  // namespace
 
 void register_nf4(py::module_& m) {
@@ -257,15 +271,7 @@ void register_nf4(py::module_& m) {
                      reinterpret_cast<void*>(out), reinterpret_cast<const float*>(levels), bf16};
         const BlocksFn fn = pick(simd);
         py::gil_scoped_release release;
-        const int64_t per = 1024;  // blocks per task: 64K elements
-        const int64_t tasks = (n_blocks + per - 1) / per;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (tasks > 1)
-#endif
-        for (int64_t t = 0; t < tasks; ++t) {
-          const int64_t b0 = t * per, b1 = b0 + per < n_blocks ? b0 + per : n_blocks;
-          fn(a, b0, b1);
-        }
+        over_blocks(n_blocks, num_threads, [&](int64_t b0, int64_t b1) { fn(a, b0, b1); });
       },
       py::arg("codes"), py::arg("scales"), py::arg("out"), py::arg("levels"), py::arg("n_blocks"), py::arg("bf16"),
       py::arg("num_threads"), py::arg("simd") = "",
@@ -281,15 +287,7 @@ void register_nf4(py::module_& m) {
         const EncodeArgs a{reinterpret_cast<const void*>(values), reinterpret_cast<const void*>(absmax),
                            reinterpret_cast<uint8_t*>(codes), reinterpret_cast<const float*>(levels), bf16};
         py::gil_scoped_release release;
-        const int64_t per = 1024;  // blocks per task: 64K elements
-        const int64_t tasks = (n_blocks + per - 1) / per;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (tasks > 1)
-#endif
-        for (int64_t t = 0; t < tasks; ++t) {
-          const int64_t b0 = t * per, b1 = b0 + per < n_blocks ? b0 + per : n_blocks;
-          encode_blocks(a, b0, b1);
-        }
+        over_blocks(n_blocks, num_threads, [&](int64_t b0, int64_t b1) { encode_blocks(a, b0, b1); });
       },
       py::arg("values"), py::arg("absmax"), py::arg("codes"), py::arg("levels"), py::arg("n_blocks"), py::arg("bf16"),
       py::arg("num_threads"),
